@@ -1,0 +1,1 @@
+"""keepstep.elastic: the library inside each training process."""
