@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__path__ = __import__("pkgutil").extend_path(__path__, __name__)
+# The package is spread over elastic/, agent/ and operator/. Extend the search path in
+# place, so the module spec (which tools such as import-linter read) sees every portion.
+__path__[:] = __import__("pkgutil").extend_path(__path__, __name__)
 
 _API = ("init", "Job", "Step", "MicroBatch", "JobConfig", "ReduceMode")
 

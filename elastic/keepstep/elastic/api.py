@@ -1,0 +1,104 @@
+"""`keepstep.init`: the entry point of a training script.
+
+This is the one place the library reads the environment. A launcher (`keepstep run`, the
+node agent, `keepstep selfcheck`) passes the job's numbers and the controller through
+`KEEPSTEP_*` variables; a script run on its own trains as a single member. An argument
+given both in code and by the launcher must agree, so a script cannot silently train with
+another global batch than the job was started with.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch._C._distributed_c10d import HashStore
+
+from keepstep.elastic.config import JobConfig
+from keepstep.elastic.control import Controller, ScheduleController
+from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.job import Job
+from keepstep.elastic.reduce import ReduceMode
+from keepstep.elastic.snapshot import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
+
+ENV_PREFIX = "KEEPSTEP_"
+
+
+def _setting(name: str, given: Any, cast: Callable[[str], Any], env: Mapping[str, str]) -> Any:
+    key = ENV_PREFIX + name.upper()
+    raw = env.get(key)
+    if raw is None:
+        return given
+    try:
+        value = cast(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r} is not a valid {name}") from None
+    if given is not None and given != value:
+        raise ConfigError(
+            f"the script passes {name}={given!r} but the launcher set {key}={raw}; "
+            "drop the argument or make them agree"
+        )
+    return value
+
+
+def controller_from_env(env: Mapping[str, str]) -> Controller:
+    """The controller named by KEEPSTEP_CONTROLLER ("module:function"), else a single member."""
+    spec = env.get(ENV_PREFIX + "CONTROLLER")
+    if not spec:
+        return ScheduleController(store_=HashStore(), me="0", schedule=[["0"]])
+    module_name, _, attr = spec.partition(":")
+    if not attr:
+        raise ConfigError(f"KEEPSTEP_CONTROLLER={spec!r} must look like 'package.module:function'")
+    factory = getattr(importlib.import_module(module_name), attr)
+    controller: Controller = factory(env)
+    return controller
+
+
+def _snapshot_buffer(path: str | None) -> SnapshotBuffer:
+    if not path:
+        return MemoryBuffer(0)
+    # A restarted worker reopens its node's snapshot file; a new one creates it.
+    return FileBuffer.open_or_create(path)
+
+
+def init(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    dataset: Any,
+    global_batch: int | None = None,
+    micro_batch: int | None = None,
+    seed: int | None = None,
+    *,
+    mode: ReduceMode | str | None = None,
+    threads: int | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    controller: Controller | None = None,
+    snapshot_path: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Job:
+    """Make a plain PyTorch loop elastic. See README for the ten-line loop."""
+    env = os.environ if env is None else env
+    global_batch = _setting("global_batch", global_batch, int, env)
+    micro_batch = _setting("micro_batch", micro_batch, int, env)
+    if global_batch is None or micro_batch is None:
+        raise ConfigError(
+            f"global_batch={global_batch} and micro_batch={micro_batch}: both are required "
+            "(as arguments or from the launcher)"
+        )
+    config = JobConfig(
+        global_batch=global_batch,
+        micro_batch=micro_batch,
+        seed=_setting("seed", seed, int, env) or 0,
+        mode=ReduceMode(_setting("mode", mode, str, env) or ReduceMode.EXACT),
+        threads=_setting("threads", threads, int, env) or 1,
+    )
+    if controller is None:
+        controller = controller_from_env(env)
+    path = snapshot_path or env.get(ENV_PREFIX + "SNAPSHOT")
+    store = SnapshotStore(_snapshot_buffer(path))
+    job = Job(model, optimizer, dataset, config, controller, store, collate_fn)
+    job.planned_steps = _setting("steps", None, int, env)
+    return job

@@ -1,0 +1,53 @@
+"""Job configuration: the numbers that stay fixed for the whole life of a job.
+
+`JobConfig` is validated at construction; every later part (plan, reducer, sample order)
+trusts it. The global batch is the invariant keepstep protects: it is
+`micro_batch * n_micro` at every step, whatever the membership.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.plan import micro_batch_count
+from keepstep.elastic.reduce import ReduceMode
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What a training job promises: global batch, micro batch, seed and numerics.
+
+    `threads` is the intra-op thread count every rank uses; it must be the same on all
+    ranks and across runs for kernels to give the same bits. `collective_timeout` bounds
+    every collective; a peer loss is normally detected far sooner (see comm.py).
+    """
+
+    global_batch: int
+    micro_batch: int
+    seed: int = 0
+    mode: ReduceMode = ReduceMode.EXACT
+    threads: int = 1
+    shuffle: bool = True
+    collective_timeout: float = 30.0
+    max_overflow_retries: int = 4
+    n_micro: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "n_micro", micro_batch_count(self.global_batch, self.micro_batch))
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"seed={self.seed!r} must be a non-negative integer")
+        try:
+            mode = ReduceMode(self.mode)
+        except ValueError:
+            allowed = ", ".join(m.value for m in ReduceMode)
+            raise ConfigError(f"mode={self.mode!r} is not one of: {allowed}") from None
+        object.__setattr__(self, "mode", mode)
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ConfigError(f"threads={self.threads!r} must be an integer >= 1")
+        if not self.collective_timeout > 0:
+            raise ConfigError(f"collective_timeout={self.collective_timeout!r} must be > 0 seconds")
+        if not isinstance(self.max_overflow_retries, int) or self.max_overflow_retries < 1:
+            raise ConfigError(
+                f"max_overflow_retries={self.max_overflow_retries!r} must be an integer >= 1"
+            )

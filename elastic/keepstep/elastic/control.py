@@ -1,0 +1,203 @@
+"""The boundary between a training process and whoever decides membership.
+
+The library never decides who is in the job: a `Controller` tells it. The node agent
+implements one over its local link; tests and `keepstep selfcheck` use `ScheduleController`,
+which replays membership changes fixed in advance. Everything the library measures about a
+membership change comes back through `on_reconfigured` as a `Reconfiguration` record.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Protocol
+
+from torch._C._distributed_c10d import Store
+
+from keepstep.elastic.errors import ConfigError, PeerLost
+
+
+@dataclass(frozen=True)
+class Membership:
+    """One membership epoch as seen by one member: who trains, and who I am."""
+
+    epoch: int
+    members: tuple[str, ...]
+    me: str
+    weights: Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.epoch < 0:
+            raise ConfigError(f"epoch={self.epoch} must be >= 0")
+        if list(self.members) != sorted(set(self.members)):
+            raise ConfigError(f"members={list(self.members)} must be sorted and unique")
+
+    @property
+    def includes_me(self) -> bool:
+        return self.me in self.members
+
+
+@dataclass(frozen=True)
+class Reconfiguration:
+    """What the library measured while entering an epoch (seconds).
+
+    `resume_step` is the committed step every member rolled back to (the minimum over
+    members that held state); `rolled_back_steps` is how many committed steps this member
+    threw away; `received_state` says whether the state came from a peer over the network.
+    """
+
+    epoch: int
+    members: tuple[str, ...]
+    communicator_s: float
+    restore_s: float
+    replan_s: float
+    resume_step: int
+    rolled_back_steps: int
+    received_state: bool
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """A committed step: which micro-batches and samples this member contributed."""
+
+    step: int
+    epoch: int
+    world_size: int
+    micro_batches: tuple[int, ...]
+    samples: tuple[int, ...]
+    step_s: float
+
+
+class Controller(Protocol):
+    """Decides membership; the training process asks it at step boundaries and on failure."""
+
+    def store(self) -> Store:
+        """The store that process groups rendezvous on (each epoch under its own prefix)."""
+        ...
+
+    def initial(self, timeout: float) -> Membership:
+        """The first epoch this process takes part in (blocks until it is admitted)."""
+        ...
+
+    def change_pending(self) -> bool:
+        """True while this member's side has a planned change (drain, join) to announce.
+
+        Members OR their flags in every step's commit, so all of them learn of a change
+        in the same step and switch at the same boundary.
+        """
+        ...
+
+    def poll(self, done: int, announced: bool) -> Membership | None:
+        """The membership that starts at this step boundary, if it changes here.
+
+        `announced` says whether any member flagged a change in the step just committed;
+        a controller may block (bounded) until that change is agreed.
+        """
+        ...
+
+    def on_failure(self, epoch: int, done: int, error: PeerLost, timeout: float) -> Membership:
+        """Block until the next epoch is agreed after a failed step; return it."""
+        ...
+
+    def on_reconfigured(self, record: Reconfiguration) -> None: ...
+
+    def on_commit(self, record: CommitRecord) -> None: ...
+
+    def on_finish(self, done: int, params_sha256: str) -> None: ...
+
+
+@dataclass
+class ScheduleController:
+    """Membership fixed in advance: `schedule[k]` is epoch k's sorted member list.
+
+    `at_step[k]` is the step boundary at which epoch k starts as a planned change (drain,
+    join), or None for an epoch entered only when a step of the epoch before it fails (the
+    scheduled survivors of a crash). A process started later (a joiner) names the epoch it
+    enters as `first_epoch`. Used by tests, `keepstep selfcheck` and the local launcher; the
+    node agent replaces it.
+    """
+
+    store_: Store
+    me: str
+    schedule: Sequence[Sequence[str]]
+    at_step: Sequence[int | None] = (0,)
+    first_epoch: int = 0
+    result_path: Path | None = None
+    reconfigurations: list[Reconfiguration] = field(default_factory=list)
+    commits: list[CommitRecord] = field(default_factory=list)
+    _epoch: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.schedule) != len(self.at_step):
+            raise ConfigError(
+                f"schedule has {len(self.schedule)} epochs but at_step has {len(self.at_step)}"
+            )
+        planned = [s for s in self.at_step if s is not None]
+        if self.at_step[0] != 0 or planned != sorted(planned):
+            raise ConfigError(f"at_step={list(self.at_step)} must start at 0 and not decrease")
+        if not 0 <= self.first_epoch < len(self.schedule):
+            raise ConfigError(f"first_epoch={self.first_epoch} is not an epoch of the schedule")
+        if self.me not in self.schedule[self.first_epoch]:
+            raise ConfigError(f"member {self.me!r} is not in epoch {self.first_epoch}")
+
+    def _membership(self, epoch: int) -> Membership:
+        self._epoch = epoch
+        # Tell members that join in this epoch that the others are on their way.
+        self.store_.set(f"keepstep/schedule/epoch-{epoch}", "open")
+        return Membership(epoch, tuple(sorted(self.schedule[epoch])), self.me)
+
+    def store(self) -> Store:
+        return self.store_
+
+    def initial(self, timeout: float) -> Membership:
+        if self.first_epoch > 0:
+            # A joiner waits (long: the job may be many steps from its boundary) until the
+            # members reach the epoch it is admitted in.
+            key = f"keepstep/schedule/epoch-{self.first_epoch}"
+            self.store_.wait([key], timedelta(seconds=max(timeout, 600.0)))
+        return self._membership(self.first_epoch)
+
+    def change_pending(self) -> bool:
+        return self._boundary(self._epoch + 1) is not None
+
+    def _boundary(self, epoch: int) -> int | None:
+        return self.at_step[epoch] if epoch < len(self.schedule) else None
+
+    def poll(self, done: int, announced: bool) -> Membership | None:
+        nxt = self._epoch + 1
+        if nxt < len(self.schedule):
+            boundary = self.at_step[nxt]
+            if boundary is not None and boundary <= done:
+                return self._membership(nxt)
+        return None
+
+    def on_failure(self, epoch: int, done: int, error: PeerLost, timeout: float) -> Membership:
+        nxt = epoch + 1
+        if nxt >= len(self.schedule):
+            raise error
+        return self._membership(nxt)
+
+    def on_reconfigured(self, record: Reconfiguration) -> None:
+        self.reconfigurations.append(record)
+
+    def on_commit(self, record: CommitRecord) -> None:
+        self.commits.append(record)
+
+    def on_finish(self, done: int, params_sha256: str) -> None:
+        if self.result_path is None:
+            return
+        result = {
+            "member": self.me,
+            "steps": done,
+            "params_sha256": params_sha256,
+            "world_size_by_step": {str(c.step): c.world_size for c in self.commits},
+            "step_seconds": [c.step_s for c in self.commits],
+            "samples": [s for c in self.commits for s in c.samples],
+            "reconfigurations": [
+                r.__dict__ | {"members": list(r.members)} for r in self.reconfigurations
+            ],
+        }
+        self.result_path.write_text(json.dumps(result))

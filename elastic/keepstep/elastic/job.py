@@ -1,0 +1,267 @@
+"""The elastic job: the loop that survives membership changes in the same process.
+
+`Job.steps(n)` yields `Step`s until n steps are committed. Between steps it asks the
+controller for a planned change (drain, join); after a failed step it asks for the next
+epoch. Entering an epoch is the data-plane half of a recovery:
+
+    rebuild communicator -> agree the resume step (min committed over members holding
+    state) -> restore (local snapshot, or a peer's snapshot over the network) -> replan
+
+and each phase is timed into a `Reconfiguration` record handed back to the controller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from keepstep.elastic.comm import Communicator
+from keepstep.elastic.config import JobConfig
+from keepstep.elastic.control import Controller, Membership, Reconfiguration
+from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.elastic.plan import plan
+from keepstep.elastic.reduce import make_reducer
+from keepstep.elastic.rng import SampleOrder, fix_determinism
+from keepstep.elastic.snapshot import SnapshotStore
+from keepstep.elastic.state import capture, check_layout, layout_signature, restore
+from keepstep.elastic.step import Step, StepOutcome
+
+log = logging.getLogger(__name__)
+
+
+class Job:
+    """A training job as one member sees it. Build it with `keepstep.init`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        dataset: Any,
+        config: JobConfig,
+        controller: Controller,
+        snapshots: SnapshotStore,
+        collate: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
+        fix_determinism(config.threads)
+        self.model = model
+        self.optimizer = optimizer
+        self.dataset = dataset
+        self.config = config
+        self.controller = controller
+        self.snapshots = snapshots
+        self.collate: Callable[[list[Any]], Any] = collate or default_collate
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ConfigError("the model has no parameters that require grad")
+        self.reducer = make_reducer(config.mode, self.params, config.n_micro)
+        self.order = SampleOrder(
+            config.seed, len(dataset), config.micro_batch, config.n_micro, config.shuffle
+        )
+        self.layout = layout_signature(model)
+        self.collective_timeout = timedelta(seconds=config.collective_timeout)
+        self.comm: Communicator | None = None
+        self.membership: Membership | None = None
+        self.assignment: dict[str, list[int]] = {}
+        self.left = False
+        self.announced = False  # a member flagged a planned change in the last step
+        self.planned_steps: int | None = None  # what a launcher asked for, if any
+        self.reconfigurations: list[Reconfiguration] = []
+        infos = snapshots.infos()
+        # A restarted worker finds its node's snapshots and resumes from them; a new one
+        # starts "fresh": its state counts only if no member holds a committed one.
+        self.fresh = not infos
+        self.done = infos[0].step if infos else 0
+        self.loaded_step: int | None = None if infos else 0
+        if self.fresh:
+            self._snapshot()
+
+    # -- the loop ---------------------------------------------------------------------
+    def steps(self, total: int | None = None) -> Iterator[Step]:
+        """Yield steps until `total` are committed (or this member is drained).
+
+        Without `total`, the launcher's step count (KEEPSTEP_STEPS) is used.
+        """
+        if total is None:
+            total = self.planned_steps
+            if total is None:
+                raise ConfigError("job.steps() needs a step count (or a launcher that sets one)")
+        if total < 0:
+            raise ConfigError(f"steps={total} must be >= 0")
+        if self.membership is None:
+            self._enter(self.controller.initial(self.config.collective_timeout))
+        retries = 0
+        while not self.left and self.done < total:
+            change = self.controller.poll(self.done, self.announced)
+            self.announced = False
+            if change is not None:
+                self._enter(change)
+                continue
+            assert self.membership is not None
+            step = Step(self, self.done, self.assignment[self.membership.me])
+            yield step
+            if step.outcome is StepOutcome.COMMITTED:
+                retries = 0
+            elif step.outcome is StepOutcome.RETRY:
+                retries += 1
+                if retries > self.config.max_overflow_retries:
+                    raise KeepstepError(
+                        f"step {step.index}: gradient overflow persisted after {retries - 1}"
+                        " rescaled retries"
+                    )
+            elif step.outcome is StepOutcome.FAILED:
+                assert step.failure is not None
+                log.warning("step %d failed: %s", step.index, step.failure)
+                self._enter(
+                    self.controller.on_failure(
+                        step.failure.epoch,
+                        self.done,
+                        step.failure,
+                        self.config.collective_timeout,
+                    )
+                )
+            else:
+                raise ConfigError(f"step {step.index} ended without step.commit()")
+        self.snapshots.wait()
+        if not self.left:
+            self.controller.on_finish(self.done, self.params_sha256())
+
+    # -- committing -------------------------------------------------------------------
+    def check_layout(self) -> None:
+        """StateShapeError if the model's state no longer has the shapes it started with."""
+        check_layout(self.layout, self.model)
+
+    def apply_and_snapshot(self) -> None:
+        """Apply the reduced gradient (already in .grad) and snapshot the new state."""
+        # The previous snapshot copy reads the live tensors: it must end before they change.
+        self.snapshots.wait()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.done += 1
+        self.loaded_step = self.done
+        self._snapshot()
+
+    def _snapshot(self) -> None:
+        state = capture(self.done, self.model, self.optimizer, self.reducer.state_dict())
+        # Buffers can change in the next forward while the copy runs; parameters and
+        # optimizer slots only change in the next optimizer.step, after wait().
+        param_ids = {id(p) for p in self.model.parameters()}
+        tensors = {
+            k: (v if id(v) in param_ids or not k.startswith("model/") else v.detach().clone())
+            for k, v in state.tensors.items()
+        }
+        self.snapshots.commit(self.done, tensors, state.meta)
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the first member of the current epoch (for printing, once per job)."""
+        m = self.membership
+        return m is not None and m.includes_me and m.members[0] == m.me
+
+    def params_sha256(self) -> str:
+        """sha256 over the model's state dict, in key order: the bit-identity check."""
+        digest = hashlib.sha256()
+        for key, value in self.model.state_dict().items():
+            digest.update(key.encode())
+            digest.update(value.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    # -- entering an epoch --------------------------------------------------------------
+    def _enter(self, membership: Membership) -> None:
+        t0 = time.perf_counter()
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        self.membership = membership
+        if not membership.includes_me:
+            self.left = True
+            return
+        # Validate the membership against the batch before anyone waits on a rendezvous.
+        plan(
+            self.done,
+            membership.members,
+            self.config.global_batch,
+            self.config.micro_batch,
+            membership.weights,
+        )
+        self.comm = Communicator.create(
+            self.controller.store(),
+            membership.epoch,
+            membership.members,
+            membership.me,
+            self.collective_timeout,
+        )
+        t1 = time.perf_counter()
+        before = self.done
+        received = self._agree_and_restore(self.comm)
+        t2 = time.perf_counter()
+        self.assignment = plan(
+            self.done,
+            membership.members,
+            self.config.global_batch,
+            self.config.micro_batch,
+            membership.weights,
+        )
+        t3 = time.perf_counter()
+        record = Reconfiguration(
+            epoch=membership.epoch,
+            members=membership.members,
+            communicator_s=t1 - t0,
+            restore_s=t2 - t1,
+            replan_s=t3 - t2,
+            resume_step=self.done,
+            rolled_back_steps=max(0, before - self.done) if not received else 0,
+            received_state=received,
+        )
+        self.reconfigurations.append(record)
+        self.controller.on_reconfigured(record)
+
+    def _agree_and_restore(self, comm: Communicator) -> bool:
+        """Roll every member to the same committed step; return True if state came by wire."""
+        self.snapshots.wait()
+        held = [info.step for info in self.snapshots.infos()]
+        views: Sequence[Any] = comm.allgather_object(
+            {"fresh": self.fresh, "done": self.done, "held": held}
+        )
+        # Members of the last epoch are at most one step apart (double-buffered snapshots
+        # hold both); a member further behind (back from a hang, say) is stale and is
+        # sent the state like a new one.
+        newest = max((v["done"] for v in views if not v["fresh"]), default=0)
+        holders = [r for r, v in enumerate(views) if not v["fresh"] and v["done"] >= newest - 1]
+        if holders:
+            resume = min(views[r]["done"] for r in holders)
+            source = next(r for r in holders if resume in views[r]["held"])
+        else:  # a cold start: everybody takes rank 0's initial state
+            resume, source = 0, 0
+        needy = [
+            r
+            for r, v in enumerate(views)
+            if r != source and (r not in holders or resume not in v["held"])
+        ]
+        received = False
+        if needy:
+            blob = self.snapshots.export(resume) if comm.rank == source else b""
+            size = torch.tensor([len(blob)], dtype=torch.int64)
+            comm.broadcast(size, source, self.collective_timeout)
+            wire = (
+                torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+                if comm.rank == source
+                else torch.empty(int(size.item()), dtype=torch.uint8)
+            )
+            comm.broadcast(wire, source, self.collective_timeout)
+            if comm.rank in needy:
+                self.snapshots.import_(wire.numpy().tobytes())
+                received = True
+        if self.loaded_step != resume or received:
+            extra = restore(self.snapshots.load(resume), self.model, self.optimizer)
+            self.reducer.load_state_dict(extra)
+            self.loaded_step = resume
+        self.done = resume
+        self.fresh = False
+        return received and self.done > 0

@@ -1,0 +1,172 @@
+"""What both reducers share: the outcome types, the Reducer protocol and the parameter layout.
+
+Where it sits: below reduce.py (the public face and `make_reducer`), reduce_exact.py and
+reduce_fast.py, which all import from here; this module imports none of them, so there is
+no import cycle. reduce.py re-exports the public names; import them from there.
+
+`ParamLayout` validates the parameters once at construction (dtype, device, count), checks
+every micro-batch's gradients and the all-reduced buffer against them, and writes the
+averaged gradients into `.grad` the way plain PyTorch would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+import torch
+
+from keepstep.elastic.errors import ConfigError, StateShapeError
+
+MAX_N_MICRO = 2**24
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+class ReduceMode(StrEnum):
+    EXACT = "exact"
+    FAST = "fast"
+
+
+@dataclass(frozen=True)
+class ReduceDone:
+    """The averaged gradients are in `.grad`; the step may be applied."""
+
+
+@dataclass(frozen=True)
+class ReduceOverflow:
+    """Some micro-batches exceeded the fixed-point range: retry with `set_retry_exponents`."""
+
+    micro_batches: int
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 1:
+            raise ConfigError(f"micro_batches={self.micro_batches!r} must be >= 1")
+
+
+@dataclass(frozen=True)
+class ReduceNonFinite:
+    """Some micro-batch had inf/nan gradients; rescaling cannot help."""
+
+    reason: str
+
+    def __post_init__(self) -> None:
+        if not self.reason:
+            raise ConfigError("ReduceNonFinite needs a non-empty reason")
+
+
+ReduceOutcome = ReduceDone | ReduceOverflow | ReduceNonFinite
+
+
+class Reducer(Protocol):
+    mode: ReduceMode
+
+    def begin_step(self) -> None: ...
+    def add_micro_batch(self, grads: Sequence[torch.Tensor | None]) -> None: ...
+    def buffer(self) -> torch.Tensor: ...
+    def finish(
+        self, reduced: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
+    ) -> ReduceOutcome: ...
+    def retry_max_buffer(self) -> torch.Tensor: ...
+    def set_retry_exponents(self, reduced_max: torch.Tensor) -> None: ...
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+def abs_max(tensors: Sequence[torch.Tensor], fused: bool) -> torch.Tensor:
+    """Per-tensor max |x| as one float64 vector; exact, and nan/inf propagate."""
+    if not fused:
+        # vector_norm(inf) is not vectorised on CPU; aminmax is several times faster.
+        pairs = [torch.aminmax(t) for t in tensors]
+        lo = torch.stack([p.min for p in pairs])  # stack promotes mixed dtypes exactly
+        hi = torch.stack([p.max for p in pairs])
+        return torch.maximum(hi, -lo).to(torch.float64)
+    return torch.stack(torch._foreach_norm(list(tensors), ord=math.inf)).to(torch.float64)
+
+
+def nonfinite_reason(what: str, bad: Sequence[bool]) -> str:
+    index = [i for i, b in enumerate(bad) if b]
+    shown = ", ".join(str(i) for i in index[:8]) + (", ..." if len(index) > 8 else "")
+    return f"{what} inf/nan gradients (param indices {shown})"
+
+
+class ParamLayout:
+    """Validated parameter specs and the checks and helpers both modes share."""
+
+    def __init__(self, params: Sequence[torch.Tensor], n_micro: int) -> None:
+        if isinstance(n_micro, bool) or not isinstance(n_micro, int):
+            raise ConfigError(f"n_micro={n_micro!r} must be an int")
+        if not 1 <= n_micro <= MAX_N_MICRO:
+            raise ConfigError(f"n_micro={n_micro} must be in [1, {MAX_N_MICRO}]")
+        if isinstance(params, torch.Tensor) or len(params) == 0:
+            raise ConfigError("params must be a non-empty sequence of tensors")
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise ConfigError(f"params[{i}] is a {type(p).__name__}, not a torch.Tensor")
+            if p.dtype not in _DTYPES:
+                raise ConfigError(f"params[{i}] has dtype {p.dtype}; allowed: {_DTYPES}")
+            if p.device != params[0].device:
+                raise ConfigError(f"params[{i}] is on {p.device}, params[0] on {params[0].device}")
+        self.n_micro = n_micro
+        self.device = params[0].device
+        self.specs = [(p.shape, p.dtype) for p in params]
+        self.numels = [p.numel() for p in params]
+        self._masks: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def present(self, grads: Sequence[torch.Tensor | None]) -> list[tuple[int, torch.Tensor]]:
+        """The given gradients with their indices, checked against the params."""
+        if len(grads) != len(self.specs):
+            raise StateShapeError(f"got {len(grads)} gradients for {len(self.specs)} params")
+        out = []
+        for i, g in enumerate(grads):
+            if g is not None:
+                if (g.shape, g.dtype) != self.specs[i] or g.device != self.device:
+                    shape, dtype = self.specs[i]
+                    raise StateShapeError(
+                        f"gradient {i} is {g.dtype} {tuple(g.shape)} on {g.device}; "
+                        f"the param is {dtype} {tuple(shape)} on {self.device}"
+                    )
+                out.append((i, g))
+        return out
+
+    def mask(self, given: Sequence[tuple[int, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+        """1 for each param given a gradient; cached, so no host-to-device copy per call."""
+        key = tuple(i for i, _ in given)
+        if key not in self._masks:
+            flags = [0] * len(self.specs)
+            for i in key:
+                flags[i] = 1
+            self._masks[key] = torch.tensor(flags, dtype=dtype, device=self.device)
+        return self._masks[key]
+
+    def check_finish(
+        self,
+        reduced: torch.Tensor,
+        like: torch.Tensor,
+        n_micro: int,
+        params: Sequence[torch.Tensor],
+    ) -> None:
+        if n_micro != self.n_micro:
+            raise ConfigError(f"n_micro={n_micro!r} differs from the reducer's {self.n_micro}")
+        if reduced.dtype != like.dtype or reduced.shape != like.shape:
+            raise StateShapeError(
+                f"reduced buffer is {reduced.dtype} {tuple(reduced.shape)}; "
+                f"expected {like.dtype} {tuple(like.shape)}"
+            )
+        if [(p.shape, p.dtype) for p in params] != self.specs:
+            raise StateShapeError("params differ in number, shape or dtype from construction")
+
+    def set_grads(
+        self, params: Sequence[torch.Tensor], values: Sequence[torch.Tensor], given: Sequence[int]
+    ) -> None:
+        """New `.grad` tensors; None where no micro-batch gave one, as in plain PyTorch."""
+        live = [i for i, n in enumerate(given) if n > 0]
+        grads = [torch.empty_like(params[i]) for i in live]
+        if live:
+            torch._foreach_copy_(grads, [values[i] for i in live])
+        for p in params:
+            p.grad = None
+        for i, g in zip(live, grads, strict=True):
+            params[i].grad = g

@@ -1,0 +1,286 @@
+"""EXACT mode: fixed-point int64 accumulation, bit-identical for any grouping of micro-batches
+onto ranks and any order of combining their partial sums.
+
+Where it sits: `make_reducer` (reduce.py) builds an `ExactReducer` for `ReduceMode.EXACT`;
+`Step` drives it through the `Reducer` protocol (reduce_base.py). Shared checks and the
+`.grad` write-back come from `ParamLayout`.
+
+Float addition is not associative, so every micro-batch gradient g of tensor t is quantized
+to fixed point, q = round_half_even(g * 2**k_t), and integers are summed. All ranks use the
+same exponents k_t, so q depends only on the micro-batch, and int64 addition (here and in
+the all-reduce) is associative: any grouping gives the same integers. Then
+grad = float64(sum) / (n_micro * 2**k_t), cast to the parameter dtype.
+
+Why the quantization is exact and the same on every device: g * 2**k is exact in the
+compute dtype (float64 for float64 parameters, float32 for float32/bfloat16/float16, which
+float32 holds exactly) unless it is a subnormal; k is clamped so that a subnormal product
+is < 0.5 and rounds to 0 whatever the hardware does with subnormals, and 2**k stays a
+normal number. Values <= 2**62 convert to int64 exactly.
+
+Limits: |q| <= LIMIT = 2**limit_bits, the largest power of two with n_micro * LIMIT <= 2**62,
+so no partial sum of any subset of micro-batches can overflow int64. A power of two (not
+2**62 // n_micro) keeps LIMIT exact in float64, where the overflow test runs.
+
+Exponents: k_t = limit_bits - headroom_bits - ceil(log2 peak_t), where peak_t is the mean
+over the previous committed step's micro-batches of max |g| of tensor t. The mean of the
+per-micro-batch peaks (rather than max |averaged grad|, which cancellation can make far
+smaller) tracks what overflow depends on; its integer sum rides in the same buffer. The
+first step covers |g| <= initial_max. All of this comes from all-reduced integers, so every
+rank computes the same k_t.
+
+Overflow is decided per micro-batch from its exact peaks: it overflows if any
+max |g_t| * 2**k_t > LIMIT, or it is non-finite. Such a micro-batch is counted in the
+buffer's tail and its data may leave arbitrary integers in the data region; that is
+harmless because `finish` never reads the data of a step with a count > 0. On overflow the
+caller all-reduces MAX of `retry_max_buffer()` (per-tensor max |g| over the step), calls
+`set_retry_exponents` (exponents that fit that max exactly, so the retry cannot overflow)
+and recomputes the step. Non-finite gradients cannot be fixed by rescaling: `finish`
+returns ReduceNonFinite naming the tensors. Both decisions depend only on the set of
+micro-batch gradients, never on who computed them.
+
+Buffer layout (int64): [data (all tensors, float32-computed first) | overflowing micro-
+batches | non-finite micro-batches | per tensor: non-finite count, quantized peak sum,
+micro-batches that gave a gradient]. A tensor no micro-batch gave a gradient keeps
+`.grad = None`, as plain PyTorch would leave it. Nothing syncs with the host per
+micro-batch; `finish` reads the tail once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from keepstep.elastic.errors import ConfigError, StateShapeError
+from keepstep.elastic.reduce_base import (
+    ParamLayout,
+    ReduceDone,
+    ReduceMode,
+    ReduceNonFinite,
+    ReduceOutcome,
+    ReduceOverflow,
+    abs_max,
+    nonfinite_reason,
+)
+
+# Clamp of k per compute dtype: 2**k normal, subnormal products < 0.5, and
+# n_micro * 2**k finite in float64 for the final division.
+_K_RANGE = {torch.float32: (-126, 125), torch.float64: (-1022, 960)}
+
+
+def _ceil_log2(x: float) -> int:
+    mantissa, exponent = math.frexp(x)  # x = mantissa * 2**exponent, 0.5 <= mantissa < 1
+    return exponent - 1 if mantissa == 0.5 else exponent
+
+
+class ExactReducer:
+    """Fixed-point int64 accumulation with agreed per-tensor power-of-two scales.
+
+    `fused` picks multi-tensor (foreach) kernels, fewer launches for one more pass; the
+    default uses them off the CPU. Both paths give the same bits.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        n_micro: int,
+        headroom_bits: int = 8,
+        initial_max: float = 2.0**16,
+        fused: bool | None = None,
+    ) -> None:
+        layout = ParamLayout(params, n_micro)
+        self._fused = layout.device.type != "cpu" if fused is None else fused
+        self.limit_bits = 62 - (n_micro - 1).bit_length()
+        if isinstance(headroom_bits, bool) or not isinstance(headroom_bits, int):
+            raise ConfigError(f"headroom_bits={headroom_bits!r} must be an int")
+        if not 0 <= headroom_bits <= self.limit_bits - 24:
+            raise ConfigError(
+                f"headroom_bits={headroom_bits} must be in [0, {self.limit_bits - 24}] so that "
+                f"{self.limit_bits}-bit fixed point (n_micro={n_micro}) keeps >= 24 bits"
+            )
+        if not isinstance(initial_max, int | float) or not 0 < initial_max < math.inf:
+            raise ConfigError(f"initial_max={initial_max!r} must be a finite number > 0")
+        self.mode = ReduceMode.EXACT
+        self._layout, self._headroom = layout, headroom_bits
+        self._limit = float(2**self.limit_bits)
+        dev, n_t, numels = layout.device, len(layout.specs), layout.numels
+        self._compute = [
+            torch.float64 if d == torch.float64 else torch.float32 for _, d in layout.specs
+        ]
+        wide = [i for i in range(n_t) if self._compute[i] == torch.float64]
+        n = sum(numels)
+        self._n, self._n32 = n, n - sum(numels[i] for i in wide)
+        # Tail: overflowing, non-finite micro-batches; per tensor: non-finite, peak, given.
+        self._acc = torch.zeros(n + 2 + 3 * n_t, dtype=torch.int64, device=dev)
+        self._tail = self._acc[n:]
+        self._f32 = torch.empty(self._n32, dtype=torch.float32, device=dev)
+        self._f64 = torch.empty(n - self._n32, dtype=torch.float64, device=dev)
+        self._ints = torch.empty(n, dtype=torch.int64, device=dev)
+        out = self._ints.view(torch.float64)  # finish's scratch: the ints are free by then
+        self._qviews, self._oviews = [], []
+        at = {torch.float32: 0, torch.float64: 0}
+        for i, (shape, _) in enumerate(layout.specs):
+            cdt, numel = self._compute[i], numels[i]
+            lo = at[cdt] + (self._n32 if cdt == torch.float64 else 0)  # f32 block, then f64
+            quant = self._f32 if cdt == torch.float32 else self._f64
+            self._qviews.append(quant[at[cdt] : at[cdt] + numel].view(shape))
+            self._oviews.append(out[lo : lo + numel].view(shape))
+            at[cdt] += numel
+        self._step_max = torch.zeros(n_t, dtype=torch.float64, device=dev)
+        self._zero = torch.zeros((), dtype=torch.float64, device=dev)
+        self._peak = [0.0] * n_t  # mean micro-batch peak |g| of the last committed step
+        k0 = self.limit_bits - _ceil_log2(initial_max)
+        self._initial = [self._clamp(i, k0) for i in range(n_t)]
+        self._set_exponents(list(self._initial))
+
+    @property
+    def exponents(self) -> tuple[int, ...]:
+        """k_t of the step in progress: q = round(g * 2**k_t)."""
+        return tuple(self._k)
+
+    def _clamp(self, i: int, k: int) -> int:
+        lo, hi = _K_RANGE[self._compute[i]]
+        return min(max(k, lo), hi)
+
+    def _set_exponents(self, ks: list[int]) -> None:
+        self._k = ks
+        self._scales = [2.0**k for k in ks]
+        self._scale_vec = torch.tensor(self._scales, dtype=torch.float64, device=self._acc.device)
+
+    def begin_step(self) -> None:
+        self._acc.zero_()
+        self._step_max.zero_()
+
+    def add_micro_batch(self, grads: Sequence[torch.Tensor | None]) -> None:
+        given = self._layout.present(grads)
+        live = [(i, g) for i, g in given if g.numel()]
+        n_t = len(self._qviews)
+        if len(live) == n_t:
+            views, scales, tensors = self._qviews, self._scales, [g for _, g in live]
+            peaks = abs_max(tensors, self._fused)
+        else:  # absent gradients count as zeros
+            index = [i for i, _ in live]
+            torch._foreach_zero_([v for i, v in enumerate(self._qviews) if i not in index])
+            views = [self._qviews[i] for i in index]
+            scales = [self._scales[i] for i in index]
+            tensors = [g for _, g in live]
+            found = (
+                dict(zip(index, abs_max(tensors, self._fused).unbind(), strict=True))
+                if live
+                else {}
+            )
+            peaks = torch.stack([found.get(i, self._zero) for i in range(n_t)])
+        self._count(peaks, self._layout.mask(given, torch.float64))
+        torch.maximum(self._step_max, peaks, out=self._step_max)
+        if not live:
+            return
+        if not self._fused:
+            for g, v, s in zip(tensors, views, scales, strict=True):
+                if g.dtype == v.dtype:
+                    torch.mul(g, s, out=v)
+                else:  # float16 would overflow before the widening cast
+                    v.copy_(g).mul_(s)
+        else:  # few kernel launches matter more than one extra pass on accelerators
+            torch._foreach_copy_(views, tensors)
+            torch._foreach_mul_(views, scales)
+        if self._n32:
+            self._ints[: self._n32].copy_(self._f32.round_())
+        if self._n > self._n32:
+            self._ints[self._n32 :].copy_(self._f64.round_())
+        self._acc[: self._n].add_(self._ints)
+
+    def _count(self, peaks: torch.Tensor, given: torch.Tensor) -> None:
+        """Add this micro-batch's flags, quantized peaks and presence to the tail."""
+        scaled = peaks * self._scale_vec
+        nonfinite = ~torch.isfinite(peaks)
+        bad = nonfinite.any()
+        over = (scaled > self._limit).any() & ~bad
+        # <= LIMIT each, so n_micro of them fit; a bad micro-batch's peaks are never read.
+        qpeak = torch.where(nonfinite, 0.0, scaled.clamp(max=self._limit)).round_()
+        flags = torch.stack([over, bad]).to(torch.float64)
+        self._tail.add_(torch.cat([flags, nonfinite.to(torch.float64), qpeak, given]).long())
+
+    def buffer(self) -> torch.Tensor:
+        return self._acc
+
+    def finish(
+        self, reduced: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
+    ) -> ReduceOutcome:
+        n, n_t = self._n, len(self._qviews)
+        self._layout.check_finish(reduced, self._acc, n_micro, params)
+        tail = reduced[n:].tolist()
+        if tail[1] > 0:
+            bad = [c > 0 for c in tail[2 : 2 + n_t]]
+            reason = nonfinite_reason(f"{tail[1]} of {n_micro} micro-batches have", bad)
+            return ReduceNonFinite(reason)
+        if tail[0] > 0:
+            return ReduceOverflow(micro_batches=tail[0])
+        self._ints.view(torch.float64).copy_(reduced[:n])
+        # n_micro * 2**k is exact, and dividing by it equals (sum / n_micro) * 2**-k exactly.
+        torch._foreach_div_(self._oviews, [n_micro * s for s in self._scales])
+        self._layout.set_grads(params, self._oviews, tail[2 + 2 * n_t :])
+        qpeak = tail[2 + n_t : 2 + 2 * n_t]
+        self._peak = [q / (n_micro * s) for q, s in zip(qpeak, self._scales, strict=True)]
+        self._set_exponents([self._next_exponent(i, p) for i, p in enumerate(self._peak)])
+        return ReduceDone()
+
+    def _next_exponent(self, i: int, peak: float) -> int:
+        if peak <= 0.0:  # no signal (all zero): fall back to the initial range
+            return self._initial[i]
+        return self._clamp(i, self.limit_bits - self._headroom - _ceil_log2(peak))
+
+    def retry_max_buffer(self) -> torch.Tensor:
+        return self._step_max.clone()
+
+    def set_retry_exponents(self, reduced_max: torch.Tensor) -> None:
+        n_t = len(self._qviews)
+        if reduced_max.shape != (n_t,) or not reduced_max.is_floating_point():
+            raise StateShapeError(
+                f"reduced_max is {reduced_max.dtype} {tuple(reduced_max.shape)}; "
+                f"expected float64 ({n_t},)"
+            )
+        peaks = reduced_max.to(torch.float64).tolist()
+        for i, m in enumerate(peaks):
+            if not 0.0 <= m < math.inf:
+                raise ConfigError(f"reduced_max[{i}]={m!r} must be finite and >= 0")
+        # Exponents that fit this step's own peaks exactly: the retry cannot overflow.
+        self._set_exponents(
+            [
+                self._clamp(i, self.limit_bits - _ceil_log2(m)) if m > 0 else k
+                for i, (m, k) in enumerate(zip(peaks, self._k, strict=True))
+            ]
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            "exponents": torch.tensor(self._k, dtype=torch.int64),
+            "peak": torch.tensor(self._peak, dtype=torch.float64),
+            "limit_bits": torch.tensor(self.limit_bits, dtype=torch.int64),
+        }
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        n_t = len(self._qviews)
+        expect = {
+            "exponents": (torch.int64, (n_t,)),
+            "peak": (torch.float64, (n_t,)),
+            "limit_bits": (torch.int64, ()),
+        }
+        if set(state) != set(expect):
+            raise StateShapeError(f"reducer state keys {sorted(state)}; expected {sorted(expect)}")
+        for key, (dtype, shape) in expect.items():
+            t = state[key]
+            if t.dtype != dtype or tuple(t.shape) != shape:
+                raise StateShapeError(
+                    f"reducer state {key!r} is {t.dtype} {tuple(t.shape)}; expected {dtype} {shape}"
+                )
+        if int(state["limit_bits"]) != self.limit_bits:
+            raise StateShapeError(
+                f"reducer state has limit_bits={int(state['limit_bits'])}, this job "
+                f"{self.limit_bits} (n_micro changed?)"
+            )
+        ks = [int(k) for k in state["exponents"].tolist()]
+        if any(self._clamp(i, k) != k for i, k in enumerate(ks)):
+            raise StateShapeError(f"reducer state exponents {ks} out of range")
+        self._peak = [float(p) for p in state["peak"].tolist()]
+        self._set_exponents(ks)

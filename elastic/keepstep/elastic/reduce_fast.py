@@ -1,0 +1,84 @@
+"""FAST mode: float32 accumulation and all-reduce, the way DDP sums gradients.
+
+Where it sits: `make_reducer` (reduce.py) builds a `FastReducer` for `ReduceMode.FAST`;
+`Step` drives it through the `Reducer` protocol (reduce_base.py), exactly as it drives the
+EXACT reducer (reduce_exact.py), minus the overflow retry, which fast mode never asks for.
+
+Gradients are accumulated in float32 (whatever the parameter dtype), the buffer is
+all-reduced with a float32 SUM and divided by n_micro; the buffer's tail counts, per
+tensor, the micro-batches that gave a gradient. It is not order-invariant; tests measure
+its deviation from EXACT mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from keepstep.elastic.errors import KeepstepError, StateShapeError
+from keepstep.elastic.reduce_base import (
+    ParamLayout,
+    ReduceDone,
+    ReduceMode,
+    ReduceNonFinite,
+    ReduceOutcome,
+    abs_max,
+    nonfinite_reason,
+)
+
+
+class FastReducer:
+    """float32 accumulation and all-reduce, like DDP: fast, not order-invariant."""
+
+    def __init__(self, params: Sequence[torch.Tensor], n_micro: int) -> None:
+        self.mode = ReduceMode.FAST
+        self._layout = layout = ParamLayout(params, n_micro)
+        n = sum(layout.numels)
+        self._acc = torch.zeros(n + len(layout.specs), device=layout.device)  # tail: given
+        self._out = torch.empty_like(self._acc)
+        self._views, self._oviews, at = [], [], 0
+        for (shape, _), numel in zip(layout.specs, layout.numels, strict=True):
+            self._views.append(self._acc[at : at + numel].view(shape))
+            self._oviews.append(self._out[at : at + numel].view(shape))
+            at += numel
+        self._n = n
+
+    def begin_step(self) -> None:
+        self._acc.zero_()
+
+    def add_micro_batch(self, grads: Sequence[torch.Tensor | None]) -> None:
+        given = self._layout.present(grads)
+        if given:
+            torch._foreach_add_([self._views[i] for i, _ in given], [g for _, g in given])
+        self._acc[self._n :].add_(self._layout.mask(given, torch.float32))
+
+    def buffer(self) -> torch.Tensor:
+        return self._acc
+
+    def finish(
+        self, reduced: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
+    ) -> ReduceOutcome:
+        self._layout.check_finish(reduced, self._acc, n_micro, params)
+        torch.div(reduced, n_micro, out=self._out)
+        live = [v for v in self._oviews if v.numel()]
+        peaks = abs_max(live, self._acc.device.type != "cpu") if live else self._acc[:0]
+        finite = iter(torch.isfinite(peaks).tolist())
+        bad = [bool(v.numel()) and not next(finite) for v in self._oviews]
+        if any(bad):
+            return ReduceNonFinite(nonfinite_reason("the reduced sum has", bad))
+        self._layout.set_grads(params, self._oviews, reduced[self._n :].tolist())
+        return ReduceDone()
+
+    def retry_max_buffer(self) -> torch.Tensor:
+        raise KeepstepError("retry_max_buffer: fast mode never overflows; only exact mode retries")
+
+    def set_retry_exponents(self, reduced_max: torch.Tensor) -> None:
+        raise KeepstepError("set_retry_exponents: fast mode has no exponents")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
+        if state:
+            raise StateShapeError(f"fast reducer has no state; got keys {sorted(state)}")

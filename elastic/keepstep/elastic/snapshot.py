@@ -1,0 +1,406 @@
+"""Per-step snapshots: double-buffered, checksummed, in memory another process can own.
+
+Where it sits: step 5 of the happy path (ARCHITECTURE.md). After the optimizer step the Job
+calls ``SnapshotStore.commit``; the copy runs on a background thread while the next step's
+forward/backward runs, and the Job calls ``wait`` before its next ``optimizer.step``. The
+buffer is normally a ``FileBuffer`` under /dev/shm that the node agent creates, so a crashed
+worker loses nothing: its replacement (or the agent) opens the same file and ``load``s. A
+joining node receives a peer's slot through ``export`` / ``import_``.
+
+This module holds the store: which slot to write, growing the slots, verifying and loading.
+The memory itself is a ``SnapshotBuffer`` (snapshot_buffer.py); the bytes in it, their
+headers, checksum and the copy job are snapshot_format.py. Both modules' public names are
+re-exported here, so callers import from this module only.
+
+A buffer has one writer (the worker) and any number of readers; a store is used from one
+thread (plus its own copy thread).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import torch
+
+from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, SnapshotMissing
+from keepstep.elastic.snapshot_buffer import SHM_DIR, FileBuffer, MemoryBuffer, SnapshotBuffer
+from keepstep.elastic.snapshot_format import (
+    ALIGN,
+    FILE_MAGIC,
+    FILE_STRUCT,
+    HEADER,
+    SLOT_MAGIC,
+    SLOT_STRUCT,
+    VERSION,
+    CopyJob,
+    SlotHeader,
+    SlotState,
+    decode_payload,
+    finish_slot,
+    payload_checksum,
+    plan_payload,
+    read_index,
+    slot_offset,
+)
+
+__all__ = [
+    "ALIGN",
+    "FILE_MAGIC",
+    "HEADER",
+    "SHM_DIR",
+    "SLOT_MAGIC",
+    "VERSION",
+    "FileBuffer",
+    "MemoryBuffer",
+    "SlotState",
+    "Snapshot",
+    "SnapshotBuffer",
+    "SnapshotInfo",
+    "SnapshotStore",
+]
+
+log = logging.getLogger(__name__)
+
+_GROW_PAGE = 4096
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    step: int
+    slot: int
+    nbytes: int
+    checksum: int
+
+    def __post_init__(self) -> None:
+        _check_step(self.step)
+        if self.slot not in (0, 1):
+            raise ConfigError(f"slot={self.slot!r}: must be 0 or 1")
+        if self.nbytes < 0 or not 0 <= self.checksum < 2**32:
+            raise ConfigError(f"nbytes={self.nbytes}, checksum={self.checksum}: out of range")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    step: int
+    tensors: dict[str, torch.Tensor]
+    meta: bytes
+
+    def __post_init__(self) -> None:
+        _check_step(self.step)
+        _check_tensors(self.tensors)
+        if not isinstance(self.meta, bytes):
+            raise ConfigError(f"meta: must be bytes, got {type(self.meta).__name__}")
+
+
+class _Changed(Exception):
+    """The slot was rewritten while it was read; not corruption."""
+
+
+class SnapshotStore:
+    """Two slots in one buffer; ``commit`` writes the one not holding the newest snapshot."""
+
+    def __init__(self, buffer: SnapshotBuffer, *, background: bool = True) -> None:
+        self._buffer = buffer
+        self._pool = ThreadPoolExecutor(1, "keepstep-snapshot") if background else None
+        self._inflight: Future[None] | None = None
+        self._inflight_slot = 0
+        self._known_good: dict[int, int] = {}  # slot -> generation verified or written here
+        self._format()
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def commit(
+        self, step: int, tensors: Mapping[str, torch.Tensor], meta: bytes, timeout: float = 60.0
+    ) -> None:
+        """Start copying a snapshot into the older slot and return; ``wait`` makes it durable.
+
+        The caller must not modify the tensors until ``wait`` returns.
+        """
+        _check_step(step)
+        _check_tensors(tensors)
+        if not isinstance(meta, bytes):
+            raise ConfigError(f"meta: must be bytes, got {type(meta).__name__}")
+        self.wait(timeout)
+        items = list(tensors.items())
+        head, entries, nbytes = plan_payload(items, meta)
+        slot = self._prepare(step, nbytes)
+        job = CopyJob(
+            self._buffer,
+            slot_offset(self._buffer, slot),
+            step,
+            nbytes,
+            head,
+            entries,
+            [t for _, t in items],
+        )
+        self._known_good.pop(slot, None)
+        self._inflight_slot = slot
+        if self._pool is None:
+            job.run()
+            self._known_good[slot] = self._header(slot).generation
+        else:
+            self._inflight = self._pool.submit(job.run)
+
+    def wait(self, timeout: float = 60.0) -> None:
+        """Block until the in-flight copy is in the buffer; re-raises an error of the copy once."""
+        _check_timeout(timeout)
+        future = self._inflight
+        if future is None:
+            return
+        try:
+            future.result(timeout)
+        except TimeoutError:
+            if future.done():
+                self._inflight = None
+                raise  # the copy itself timed out, not the wait
+            raise TimeoutError(f"snapshot copy still running after {timeout} s") from None
+        except BaseException:
+            self._inflight = None
+            raise
+        self._inflight = None
+        self._known_good[self._inflight_slot] = self._header(self._inflight_slot).generation
+
+    def import_(self, blob: bytes, timeout: float = 60.0) -> SnapshotInfo:
+        """Verify a slot received from ``export`` on a peer and write it into the older slot."""
+        if not isinstance(blob, bytes | bytearray | memoryview):
+            raise ConfigError(f"blob: must be bytes, got {type(blob).__name__}")
+        if len(blob) < HEADER:
+            raise SnapshotCorrupt(f"received blob of {len(blob)} B is shorter than a header")
+        magic, state, _, step, nbytes, crc, _ = SLOT_STRUCT.unpack_from(blob, 0)
+        payload = memoryview(blob)[HEADER:]
+        if magic != SLOT_MAGIC or state != SlotState.VALID or nbytes != len(payload):
+            raise SnapshotCorrupt(
+                f"received blob: bad header (magic {magic!r}, state {state}, "
+                f"payload {nbytes} B, blob {len(blob)} B)"
+            )
+        if payload_checksum(payload, step) != crc:
+            raise SnapshotCorrupt(f"received snapshot of step {step}: checksum mismatch")
+        read_index(step, payload)  # refuse a payload we could not load later
+        self.wait(timeout)
+        slot = self._prepare(step, nbytes)
+        self._known_good.pop(slot, None)
+        view, at = self._buffer.view(), slot_offset(self._buffer, slot)
+        view[at + HEADER : at + HEADER + nbytes] = payload
+        finish_slot(view, at, crc)
+        self._known_good[slot] = self._header(slot).generation
+        return SnapshotInfo(step, slot, nbytes, crc)
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def infos(self) -> list[SnapshotInfo]:
+        """Slots whose header and checksum are good, newest first."""
+        out = []
+        for h in self._candidates(None):
+            try:
+                self._read(h, copy=False)
+            except (_Changed, SnapshotCorrupt):
+                continue
+            out.append(SnapshotInfo(h.step, h.slot, h.nbytes, h.checksum))
+        return out
+
+    def load(self, step: int | None = None) -> Snapshot:
+        """The newest valid snapshot, or the newest one of ``step``; corrupt slots are skipped."""
+        payload, h = self._verified(step)
+        tensors, meta = decode_payload(h.step, payload)
+        return Snapshot(h.step, tensors, meta)
+
+    def export(self, step: int) -> bytes:
+        """The verified raw slot (header + payload) of ``step``, for ``import_`` on a peer."""
+        _check_step(step)
+        blob = self._verified(step, as_blob=True)[0].obj
+        assert isinstance(blob, bytes)  # _read joined it
+        return blob
+
+    def close(self) -> None:
+        """Finish the in-flight copy and stop the copy thread; the buffer stays open (the
+        caller owns it)."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _format(self) -> None:
+        if self._buffer.size < HEADER * 3:
+            self._buffer.resize(HEADER * 3)
+        view = self._buffer.view()
+        magic, version, _, slot_size = FILE_STRUCT.unpack_from(view, 0)
+        if magic == b"\0" * 8:
+            slot_size = (len(view) - HEADER) // 2 // ALIGN * ALIGN
+            for at in (HEADER, HEADER + slot_size):
+                view[at : at + HEADER] = bytes(HEADER)  # both slots EMPTY
+            FILE_STRUCT.pack_into(view, 0, FILE_MAGIC, VERSION, 0, slot_size)
+        elif magic != FILE_MAGIC:
+            raise SnapshotCorrupt(f"buffer does not hold snapshots (magic {magic!r})")
+        elif version != VERSION:
+            raise ConfigError(f"snapshot buffer version {version}: this build reads {VERSION}")
+        self._slot_size(view)
+
+    def _slot_size(self, view: memoryview) -> int:
+        slot_size = int(FILE_STRUCT.unpack_from(view, 0)[3])
+        if slot_size < HEADER or HEADER + 2 * slot_size > len(view):
+            raise SnapshotCorrupt(f"snapshot buffer of {len(view)} B: bad slot size {slot_size}")
+        return slot_size
+
+    def _header(self, slot: int, view: memoryview | None = None) -> SlotHeader:
+        view = self._buffer.view() if view is None else view
+        magic, state, _, step, nbytes, crc, gen = SLOT_STRUCT.unpack_from(
+            view, HEADER + slot * self._slot_size(view)
+        )
+        if magic != SLOT_MAGIC or state not in (1, 2):
+            return SlotHeader(slot, SlotState.EMPTY, 0, 0, 0, 0)
+        return SlotHeader(slot, SlotState(state), step, nbytes, crc, gen)
+
+    def _headers(self) -> list[SlotHeader]:
+        view = self._buffer.view()
+        return [self._header(0, view), self._header(1, view)]
+
+    def _candidates(self, step: int | None) -> list[SlotHeader]:
+        valid = [
+            h
+            for h in self._headers()
+            if h.state is SlotState.VALID and (step is None or h.step == step)
+        ]
+        return sorted(valid, key=lambda h: h.generation, reverse=True)
+
+    def _read(self, h: SlotHeader, *, copy: bool, as_blob: bool = False) -> memoryview:
+        """The payload of a slot, checked: in place, or a private copy (what load returns must
+        not change under the caller), or as one bytes object with a header for export."""
+        view = self._buffer.view()
+        slot_size = self._slot_size(view)
+        if h.nbytes > slot_size - HEADER:
+            raise SnapshotCorrupt(
+                f"slot {h.slot} (step {h.step}): payload length {h.nbytes} "
+                f"exceeds the slot size {slot_size}"
+            )
+        at = HEADER + h.slot * slot_size + HEADER
+        whole = data = view[at : at + h.nbytes]
+        if as_blob:
+            head = SLOT_STRUCT.pack(SLOT_MAGIC, SlotState.VALID, 0, h.step, h.nbytes, h.checksum, 0)
+            whole = memoryview(b"".join((head.ljust(HEADER, b"\0"), data)))
+            data = whole[HEADER:]
+        elif copy:
+            whole = data = memoryview(bytearray(data))
+        crc = payload_checksum(data, h.step)
+        # A writer may have started on this slot while we read it: then what we read is a
+        # mix, which says nothing about corruption.
+        if self._header(h.slot) != h or self._slot_size(self._buffer.view()) != slot_size:
+            raise _Changed
+        if crc != h.checksum:
+            raise SnapshotCorrupt(
+                f"slot {h.slot} (step {h.step}): checksum {crc:#010x}, "
+                f"header says {h.checksum:#010x}"
+            )
+        return whole
+
+    def _verified(
+        self, step: int | None, *, as_blob: bool = False
+    ) -> tuple[memoryview, SlotHeader]:
+        if step is not None:
+            _check_step(step)
+        errors: list[str] = []
+        for h in self._candidates(step):
+            try:
+                return self._read(h, copy=True, as_blob=as_blob), h
+            except _Changed:
+                continue
+            except SnapshotCorrupt as e:
+                log.warning("skipping corrupt snapshot: %s", e)
+                errors.append(str(e))
+        which = "any step" if step is None else f"step {step}"
+        if errors:
+            raise SnapshotCorrupt(f"no intact snapshot of {which}: " + "; ".join(errors))
+        raise SnapshotMissing(f"no snapshot of {which} in the buffer")
+
+    def _target(self) -> int:
+        """The slot to overwrite: not the newest intact one (checked once per generation)."""
+        for h in self._candidates(None):
+            if self._known_good.get(h.slot) != h.generation:
+                try:
+                    self._read(h, copy=False)
+                except SnapshotCorrupt:
+                    continue
+                self._known_good[h.slot] = h.generation
+            return 1 - h.slot
+        return 0
+
+    def _prepare(self, step: int, nbytes: int) -> int:
+        """Pick the slot, grow the buffer if needed, and mark the slot WRITING."""
+        slot = self._target()
+        gen = 1 + max(h.generation for h in self._headers())
+        view = self._buffer.view()
+        if HEADER + nbytes > self._slot_size(view):
+            slot = self._grow(slot, HEADER + nbytes)
+            view = self._buffer.view()
+        at = slot_offset(self._buffer, slot)
+        SLOT_STRUCT.pack_into(view, at, SLOT_MAGIC, SlotState.WRITING, 0, step, nbytes, 0, gen)
+        return slot
+
+    def _grow(self, target: int, need: int) -> int:
+        """Give both slots room for ``need`` bytes; keeps the newest snapshot, returns the
+        slot to write."""
+        view = self._buffer.view()
+        old = self._slot_size(view)
+        new = -(-(need + need // 8) // _GROW_PAGE) * _GROW_PAGE  # headroom for meta growth
+        log.info("snapshot slots of %d B cannot hold %d B: growing them to %d B", old, need, new)
+        keep = self._header(1, view)
+        if target == 0 and keep.state is SlotState.VALID:
+            # Slot 1 moves when slots grow; copy the newest snapshot into slot 0 (which does
+            # not move) first, header last, so a crash at any point leaves one intact copy.
+            src, dst = HEADER + old, HEADER
+            SLOT_STRUCT.pack_into(view, dst, SLOT_MAGIC, SlotState.WRITING, 0, 0, 0, 0, 0)
+            view[dst + HEADER : dst + HEADER + keep.nbytes] = view[
+                src + HEADER : src + HEADER + keep.nbytes
+            ]
+            view[dst : dst + HEADER] = view[src : src + HEADER]
+            self._known_good[0] = keep.generation
+            target = 1
+        del view
+        if self._buffer.size < HEADER + 2 * new:
+            self._buffer.resize(HEADER + 2 * new)
+        view = self._buffer.view()
+        view[HEADER + new : 2 * HEADER + new] = bytes(HEADER)  # slot 1 starts EMPTY
+        FILE_STRUCT.pack_into(view, 0, FILE_MAGIC, VERSION, 0, new)
+        self._known_good.pop(1, None)
+        return target
+
+
+def _check_step(step: int) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step={step!r}: must be an int >= 0")
+
+
+def _check_timeout(timeout: float) -> None:
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ConfigError(f"timeout={timeout!r}: must be a number of seconds > 0")
+
+
+def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
+    if not isinstance(tensors, Mapping):
+        raise ConfigError(f"tensors: must be a mapping of name to tensor, got {type(tensors)}")
+    for name, t in tensors.items():
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"tensor name {name!r}: must be a non-empty str")
+        if not isinstance(t, torch.Tensor):
+            raise ConfigError(f"tensors[{name!r}]: must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout is not torch.strided or t.is_quantized or t.is_meta:
+            raise ConfigError(
+                f"tensors[{name!r}]: only dense tensors with data can be "
+                f"snapshotted (layout {t.layout}, device {t.device})"
+            )

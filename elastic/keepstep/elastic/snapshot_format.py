@@ -1,0 +1,200 @@
+"""The on-buffer snapshot format: file and slot headers, slot states, the tensor index, the
+checksum and the copy job that fills a slot.
+
+Where it sits: between ``SnapshotStore`` (snapshot.py), which decides which slot to write
+and when, and the raw memory of a ``SnapshotBuffer`` (snapshot_buffer.py). Everything that
+knows a byte offset lives here; the store only calls these helpers.
+
+Layout (little endian; every offset below is a multiple of 64)::
+
+    file header   64 B        magic "KSTEPSNP", version, slot size
+    slot 0        slot size   64 B slot header + payload
+    slot 1        slot size
+
+    slot header   magic, state (WRITING/VALID), step, payload length, checksum, generation
+    payload       u64 index length, u64 meta length, index (JSON), meta, zero padding, then
+                  each tensor's bytes at an offset aligned to 64 (zero padded)
+
+A write marks its slot WRITING, fills the payload, computes the checksum and only then sets
+the state VALID (``finish_slot``), so a crash mid-write leaves the other slot loadable. The
+checksum is a chained CRC-32 (the fastest of zlib/hashlib measured here, see
+bench/snapshot_cost.py) of the payload, the step and the payload length; the generation
+only orders the two slots.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from keepstep.elastic.errors import SnapshotCorrupt
+from keepstep.elastic.snapshot_buffer import SnapshotBuffer
+
+ALIGN = 64
+FILE_STRUCT = struct.Struct("<8sIIQ")  # magic, version, reserved, slot size
+# magic, state, reserved, step, payload length, crc, generation
+SLOT_STRUCT = struct.Struct("<8sIIqQQQ")
+_STATE_AT = 8  # byte offset of the state field inside a slot header
+_SIGNED = struct.Struct("<qQ")  # step and payload length, folded into the checksum
+_LENGTHS = struct.Struct("<QQ")  # index length, meta length at the start of a payload
+FILE_MAGIC = b"KSTEPSNP"
+SLOT_MAGIC = b"KSSLOT\x00\x01"
+VERSION = 1
+HEADER = 64  # size of the file header and of each slot header
+
+
+class SlotState(enum.IntEnum):
+    """A slot is EMPTY until written; WRITING while a copy is in flight (or was cut off)."""
+
+    EMPTY = 0
+    WRITING = 1
+    VALID = 2
+
+
+@dataclass(frozen=True)
+class SlotHeader:
+    """A slot header as read from the buffer."""
+
+    slot: int
+    state: SlotState
+    step: int
+    nbytes: int
+    checksum: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # from the start of the payload
+    nbytes: int
+
+
+class CopyJob:
+    """One copy of tensors into a slot already marked WRITING; runs on the copy thread."""
+
+    def __init__(
+        self,
+        buffer: SnapshotBuffer,
+        at: int,
+        step: int,
+        nbytes: int,
+        head: bytes,
+        entries: list[TensorEntry],
+        tensors: list[torch.Tensor],
+    ) -> None:
+        self.buffer, self.at, self.step, self.nbytes = buffer, at, step, nbytes
+        self.head, self.entries, self.tensors = head, entries, tensors
+
+    def run(self) -> None:
+        view = self.buffer.view()
+        base = self.at + HEADER
+        view[base : base + len(self.head)] = self.head
+        crc = zlib.crc32(view[base : base + len(self.head)])
+        with torch.no_grad():
+            for e, t in zip(self.entries, self.tensors, strict=True):
+                start = base + e.offset
+                if e.nbytes:
+                    dst = torch.frombuffer(view, dtype=e.dtype, count=t.numel(), offset=start)
+                    dst.view(e.shape).copy_(t)
+                    del dst
+                end = base + align(e.offset + e.nbytes)
+                view[start + e.nbytes : end] = bytes(end - start - e.nbytes)
+                crc = zlib.crc32(view[start:end], crc)
+        crc = zlib.crc32(_SIGNED.pack(self.step, self.nbytes), crc)
+        finish_slot(view, self.at, crc)
+
+
+def finish_slot(view: memoryview, at: int, crc: int) -> None:
+    """Write the checksum, then flip the state to VALID: the last write of a slot."""
+    magic, _, _, step, nbytes, _, gen = SLOT_STRUCT.unpack_from(view, at)
+    SLOT_STRUCT.pack_into(view, at, magic, SlotState.WRITING, 0, step, nbytes, crc, gen)
+    struct.pack_into("<I", view, at + _STATE_AT, SlotState.VALID)
+
+
+def plan_payload(
+    items: list[tuple[str, torch.Tensor]], meta: bytes
+) -> tuple[bytes, list[TensorEntry], int]:
+    """The payload head (lengths, index, meta, padding), the tensor entries and the length."""
+    entries, offset = [], 0
+    for name, t in items:
+        entries.append(
+            TensorEntry(name, t.dtype, tuple(t.shape), offset, t.numel() * t.element_size())
+        )
+        offset = align(offset + entries[-1].nbytes)
+    index = json.dumps(
+        [
+            [e.name, str(e.dtype).removeprefix("torch."), e.shape, e.offset, e.nbytes]
+            for e in entries
+        ],
+        separators=(",", ":"),
+    ).encode()
+    head = _LENGTHS.pack(len(index), len(meta)) + index + meta
+    head += bytes(align(len(head)) - len(head))
+    entries = [
+        TensorEntry(e.name, e.dtype, e.shape, e.offset + len(head), e.nbytes) for e in entries
+    ]
+    return head, entries, len(head) + offset
+
+
+def read_index(step: int, payload: memoryview) -> tuple[list[TensorEntry], bytes]:
+    """The tensor entries (offsets from the payload start) and meta; SnapshotCorrupt if the
+    index does not describe this payload."""
+    try:
+        n_index, n_meta = _LENGTHS.unpack_from(payload, 0)
+        index = json.loads(bytes(payload[_LENGTHS.size : _LENGTHS.size + n_index]))
+        meta = bytes(payload[_LENGTHS.size + n_index : _LENGTHS.size + n_index + n_meta])
+        data_at = align(_LENGTHS.size + n_index + n_meta)
+        entries: list[TensorEntry] = []
+        for name, dtype_name, shape, offset, nbytes in index:
+            dtype = getattr(torch, str(dtype_name), None)
+            if not isinstance(dtype, torch.dtype) or not all(
+                isinstance(n, int) and n >= 0 for n in [*shape, offset, nbytes]
+            ):
+                raise ValueError(f"entry {name!r}: bad dtype or shape")
+            numel = 1
+            for n in shape:
+                numel *= n
+            at = data_at + offset
+            if nbytes != numel * dtype.itemsize or at + nbytes > len(payload):
+                raise ValueError(f"entry {name!r} does not fit the payload")
+            entries.append(TensorEntry(str(name), dtype, tuple(shape), at, nbytes))
+    except (ValueError, TypeError, struct.error) as e:
+        raise SnapshotCorrupt(f"snapshot of step {step}: unreadable index ({e})") from e
+    if len({e.name for e in entries}) != len(entries):
+        raise SnapshotCorrupt(f"snapshot of step {step}: duplicate tensor names")
+    return entries, meta
+
+
+def decode_payload(step: int, payload: memoryview) -> tuple[dict[str, torch.Tensor], bytes]:
+    """Tensors that are views of ``payload`` (a writable private copy), and meta."""
+    entries, meta = read_index(step, payload)
+    tensors = {
+        e.name: torch.frombuffer(
+            payload, dtype=e.dtype, count=e.nbytes // e.dtype.itemsize, offset=e.offset
+        ).view(e.shape)
+        if e.nbytes
+        else torch.empty(e.shape, dtype=e.dtype)
+        for e in entries
+    }
+    return tensors, meta
+
+
+def payload_checksum(payload: memoryview, step: int) -> int:
+    return zlib.crc32(_SIGNED.pack(step, len(payload)), zlib.crc32(payload))
+
+
+def slot_offset(buffer: SnapshotBuffer, slot: int) -> int:
+    # The slot size is not checked here: SnapshotStore._prepare checked it before the write.
+    return HEADER + slot * int(FILE_STRUCT.unpack_from(buffer.view(), 0)[3])
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN

@@ -1,0 +1,172 @@
+"""One training step: the micro-batches this member computes, and the commit.
+
+A `Step` is handed out by `Job.steps()`. The user runs forward and `step.backward(loss)`
+for each micro-batch it yields, then `step.commit()`. A failure in the step (a lost peer,
+a gradient overflow that needs a rescaled retry) is latched: `commit()` returns False and
+the job repeats the step after the membership settles, instead of raising through the
+user's loop. Nothing is applied to the model unless every member's reduction succeeded.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from keepstep.elastic.control import CommitRecord
+from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
+from keepstep.elastic.reduce import ReduceDone, ReduceNonFinite, ReduceOverflow
+from keepstep.elastic.rng import rng_scope
+
+if TYPE_CHECKING:
+    from keepstep.elastic.job import Job
+
+
+class StepOutcome(enum.Enum):
+    """How a step ended. Only COMMITTED advances the job."""
+
+    OPEN = "open"
+    COMMITTED = "committed"
+    RETRY = "retry"  # gradient overflow: recompute with the agreed larger scale
+    FAILED = "failed"  # a peer was lost: wait for the next epoch, roll back, repeat
+
+
+class NonFiniteGradient(KeepstepError):
+    """The global gradient of a step has inf or nan: no rescaling can fix it."""
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """A micro-batch: its id in the global batch, its sample indices and its data."""
+
+    id: int
+    indices: tuple[int, ...]
+    data: Any
+
+    @property
+    def inputs(self) -> Any:
+        return self.data[0]
+
+    @property
+    def targets(self) -> Any:
+        return self.data[1]
+
+
+class Step:
+    """One attempt at step `index` (the number of steps committed before it)."""
+
+    def __init__(self, job: Job, index: int, micro_batch_ids: Sequence[int]) -> None:
+        self.job = job
+        self.index = index
+        self.micro_batch_ids = tuple(micro_batch_ids)
+        self.outcome = StepOutcome.OPEN
+        self.failure: PeerLost | None = None
+        self._done_ids: list[int] = []
+        self._current: int | None = None
+        self._backward_done = False
+        self._started = time.perf_counter()
+        job.reducer.begin_step()
+
+    def micro_batches(self) -> Iterator[MicroBatch]:
+        """Yield this member's micro-batches, each inside its own keyed RNG scope."""
+        job = self.job
+        for mb_id in self.micro_batch_ids:
+            if job.comm is not None and job.comm.aborted():
+                # The epoch is already lost: stop computing, the commit will report it.
+                return
+            indices = job.order.indices(self.index, mb_id)
+            data = job.collate([job.dataset[i] for i in indices])
+            self._current, self._backward_done = mb_id, False
+            with rng_scope(job.config.seed, self.index, mb_id):
+                yield MicroBatch(mb_id, tuple(indices), data)
+            if not self._backward_done:
+                raise ConfigError(
+                    f"micro-batch {mb_id} of step {self.index} ended without step.backward(loss);"
+                    " call it exactly once per micro-batch"
+                )
+            self._done_ids.append(mb_id)
+            self._current = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate one micro-batch's loss (its mean over the micro-batch).
+
+        The gradient is folded into the step's order-invariant accumulator at once, so the
+        parameters' `.grad` is free again for the next micro-batch.
+        """
+        if self._current is None:
+            raise ConfigError("step.backward(loss) called outside `for mb in step.micro_batches()`")
+        if self._backward_done:
+            raise ConfigError(f"step.backward called twice for micro-batch {self._current}")
+        loss.backward()  # type: ignore[no-untyped-call]
+        params = self.job.params
+        self.job.reducer.add_micro_batch([p.grad for p in params])
+        for p in params:
+            p.grad = None
+        self._backward_done = True
+
+    def commit(self) -> bool:
+        """Reduce across members, apply the optimizer and snapshot. False: not committed."""
+        if self.outcome is not StepOutcome.OPEN:
+            raise ConfigError(f"step {self.index} was already closed ({self.outcome.value})")
+        job = self.job
+        comm = job.comm
+        assert comm is not None
+        job.check_layout()
+        if len(self._done_ids) != len(self.micro_batch_ids):
+            if not comm.aborted():
+                raise ConfigError(
+                    f"step {self.index}: commit after {len(self._done_ids)} of "
+                    f"{len(self.micro_batch_ids)} micro-batches; iterate step.micro_batches() fully"
+                )
+            return self._fail(PeerLost(comm.epoch, "epoch aborted during compute"))
+        timeout = job.collective_timeout
+        buffer = job.reducer.buffer()
+        try:
+            comm.allreduce(buffer, dist.ReduceOp.SUM, timeout)
+        except PeerLost as error:
+            return self._fail(error)
+        # Planned changes ride on every step: all members learn of one in the same step.
+        flag = torch.tensor([1 if job.controller.change_pending() else 0], dtype=torch.int64)
+        try:
+            comm.allreduce(flag, dist.ReduceOp.SUM, timeout)
+        except PeerLost as error:
+            return self._fail(error)
+        outcome = job.reducer.finish(buffer, job.config.n_micro, job.params)
+        if isinstance(outcome, ReduceOverflow):
+            peak = job.reducer.retry_max_buffer()
+            try:
+                comm.allreduce(peak, dist.ReduceOp.MAX, timeout)
+            except PeerLost as error:
+                return self._fail(error)
+            job.reducer.set_retry_exponents(peak)
+            self.outcome = StepOutcome.RETRY
+            return False
+        if isinstance(outcome, ReduceNonFinite):
+            raise NonFiniteGradient(f"step {self.index}: {outcome.reason}")
+        assert isinstance(outcome, ReduceDone)
+        job.apply_and_snapshot()
+        job.announced = bool(flag.item())
+        self.outcome = StepOutcome.COMMITTED
+        job.controller.on_commit(
+            CommitRecord(
+                step=self.index,
+                epoch=comm.epoch,
+                world_size=comm.size,
+                micro_batches=self.micro_batch_ids,
+                samples=tuple(
+                    i for mb in self.micro_batch_ids for i in job.order.indices(self.index, mb)
+                ),
+                step_s=time.perf_counter() - self._started,
+            )
+        )
+        return True
+
+    def _fail(self, error: PeerLost) -> bool:
+        self.failure = error
+        self.outcome = StepOutcome.FAILED
+        return False

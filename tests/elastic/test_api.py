@@ -1,0 +1,114 @@
+"""The training-script API in one process: the loop, its errors, and its determinism."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import keepstep
+from keepstep.elastic import ConfigError, Membership, ScheduleController, StateShapeError
+
+
+def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, TensorDataset]:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(256, 6, generator=g)
+    y = x.sum(dim=1, keepdim=True)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.1), nn.Linear(16, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), TensorDataset(x, y)
+
+
+def train(steps: int, **kw: object) -> tuple[str, list[float]]:
+    model, opt, data = make()
+    job = keepstep.init(model, opt, data, global_batch=32, micro_batch=4, seed=1, env={}, **kw)
+    losses = []
+    for step in job.steps(steps):
+        total = 0.0
+        for mb in step.micro_batches():
+            loss = F.mse_loss(model(mb.inputs), mb.targets)
+            step.backward(loss)
+            total += loss.item()
+        assert step.commit()
+        losses.append(total / len(step.micro_batch_ids))
+    return job.params_sha256(), losses
+
+
+def test_single_member_trains_and_is_repeatable() -> None:
+    sha1, losses = train(15)
+    sha2, _ = train(15)
+    assert sha1 == sha2
+    assert losses[-1] < losses[0] / 2
+
+
+def test_global_batch_must_divide() -> None:
+    model, opt, data = make()
+    with pytest.raises(ConfigError, match=r"global_batch=30.*micro_batch=4"):
+        keepstep.init(model, opt, data, global_batch=30, micro_batch=4, env={})
+
+
+def test_launcher_and_script_must_agree() -> None:
+    model, opt, data = make()
+    with pytest.raises(ConfigError, match=r"global_batch=32.*KEEPSTEP_GLOBAL_BATCH=64"):
+        keepstep.init(
+            model, opt, data, global_batch=32, micro_batch=4, env={"KEEPSTEP_GLOBAL_BATCH": "64"}
+        )
+
+
+def test_missing_batch_sizes_are_named() -> None:
+    model, opt, data = make()
+    with pytest.raises(ConfigError, match="global_batch=None"):
+        keepstep.init(model, opt, data, micro_batch=4, env={})
+
+
+def test_more_members_than_micro_batches_is_refused_before_any_rendezvous() -> None:
+    model, opt, data = make()
+    members = [f"m{i}" for i in range(9)]
+    controller = ScheduleController(
+        store_=torch.distributed.HashStore(), me="m0", schedule=[members]
+    )
+    job = keepstep.init(
+        model, opt, data, global_batch=32, micro_batch=4, env={}, controller=controller
+    )
+    with pytest.raises(ConfigError, match="9 members but only 8 micro-batches"):
+        next(iter(job.steps(3)))
+
+
+def test_backward_once_per_micro_batch() -> None:
+    model, opt, data = make()
+    job = keepstep.init(model, opt, data, global_batch=8, micro_batch=4, env={})
+    step = next(iter(job.steps(1)))
+    with pytest.raises(ConfigError, match=r"ended without step\.backward"):
+        for _mb in step.micro_batches():
+            pass
+
+
+def test_commit_needs_every_micro_batch() -> None:
+    model, opt, data = make()
+    job = keepstep.init(model, opt, data, global_batch=8, micro_batch=4, env={})
+    step = next(iter(job.steps(1)))
+    with pytest.raises(ConfigError, match="commit after 0 of 2 micro-batches"):
+        step.commit()
+
+
+def test_a_model_whose_state_changes_shape_is_refused() -> None:
+    model, opt, data = make()
+    job = keepstep.init(model, opt, data, global_batch=8, micro_batch=4, env={})
+    steps = iter(job.steps(3))
+    step = next(steps)
+    for mb in step.micro_batches():
+        step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+    assert step.commit()
+    model[3] = nn.Linear(16, 2)  # the head grows: the snapshot layout no longer fits
+    step = next(steps)
+    for mb in step.micro_batches():
+        step.backward(model(mb.inputs).sum())
+    with pytest.raises(StateShapeError, match=r"3\.weight"):
+        step.commit()
+
+
+def test_membership_must_be_sorted() -> None:
+    with pytest.raises(ConfigError, match="sorted and unique"):
+        Membership(0, ("b", "a"), "a")
