@@ -61,7 +61,12 @@ class Reconfiguration:
 
 @dataclass(frozen=True)
 class CommitRecord:
-    """A committed step: which micro-batches and samples this member contributed."""
+    """A committed step: which micro-batches and samples this member contributed.
+
+    `assignment` is the whole epoch's plan for the step. A step commits only after every
+    member reduced all of its micro-batches, so any one member's record accounts for the
+    whole global batch (a member killed right after committing cannot report its own).
+    """
 
     step: int
     epoch: int
@@ -69,6 +74,7 @@ class CommitRecord:
     micro_batches: tuple[int, ...]
     samples: tuple[int, ...]
     step_s: float
+    assignment: Mapping[str, Sequence[int]] = field(default_factory=dict)
 
 
 class Controller(Protocol):

@@ -162,6 +162,7 @@ class Step:
                     i for mb in self.micro_batch_ids for i in job.order.indices(self.index, mb)
                 ),
                 step_s=time.perf_counter() - self._started,
+                assignment=job.assignment,
             )
         )
         return True
