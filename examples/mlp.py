@@ -8,6 +8,7 @@ or under a launcher (`keepstep run`, `keepstep selfcheck`), which sets the job's
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--save", help="write the final state dict here (from one member)")
+    parser.add_argument(
+        "--sleep", type=float, default=0.0, help="seconds of extra work per micro-batch (demos)"
+    )
     args = parser.parse_args()
 
     model = make_model()
@@ -56,6 +60,7 @@ def main() -> None:
     for step in job.steps(args.steps):
         for mb in step.micro_batches():
             step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+            time.sleep(args.sleep)
         step.commit()
         if job.is_leader and step.index % 10 == 0:
             print(f"step {step.index} world {len(job.assignment)}", flush=True)

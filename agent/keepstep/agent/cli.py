@@ -1,15 +1,21 @@
-"""The `keepstep` command line.
+"""The `keepstep` command line: the only place the agent side reads the environment.
 
-`keepstep selfcheck` checks that this machine gives bit-identical parameters for any rank
-count. (The node agent's `keepstep run` lives beside it.)
+keepstep run ...        train one job on this machine with simulated nodes
+keepstep agent ...      the node agent (what a pod runs; `keepstep run` starts these)
+keepstep selfcheck ...  check bit-identical parameters across rank counts
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 from keepstep.elastic.errors import KeepstepError
 from keepstep.elastic.selfcheck import selfcheck
@@ -53,9 +59,124 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     return 0 if identical else 1
 
 
+def _cmd_run(args: argparse.Namespace) -> int:
+    from keepstep.agent.etcd_server import find_etcd
+    from keepstep.agent.faults import parse_fault
+    from keepstep.agent.run import Launcher, RunConfig
+
+    run_dir = Path(args.run_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")
+    cfg = RunConfig(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        nodes=args.nodes,
+        nproc_per_node=args.nproc_per_node,
+        min_nodes=args.min_nodes or args.nodes,
+        global_batch=args.global_batch,
+        micro_batch=args.micro_batch,
+        steps=args.steps,
+        seed=args.seed,
+        mode=args.mode,
+        run_dir=run_dir,
+        faults=tuple(parse_fault(f) for f in args.fault),
+        etcd_binary=find_etcd(os.environ),
+        timeout=args.timeout,
+        checkpoint_url=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        storage_options=_storage_options(os.environ),
+    )
+    # SIGTERM (a CI timeout, kill) must still end every node the launcher started.
+    signal.signal(signal.SIGTERM, _interrupt)
+    summary = Launcher(cfg, sys.stderr).run()
+    if args.summary:
+        Path(args.summary).write_text(json.dumps(summary, indent=2))
+    samples = summary["samples"]
+    print(f"run directory: {run_dir}")
+    print(f"steps {summary['steps']}/{cfg.steps}  params_sha256 {summary['params_sha256']}")
+    print(
+        f"samples: {samples['seen_once']} of {samples['expected']} once, "
+        f"{samples['lost']} lost, {samples['duplicated']} duplicated"
+    )
+    for r in summary["recoveries"]:
+        mttr = f"{r['mttr_s']:.3f} s" if r["mttr_s"] is not None else "-"
+        print(
+            f"recovery: {r['cause']:<12} node {r['node']}  step {r['step']}  MTTR {mttr}  "
+            f"(detect {r['detect_s']:.3f}, agree {r['agree_s']:.3f}, communicator "
+            f"{r['communicator_s']:.3f}, restore {r['restore_s']:.3f})"
+        )
+    codes = summary["agent_exit_codes"]
+    ok = summary["params_sha256"] is not None and summary["steps"] == cfg.steps
+    if not ok:
+        print(
+            f"keepstep: error: the job did not finish cleanly (agents: {codes}); see {run_dir}",
+            file=sys.stderr,
+        )
+    return 0 if ok else 1
+
+
+def _storage_options(env: Mapping[str, str]) -> dict[str, Any]:
+    """Object-store settings for durable checkpoints (credentials come from AWS_* as usual)."""
+    endpoint = env.get("KEEPSTEP_S3_ENDPOINT")
+    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from keepstep.agent.etcd import EtcdKV
+    from keepstep.agent.node import AgentConfig, run_agent
+
+    raw = json.loads(Path(args.config).read_text())
+    for name in ("run_dir", "snapshot_dir", "resume_blob"):
+        raw[name] = Path(raw[name]) if raw.get(name) is not None else None
+    raw["script_args"] = tuple(raw["script_args"])
+    cfg = AgentConfig(**raw)
+    return run_agent(cfg, EtcdKV(cfg.etcd))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keepstep", description="Elastic PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train one job locally with simulated nodes")
+    run.add_argument("--nodes", type=int, required=True)
+    run.add_argument("--nproc-per-node", type=int, default=1)
+    run.add_argument("--min-nodes", type=int)
+    run.add_argument("--global-batch", type=int, required=True)
+    run.add_argument("--micro-batch", type=int, required=True)
+    run.add_argument("--steps", type=int, required=True)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--mode", choices=["exact", "fast"], default="exact")
+    run.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="e.g. kill-node:1@step=20 (repeatable)",
+    )
+    run.add_argument("--summary", help="also write the run summary JSON here")
+    run.add_argument("--run-dir", help="default: runs/run-<time>")
+    run.add_argument("--timeout", type=float, default=1800.0)
+    run.add_argument(
+        "--checkpoint",
+        metavar="URL",
+        help="write durable checkpoints here (file://, s3://; any fsspec URL)",
+    )
+    run.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="steps between durable checkpoints (default: only the last step)",
+    )
+    run.add_argument("--resume", metavar="URL", help="continue the job from this checkpoint URL")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.set_defaults(func=_cmd_run)
+    agent = sub.add_parser("agent", help="run one node agent")
+    agent.add_argument("--config", required=True, help="agent configuration (JSON)")
+    agent.set_defaults(func=_cmd_agent)
     check = sub.add_parser("selfcheck", help="check bit-identical parameters across rank counts")
     check.add_argument("--ranks", type=_ranks, default=[1, 2, 3, 4])
     check.add_argument("--steps", type=int, default=30)
@@ -72,6 +193,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeepstepError as error:
         print(f"keepstep: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("keepstep: interrupted", file=sys.stderr)
+        return 130
     return code
 
 

@@ -1,0 +1,67 @@
+"""Publishing a node's progress to etcd, off the training path.
+
+Workers tell their agent about every commit; the agent keeps the newest figures and a
+background thread writes them (at most every 50 ms) for the launcher's progress line
+and the operator's status.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from keepstep.agent import protocol
+from keepstep.agent.kv import KVError, KVStore
+
+log = logging.getLogger(__name__)
+
+
+class ProgressPublisher:
+    def __init__(self, kv: KVStore, key: str, node: str, global_batch: int, timeout: float) -> None:
+        self.kv, self.key, self.node = kv, key, node
+        self.global_batch, self.timeout = global_batch, timeout
+        self._lock = threading.Lock()
+        self._due = threading.Event()
+        self._stop = threading.Event()
+        self._times: list[tuple[float, int]] = []
+        self.latest: protocol.ProgressRecord | None = None
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="progress", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def record(self, commit: dict[str, Any]) -> None:
+        """Note a commit; samples/s is measured over the last 20 commits."""
+        now, step = time.time(), int(commit["step"])
+        with self._lock:
+            self._times = [*self._times[-19:], (now, step)]
+            first_t, first_step = self._times[0]
+            rate = (step - first_step) / (now - first_t) if now > first_t else 0.0
+            self.latest = protocol.ProgressRecord(
+                self.node,
+                step + 1,
+                int(commit["epoch"]),
+                int(commit["world_size"]),
+                rate * self.global_batch,
+                None,
+                now,
+            )
+        self._due.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._due.wait(0.5):
+                continue
+            self._due.clear()
+            with self._lock:
+                record = self.latest
+            if record is not None:
+                try:
+                    self.kv.put(self.key, protocol.encode(record), self.timeout)
+                except KVError as error:
+                    log.warning("progress not published: %s", error)
+            time.sleep(0.05)

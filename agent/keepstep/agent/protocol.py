@@ -1,0 +1,128 @@
+"""The etcd key layout of a job and the records stored under it.
+
+Agents write these keys; the operator reads them to fill TrainJob status (this module
+imports neither torch nor an etcd client, so the operator may import it). Records are
+JSON; every field has a type and a default so that old readers survive new fields.
+
+    /keepstep/jobs/<job>/epoch            EpochRecord   the agreed membership (CAS)
+    /keepstep/jobs/<job>/nodes/<node>     NodeRecord    one per live agent (leased)
+    /keepstep/jobs/<job>/pending/<member> PendingRecord a worker waiting to be admitted
+    /keepstep/jobs/<job>/leaving/<node>   LeavingRecord a node draining at the next boundary
+    /keepstep/jobs/<job>/progress/<node>  ProgressRecord committed step, rates
+    /keepstep/jobs/<job>/recoveries/<n>   RecoveryRecord one per recovery, by epoch
+    /keepstep/jobs/<job>/done/<node>      DoneRecord    a node whose workers finished
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar
+
+ROOT = "/keepstep/jobs/"
+
+T = TypeVar("T")
+
+
+def job_prefix(job: str) -> str:
+    return f"{ROOT}{job}/"
+
+
+def key(job: str, kind: str, name: str = "") -> str:
+    """The key of a record: key(job, "epoch") or key(job, "nodes", "n0")."""
+    return f"{job_prefix(job)}{kind}" + (f"/{name}" if name else "")
+
+
+def prefix(job: str, kind: str) -> str:
+    return f"{job_prefix(job)}{kind}/"
+
+
+def member_id(node: str, local_rank: int) -> str:
+    """A worker's member id: its node and local rank (sorts by node, then rank)."""
+    return f"{node}/{local_rank}"
+
+
+def node_of(member: str) -> str:
+    return member.rpartition("/")[0]
+
+
+def encode(record: Any) -> bytes:
+    return json.dumps(asdict(record), sort_keys=True).encode()
+
+
+def decode(cls: type[T], raw: bytes) -> T:
+    data = json.loads(raw)
+    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass(frozen=True)
+class EpochRecord:
+    epoch: int
+    members: list[str]
+    reason: str = ""
+    start_step: int = 0
+    created_at: float = 0.0
+
+    def nodes(self) -> list[str]:
+        return sorted({node_of(m) for m in self.members})
+
+    def leader(self) -> str:
+        """The node that decides planned changes: the first node of the epoch."""
+        return self.nodes()[0]
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    node: str
+    host: str
+    probe_port: int
+    pid: int
+    workers: dict[str, int] = field(default_factory=dict)  # member -> pid
+    started_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class PendingRecord:
+    member: str
+    since: float = 0.0
+    has_state_step: int = -1
+
+
+@dataclass(frozen=True)
+class LeavingRecord:
+    node: str
+    since: float = 0.0
+
+
+@dataclass(frozen=True)
+class ProgressRecord:
+    node: str
+    step: int
+    epoch: int
+    world_size: int
+    samples_per_s: float = 0.0
+    last_mttr_s: float | None = None
+    updated_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    cause: str
+    node: str
+    step: int
+    epoch: int
+    detect_s: float
+    agree_s: float
+    communicator_s: float
+    restore_s: float
+    replan_s: float
+    mttr_s: float
+    rolled_back_steps: int
+
+
+@dataclass(frozen=True)
+class DoneRecord:
+    node: str
+    steps: int
+    params_sha256: str

@@ -1,0 +1,306 @@
+"""`keepstep run`: one job on one machine, each simulated node its own process group.
+
+The launcher starts a private etcd and the process-group store, starts one node agent
+per node (`keepstep agent`, in a new session so a node can be killed or stopped as a
+whole), injects the scripted faults when the job reaches their step, shows a progress
+line, and writes the run directory: event logs, worker logs, faults, and summary.json.
+Every process it started is gone when it returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from torch._C._distributed_c10d import TCPStore
+
+from keepstep.agent import protocol
+from keepstep.agent.checkpoint import latest_checkpoint
+from keepstep.agent.etcd import EtcdKV
+from keepstep.agent.etcd_server import EtcdServer
+from keepstep.agent.events import read_events
+from keepstep.agent.faults import FaultKind, FaultSpec, check_faults
+from keepstep.agent.kv import KVError
+from keepstep.agent.node import AgentConfig, config_dict
+from keepstep.agent.protocol import NodeRecord, ProgressRecord
+from keepstep.agent.summary import build_summary
+from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.elastic.plan import micro_batch_count
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    script: str
+    script_args: tuple[str, ...]
+    nodes: int
+    global_batch: int
+    micro_batch: int
+    steps: int
+    run_dir: Path
+    etcd_binary: str
+    nproc_per_node: int = 1
+    min_nodes: int = 1
+    seed: int = 0
+    mode: str = "exact"
+    faults: tuple[FaultSpec, ...] = ()
+    timeout: float = 1800.0
+    lease_ttl: float = 1.0
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    checkpoint_url: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n_micro = micro_batch_count(self.global_batch, self.micro_batch)
+        if self.nodes < 1 or self.nproc_per_node < 1:
+            raise ConfigError(
+                f"--nodes {self.nodes} and --nproc-per-node {self.nproc_per_node} must be >= 1"
+            )
+        joins = sum(1 for f in self.faults if f.kind is FaultKind.JOIN_NODE)
+        workers = (self.nodes + joins) * self.nproc_per_node
+        if workers > n_micro:
+            raise ConfigError(
+                f"{workers} workers ((--nodes {self.nodes} + {joins} joins) x --nproc-per-node "
+                f"{self.nproc_per_node}) but only {n_micro} micro-batches "
+                f"(--global-batch {self.global_batch} / --micro-batch {self.micro_batch}); "
+                "every worker needs at least one"
+            )
+        if not 1 <= self.min_nodes <= self.nodes:
+            raise ConfigError(f"--min-nodes {self.min_nodes} must be between 1 and --nodes")
+        if self.steps < 1:
+            raise ConfigError(f"--steps {self.steps} must be >= 1")
+        if not Path(self.script).is_file():
+            raise ConfigError(f"training script {self.script!r} does not exist")
+        check_faults(self.faults, self.nodes, self.steps)
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every {self.checkpoint_every} must be >= 0")
+        if self.checkpoint_every and not self.checkpoint_url:
+            raise ConfigError("--checkpoint-every needs --checkpoint URL")
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig, out: TextIO) -> None:
+        self.cfg = cfg
+        self.out = out
+        # Unique per run: abstract sockets and etcd keys of an older run never collide.
+        self.job = f"{cfg.run_dir.name.replace('_', '-')}-{uuid.uuid4().hex[:8]}"
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.faults_log: list[dict[str, Any]] = []
+        self.pending = sorted(cfg.faults, key=lambda f: f.step)
+        self.next_node = cfg.nodes
+        self.last_line = 0.0
+        self.stopped: set[str] = set()
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.resume_step = 0
+        self.resume_blob: Path | None = None
+        if cfg.resume:
+            found = latest_checkpoint(cfg.resume, 120.0, cfg.storage_options)
+            if found is None:
+                raise ConfigError(f"--resume {cfg.resume}: no checkpoint there")
+            info, blob = found
+            if info.step >= cfg.steps:
+                raise ConfigError(
+                    f"--resume {cfg.resume}: the checkpoint is at step "
+                    f"{info.step}, not before --steps {cfg.steps}"
+                )
+            self.resume_step, self.resume_blob = info.step, cfg.run_dir / "resume.ckpt"
+            self.resume_blob.write_bytes(blob)
+            self._note(f"resuming from step {info.step} ({info.url})")
+        etcd = EtcdServer.start(cfg.etcd_binary, cfg.run_dir / "etcd")
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        kv = EtcdKV(etcd.endpoint)
+        try:
+            self.store_addr = f"127.0.0.1:{store.port}"
+            self.etcd_endpoint = etcd.endpoint
+            for i in range(cfg.nodes):
+                self._start_node(f"n{i}")
+            self._watch(kv)
+        finally:
+            self._stop_all()
+            kv.close()
+            etcd.stop(timeout=10)
+        summary = build_summary(
+            read_events(cfg.run_dir),
+            self.faults_log,
+            steps=cfg.steps,
+            global_batch=cfg.global_batch,
+            micro_batch=cfg.micro_batch,
+            start_step=self.resume_step,
+        )
+        summary["agent_exit_codes"] = {n: p.returncode for n, p in self.agents.items()}
+        (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (cfg.run_dir / "faults.json").write_text(json.dumps(self.faults_log, indent=2))
+        return summary
+
+    def _start_node(self, node: str) -> None:
+        cfg = self.cfg
+        agent_cfg = AgentConfig(
+            job=self.job,
+            node=node,
+            etcd=self.etcd_endpoint,
+            store=self.store_addr,
+            script=str(Path(cfg.script).resolve()),
+            script_args=cfg.script_args,
+            nproc=cfg.nproc_per_node,
+            run_dir=cfg.run_dir.resolve(),
+            worker_env={
+                "KEEPSTEP_GLOBAL_BATCH": str(cfg.global_batch),
+                "KEEPSTEP_MICRO_BATCH": str(cfg.micro_batch),
+                "KEEPSTEP_STEPS": str(cfg.steps),
+                "KEEPSTEP_SEED": str(cfg.seed),
+                "KEEPSTEP_MODE": cfg.mode,
+                **cfg.extra_env,
+            },
+            expected_nodes=cfg.nodes,
+            min_nodes=cfg.min_nodes,
+            lease_ttl=cfg.lease_ttl,
+            steps=cfg.steps,
+            checkpoint_url=cfg.checkpoint_url,
+            checkpoint_every=cfg.checkpoint_every,
+            storage_options=dict(cfg.storage_options),
+            resume_blob=self.resume_blob,
+            resume_step=self.resume_step,
+        )
+        path = cfg.run_dir / f"agent-{node}.json"
+        path.write_text(json.dumps(config_dict(agent_cfg)))
+        with open(cfg.run_dir / f"agent-{node}.log", "ab") as log:
+            self.agents[node] = subprocess.Popen(
+                [sys.executable, "-m", "keepstep.agent", "agent", "--config", str(path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def _watch(self, kv: EtcdKV) -> None:
+        deadline = time.monotonic() + self.cfg.timeout
+        # Nodes the launcher stopped (hang faults) stay stopped: they are killed at the end.
+        while any(p.poll() is None for n, p in self.agents.items() if n not in self.stopped):
+            if time.monotonic() > deadline:
+                raise KeepstepError(f"the job did not finish within {self.cfg.timeout:.0f} s")
+            try:
+                progress = [
+                    protocol.decode(ProgressRecord, item.value)
+                    for item in kv.get_prefix(protocol.prefix(self.job, "progress"), 2.0)
+                ]
+                nodes = {
+                    item.key.rpartition("/")[2]: protocol.decode(NodeRecord, item.value)
+                    for item in kv.get_prefix(protocol.prefix(self.job, "nodes"), 2.0)
+                }
+            except KVError:
+                progress, nodes = [], {}
+            step = max((p.step for p in progress), default=0)
+            self._inject(step, nodes)
+            self._show(step, progress)
+            time.sleep(0.05)
+        self._show(self.cfg.steps, [], final=True)
+
+    def _inject(self, step: int, nodes: Mapping[str, NodeRecord]) -> None:
+        while self.pending and self.pending[0].step <= step:
+            fault = self.pending.pop(0)
+            node = f"n{fault.node}" if fault.node is not None else f"n{self.next_node}"
+            proc = self.agents.get(node)
+            if fault.kind is FaultKind.KILL_WORKER:
+                record = nodes.get(node)
+                pid = record.workers.get(protocol.member_id(node, 0)) if record else None
+                if pid is None:
+                    self._note(f"fault {fault} skipped: node {node} has no worker now")
+                    continue
+                _kill(pid, signal.SIGKILL)
+            elif proc is None or proc.poll() is not None:
+                if fault.kind is not FaultKind.JOIN_NODE:
+                    self._note(f"fault {fault} skipped: node {node} is not running")
+                    continue
+            if fault.kind is FaultKind.KILL_NODE:
+                _killpg(proc, signal.SIGKILL)
+            elif fault.kind is FaultKind.HANG_NODE:
+                _killpg(proc, signal.SIGSTOP)
+                self.stopped.add(node)
+            elif fault.kind is FaultKind.DRAIN_NODE:
+                assert proc is not None
+                _kill(proc.pid, signal.SIGTERM)
+            elif fault.kind is FaultKind.JOIN_NODE:
+                self.next_node += 1
+                self._start_node(node)
+            self.faults_log.append(
+                {
+                    "kind": fault.kind.value,
+                    "node": node,
+                    "step": step,
+                    "spec": str(fault),
+                    "t": time.time(),
+                }
+            )
+            self._note(f"fault {fault} injected at step {step} on {node}")
+
+    def _note(self, text: str) -> None:
+        prefix = "\r" if self.out.isatty() else ""
+        self.out.write(f"{prefix}keepstep: {text}\033[K\n" if prefix else f"keepstep: {text}\n")
+        self.out.flush()
+
+    def _show(self, step: int, progress: Sequence[ProgressRecord], final: bool = False) -> None:
+        now = time.monotonic()
+        every = 0.2 if self.out.isatty() else 5.0
+        if not final and now - self.last_line < every:
+            return
+        self.last_line = now
+        world = max((p.world_size for p in progress), default=0)
+        rate = max((p.samples_per_s for p in progress), default=0.0)
+        line = f"step {step}/{self.cfg.steps} | world {world} | {rate:.0f} samples/s"
+        if self.faults_log:
+            line += f" | faults {len(self.faults_log)}"
+        if self.out.isatty() and not final:
+            self.out.write(f"\r{line}\033[K")
+        elif not final:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+    def _stop_all(self) -> None:
+        """End every node this launcher started: the whole process group, by its id."""
+        for node, proc in self.agents.items():
+            if node in self.stopped:
+                _killpg(proc, signal.SIGKILL)
+            elif proc.poll() is None:
+                _kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for proc in self.agents.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.agents.values():
+            _killpg(proc, signal.SIGKILL)  # workers of a killed agent, if any are left
+            if proc.poll() is None:
+                proc.wait(timeout=5)
+        for leftover in self.cfg.run_dir.glob("agent-*.json"):
+            node = leftover.stem.removeprefix("agent-")
+            for shm in Path("/dev/shm").glob(f"keepstep-{self.job}-{node}-*"):
+                shm.unlink(missing_ok=True)
+
+
+def _kill(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _killpg(proc: subprocess.Popen[bytes] | None, sig: signal.Signals) -> None:
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,100 @@
+"""The controller a training process uses when a node agent runs it.
+
+`keepstep.init` builds it from the environment the agent sets
+(KEEPSTEP_CONTROLLER=keepstep.agent.worker_link:controller_from_env). Every decision is
+the agent's; this side only asks over the local link and caches the agent's
+"change pending" flag, which the job reads at every commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+from torch._C._distributed_c10d import Store, TCPStore
+
+from keepstep.agent.link import LinkClient, Message
+from keepstep.elastic.control import CommitRecord, Membership, Reconfiguration
+from keepstep.elastic.errors import PeerLost
+
+ADMISSION_TIMEOUT = 24 * 3600.0  # a joiner may wait for a long time; the agent bounds it
+
+
+class AgentController:
+    def __init__(self, link: str, member: str, store: str, timeout: float = 30.0) -> None:
+        self.member = member
+        self.timeout = timeout
+        self._pending = threading.Event()
+        self._client = LinkClient(link, self._on_push, timeout)
+        host, _, port = store.rpartition(":")
+        self._store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+        self._client.request("hello", timeout, member=member)
+
+    def _on_push(self, message: Message) -> None:
+        if message.get("op") == "pending":
+            if message.get("value"):
+                self._pending.set()
+            else:
+                self._pending.clear()
+
+    def _membership(self, reply: Message) -> Membership | None:
+        record = reply.get("membership")
+        if record is None:
+            return None
+        return Membership(int(record["epoch"]), tuple(record["members"]), self.member)
+
+    def store(self) -> Store:
+        return self._store
+
+    def initial(self, timeout: float) -> Membership:
+        reply = self._client.request("initial", ADMISSION_TIMEOUT, member=self.member)
+        membership = self._membership(reply)
+        assert membership is not None, "the agent answers initial with a membership"
+        return membership
+
+    def change_pending(self) -> bool:
+        return self._pending.is_set()
+
+    def poll(self, done: int, announced: bool) -> Membership | None:
+        if not announced:
+            return None
+        reply = self._client.request("boundary", ADMISSION_TIMEOUT, member=self.member, done=done)
+        return self._membership(reply)
+
+    def on_failure(self, epoch: int, done: int, error: PeerLost, timeout: float) -> Membership:
+        reply = self._client.request(
+            "failure",
+            ADMISSION_TIMEOUT,
+            member=self.member,
+            epoch=epoch,
+            done=done,
+            reason=error.reason,
+        )
+        membership = self._membership(reply)
+        assert membership is not None, "the agent answers a failure with a membership"
+        return membership
+
+    def on_reconfigured(self, record: Reconfiguration) -> None:
+        self._client.notify("reconfigured", member=self.member, record=_plain(record))
+
+    def on_commit(self, record: CommitRecord) -> None:
+        self._client.notify("commit", member=self.member, record=_plain(record))
+
+    def on_finish(self, done: int, params_sha256: str) -> None:
+        self._client.request(
+            "finish", self.timeout, member=self.member, done=done, params_sha256=params_sha256
+        )
+
+
+def _plain(record: Any) -> dict[str, Any]:
+    data: dict[str, Any] = dataclasses.asdict(record)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+
+def controller_from_env(env: Mapping[str, str]) -> AgentController:
+    return AgentController(
+        link=env["KEEPSTEP_LINK"], member=env["KEEPSTEP_MEMBER"], store=env["KEEPSTEP_STORE"]
+    )
