@@ -70,6 +70,7 @@ def run_ddp(ranks: int, steps: int, gb: int, size: tuple[int, ...], tmp: Path) -
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    tmp.mkdir(parents=True, exist_ok=True)
     out = tmp / "ddp.json"
     procs = []
     for rank in range(ranks):
@@ -111,17 +112,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--micro-batches", type=int, default=4, help="per step, all ranks")
     parser.add_argument("--sizes", default="small,medium,large")
+    parser.add_argument("--repeat", type=int, default=1, help="runs per system, interleaved")
     parser.add_argument("--json", help="also write the figures here")
     args = parser.parse_args()
     rows = []
     for name in args.sizes.split(","):
         size = SIZES[name]
         gb = size[3] * args.micro_batches
-        with tempfile.TemporaryDirectory() as tmp:
-            t = Path(tmp)
-            ddp = run_ddp(args.ranks, args.steps, gb, size, t / "ddp")
-            exact = run_keepstep("exact", args.ranks, args.steps, gb, size, t / "exact")
-            fast = run_keepstep("fast", args.ranks, args.steps, gb, size, t / "fast")
+        runs: dict[str, list[float]] = {"ddp": [], "exact": [], "fast": []}
+        for rep in range(args.repeat):  # interleaved: drift hits every system alike
+            with tempfile.TemporaryDirectory() as tmp:
+                t = Path(tmp) / str(rep)
+                runs["ddp"].append(run_ddp(args.ranks, args.steps, gb, size, t / "ddp"))
+                for mode in ("exact", "fast"):
+                    runs[mode].append(
+                        run_keepstep(mode, args.ranks, args.steps, gb, size, t / mode)
+                    )
+        ddp, exact, fast = (statistics.median(runs[k]) for k in ("ddp", "exact", "fast"))
         d, layers, seq, mb = size
         rows.append(
             {

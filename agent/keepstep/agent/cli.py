@@ -111,7 +111,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"keepstep: error: the job did not finish cleanly (agents: {codes}); see {run_dir}",
             file=sys.stderr,
         )
+        _show_failure(run_dir)
     return 0 if ok else 1
+
+
+def _show_failure(run_dir: Path) -> None:
+    """Print the end of the first worker or agent log that holds a traceback."""
+    for log in sorted(run_dir.glob("worker-*.log")) + sorted(run_dir.glob("agent-*.log")):
+        text = log.read_text(errors="replace")
+        if "Traceback" in text:
+            tail = text[text.rindex("Traceback"):].splitlines()[-12:]
+            print(f"--- {log.name}:\n" + "\n".join(tail), file=sys.stderr)
+            return
 
 
 def _storage_options(env: Mapping[str, str]) -> dict[str, Any]:
@@ -125,14 +136,11 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
+    from keepstep.agent.agent_config import load_config
     from keepstep.agent.etcd import EtcdKV
-    from keepstep.agent.node import AgentConfig, run_agent
+    from keepstep.agent.node import run_agent
 
-    raw = json.loads(Path(args.config).read_text())
-    for name in ("run_dir", "snapshot_dir", "resume_blob"):
-        raw[name] = Path(raw[name]) if raw.get(name) is not None else None
-    raw["script_args"] = tuple(raw["script_args"])
-    cfg = AgentConfig(**raw)
+    cfg = load_config(Path(args.config))
     return run_agent(cfg, EtcdKV(cfg.etcd))
 
 

@@ -24,13 +24,14 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from torch._C._distributed_c10d import TCPStore
 
 from keepstep.agent import agreement, protocol
+from keepstep.agent.agent_config import AgentConfig, snapshot_path, worker_spec
 from keepstep.agent.checkpoint import CheckpointWriter
 from keepstep.agent.durable import DurableCheckpoints, seed_snapshot
 from keepstep.agent.events import EventLog
@@ -39,39 +40,11 @@ from keepstep.agent.link import Connection, LinkClosed, LinkServer, Message, soc
 from keepstep.agent.probe import ProbeServer, probe_all
 from keepstep.agent.progress import ProgressPublisher
 from keepstep.agent.protocol import EpochRecord, NodeRecord, key, node_of
-from keepstep.agent.supervisor import Supervisor, WorkerSpec
+from keepstep.agent.supervisor import Supervisor
 from keepstep.elastic.comm import abort_epoch
 from keepstep.elastic.errors import KeepstepError
 
 log = logging.getLogger("keepstep.agent")
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    job: str
-    node: str
-    etcd: str
-    store: str
-    script: str
-    script_args: tuple[str, ...] = ()
-    nproc: int = 1
-    run_dir: Path = Path(".")
-    worker_env: dict[str, str] = field(default_factory=dict)
-    expected_nodes: int = 1
-    min_nodes: int = 1
-    lease_ttl: float = 1.0
-    probe_timeout: float = 0.3
-    admission_grace: float = 30.0
-    op_timeout: float = 5.0
-    max_restarts: int = 3
-    snapshot_dir: Path = Path("/dev/shm")
-    host: str = "127.0.0.1"
-    steps: int = 0
-    checkpoint_url: str | None = None
-    checkpoint_every: int = 0
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    resume_blob: Path | None = None  # a durable checkpoint to start every worker from
-    resume_step: int = 0
 
 
 class NodeAgent:
@@ -100,7 +73,14 @@ class NodeAgent:
         self.lease: Lease | None = None
         self._stop_keepalive: Callable[[], None] | None = None
         host, _, port = cfg.store.rpartition(":")
-        self.store = TCPStore(host, int(port), is_master=False)
+        try:
+            self.store = TCPStore(
+                host, int(port), is_master=False, timeout=timedelta(seconds=3 * cfg.op_timeout)
+            )
+        except RuntimeError as error:  # torch's DistNetworkError is a RuntimeError
+            raise KeepstepError(
+                f"cannot reach the process-group store at {cfg.store}: {error}"
+            ) from None
         self.supervisor = Supervisor(self._on_worker_exit)
         self.probe_server = ProbeServer(self._status, cfg.host)
         self.link = LinkServer(socket_address(cfg.job, cfg.node), self._handle, self._on_disconnect)
@@ -177,22 +157,11 @@ class NodeAgent:
         )
 
     def _spawn(self, member: str) -> None:
-        local = member.rpartition("/")[2]
-        env = dict(os.environ)
-        env.update(self.cfg.worker_env)
-        env.update(
-            KEEPSTEP_CONTROLLER="keepstep.agent.worker_link:controller_from_env",
-            KEEPSTEP_LINK=socket_address(self.cfg.job, self.cfg.node),
-            KEEPSTEP_MEMBER=member,
-            KEEPSTEP_STORE=self.cfg.store,
-            KEEPSTEP_SNAPSHOT=str(self.snapshot_path(member)),
-            OMP_NUM_THREADS="1",
-        )
-        spec = WorkerSpec(
+        spec = worker_spec(
+            self.cfg,
             member,
-            [sys.executable, self.cfg.script, *self.cfg.script_args],
-            env,
-            self.cfg.run_dir / f"worker-{self.cfg.node}-{local}.log",
+            socket_address(self.cfg.job, self.cfg.node),
+            self.snapshot_path(member),
         )
         pid = self.supervisor.start(spec)
         self.events.write("worker-started", member=member, pid=pid)
@@ -202,8 +171,7 @@ class NodeAgent:
             log.warning("could not publish worker pids: %s", error)
 
     def snapshot_path(self, member: str) -> Path:
-        name = f"keepstep-{self.cfg.job}-{member.replace('/', '-')}"
-        return self.cfg.snapshot_dir / name
+        return snapshot_path(self.cfg, member)
 
     def drain(self) -> None:
         """Leave at the next step boundary (SIGTERM): nothing is rolled back."""
@@ -527,8 +495,3 @@ def run_agent(cfg: AgentConfig, kv: KVStore) -> int:
     if not ok:
         print(f"keepstep agent {cfg.node}: {agent.failed or codes}", file=sys.stderr)
     return 0 if ok else 1
-
-
-def config_dict(cfg: AgentConfig) -> dict[str, Any]:
-    data = asdict(cfg)
-    return {k: str(v) if isinstance(v, Path) else v for k, v in data.items()}

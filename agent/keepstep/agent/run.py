@@ -24,13 +24,13 @@ from typing import Any, TextIO
 from torch._C._distributed_c10d import TCPStore
 
 from keepstep.agent import protocol
+from keepstep.agent.agent_config import AgentConfig, dump_config
 from keepstep.agent.checkpoint import latest_checkpoint
 from keepstep.agent.etcd import EtcdKV
 from keepstep.agent.etcd_server import EtcdServer
 from keepstep.agent.events import read_events
 from keepstep.agent.faults import FaultKind, FaultSpec, check_faults
 from keepstep.agent.kv import KVError
-from keepstep.agent.node import AgentConfig, config_dict
 from keepstep.agent.protocol import NodeRecord, ProgressRecord
 from keepstep.agent.summary import build_summary
 from keepstep.elastic.errors import ConfigError, KeepstepError
@@ -175,7 +175,7 @@ class Launcher:
             resume_step=self.resume_step,
         )
         path = cfg.run_dir / f"agent-{node}.json"
-        path.write_text(json.dumps(config_dict(agent_cfg)))
+        dump_config(agent_cfg, path)
         with open(cfg.run_dir / f"agent-{node}.log", "ab") as log:
             self.agents[node] = subprocess.Popen(
                 [sys.executable, "-m", "keepstep.agent", "agent", "--config", str(path)],
