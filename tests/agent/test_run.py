@@ -156,6 +156,21 @@ def test_a_second_fault_during_recovery(reference: str, tmp_path: Path) -> None:
     assert min(w for w in s["world_size_by_step"] if w) <= 3
 
 
+def test_several_workers_per_node(reference: str, tmp_path: Path) -> None:
+    proc, summary = keepstep_run(
+        tmp_path,
+        "--nproc-per-node",
+        "2",
+        "--fault",
+        "kill-node:1@step=8",
+        "--min-nodes",
+        "1",
+        nodes=2,
+    )
+    s = check(proc, summary, reference, tmp_path)
+    assert s["world_size_by_step"][0] == 4 and s["world_size_by_step"][-1] == 2
+
+
 def test_bad_fault_spec_is_refused(tmp_path: Path) -> None:
     proc, _ = keepstep_run(tmp_path, "--fault", "kill-nod:1@step=3", timeout=60)
     assert proc.returncode != 0
