@@ -84,6 +84,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
         storage_options=_storage_options(os.environ),
+        lease_ttl=args.hang_timeout,
     )
     # SIGTERM (a CI timeout, kill) must still end every node the launcher started.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -120,7 +121,7 @@ def _show_failure(run_dir: Path) -> None:
     for log in sorted(run_dir.glob("worker-*.log")) + sorted(run_dir.glob("agent-*.log")):
         text = log.read_text(errors="replace")
         if "Traceback" in text:
-            tail = text[text.rindex("Traceback"):].splitlines()[-12:]
+            tail = text[text.rindex("Traceback") :].splitlines()[-12:]
             print(f"--- {log.name}:\n" + "\n".join(tail), file=sys.stderr)
             return
 
@@ -166,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--summary", help="also write the run summary JSON here")
     run.add_argument("--run-dir", help="default: runs/run-<time>")
     run.add_argument("--timeout", type=float, default=1800.0)
+    run.add_argument(
+        "--hang-timeout",
+        type=int,
+        default=1,
+        metavar="SECONDS",
+        help="a node silent this long (its etcd lease) is taken for hung",
+    )
     run.add_argument(
         "--checkpoint",
         metavar="URL",

@@ -17,6 +17,7 @@ its collective within milliseconds.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -329,6 +330,9 @@ class NodeAgent:
                 # One writer per job: the first worker of the epoch's first node.
                 if self.durable is not None and cur is not None and cur.members[0] == member:
                     self.durable.after_commit(self.snapshot_path(member), int(record["step"]) + 1)
+            elif int(record["epoch"]) > 0:
+                # What this member measured entering the epoch, for the operator's status.
+                self._publish(f"{record['epoch']}-{member.replace('/', '-')}", record)
             return None
         if op == "finish":
             self.events.write(
@@ -347,6 +351,16 @@ class NodeAgent:
         raise KeepstepError(f"unknown link operation {op!r}")
 
     # -- admission, planned changes, failures -----------------------------------------------
+    def _publish(self, name: str, record: dict[str, Any]) -> None:
+        try:
+            self.kv.put(
+                key(self.cfg.job, "recoveries", name),
+                json.dumps(record).encode(),
+                self.cfg.op_timeout,
+            )
+        except KVError as error:
+            log.warning("recovery record not published: %s", error)
+
     def _membership(self, record: EpochRecord) -> Message:
         return {"membership": {"epoch": record.epoch, "members": record.members}}
 

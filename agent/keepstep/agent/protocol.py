@@ -9,7 +9,8 @@ JSON; every field has a type and a default so that old readers survive new field
     /keepstep/jobs/<job>/pending/<member> PendingRecord a worker waiting to be admitted
     /keepstep/jobs/<job>/leaving/<node>   LeavingRecord a node draining at the next boundary
     /keepstep/jobs/<job>/progress/<node>  ProgressRecord committed step, rates
-    /keepstep/jobs/<job>/recoveries/<n>   RecoveryRecord one per recovery, by epoch
+    /keepstep/jobs/<job>/recoveries/<e-m> what member m measured entering epoch e
+                                                  (communicator_s, restore_s, replan_s, ...)
     /keepstep/jobs/<job>/done/<node>      DoneRecord    a node whose workers finished
 """
 

@@ -82,6 +82,8 @@ class RunConfig:
         if not Path(self.script).is_file():
             raise ConfigError(f"training script {self.script!r} does not exist")
         check_faults(self.faults, self.nodes, self.steps)
+        if self.lease_ttl < 1:
+            raise ConfigError(f"--hang-timeout {self.lease_ttl} must be >= 1 second")
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every} must be >= 0")
         if self.checkpoint_every and not self.checkpoint_url:
