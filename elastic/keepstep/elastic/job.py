@@ -25,7 +25,7 @@ from torch.utils.data import default_collate
 from keepstep.elastic.comm import Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
-from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
 from keepstep.elastic.plan import plan
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import SampleOrder, fix_determinism
@@ -95,13 +95,13 @@ class Job:
         if total < 0:
             raise ConfigError(f"steps={total} must be >= 0")
         if self.membership is None:
-            self._enter(self.controller.initial(self.config.collective_timeout))
+            self._switch(self.controller.initial(self.config.collective_timeout))
         retries = 0
         while not self.left and self.done < total:
             change = self.controller.poll(self.done, self.announced)
             self.announced = False
             if change is not None:
-                self._enter(change)
+                self._switch(change)
                 continue
             assert self.membership is not None
             step = Step(self, self.done, self.assignment[self.membership.me])
@@ -118,14 +118,7 @@ class Job:
             elif step.outcome is StepOutcome.FAILED:
                 assert step.failure is not None
                 log.warning("step %d failed: %s", step.index, step.failure)
-                self._enter(
-                    self.controller.on_failure(
-                        step.failure.epoch,
-                        self.done,
-                        step.failure,
-                        self.config.collective_timeout,
-                    )
-                )
+                self._switch(self._next_after(step.failure))
             else:
                 raise ConfigError(f"step {step.index} ended without step.commit()")
         self.snapshots.wait()
@@ -173,6 +166,21 @@ class Job:
         return digest.hexdigest()
 
     # -- entering an epoch --------------------------------------------------------------
+    def _next_after(self, error: PeerLost) -> Membership:
+        timeout = self.config.collective_timeout
+        return self.controller.on_failure(error.epoch, self.done, error, timeout)
+
+    def _switch(self, membership: Membership) -> None:
+        """Enter `membership`; a peer lost while entering (a second fault during a
+        recovery) moves on to the epoch after it, until one is entered."""
+        while True:
+            try:
+                self._enter(membership)
+                return
+            except PeerLost as error:
+                log.warning("entering epoch %d failed: %s", membership.epoch, error)
+                membership = self._next_after(error)
+
     def _enter(self, membership: Membership) -> None:
         t0 = time.perf_counter()
         if self.comm is not None:
