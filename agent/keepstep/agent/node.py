@@ -24,7 +24,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,12 @@ from keepstep.agent.agent_config import AgentConfig, snapshot_path, worker_spec
 from keepstep.agent.checkpoint import CheckpointWriter
 from keepstep.agent.durable import DurableCheckpoints, seed_snapshot
 from keepstep.agent.events import EventLog
-from keepstep.agent.kv import KVError, KVStore, Lease, WatchEvent
+from keepstep.agent.kv import KVError, KVStore, WatchEvent
 from keepstep.agent.link import Connection, LinkClosed, LinkServer, Message, socket_address
 from keepstep.agent.probe import ProbeServer, probe_all
 from keepstep.agent.progress import ProgressPublisher
 from keepstep.agent.protocol import EpochRecord, NodeRecord, key, node_of
+from keepstep.agent.registration import Registration
 from keepstep.agent.supervisor import Supervisor
 from keepstep.elastic.comm import abort_epoch
 from keepstep.elastic.errors import KeepstepError
@@ -71,8 +71,6 @@ class NodeAgent:
         self.started = time.monotonic()
         self.done = threading.Event()
         self.failed: str | None = None
-        self.lease: Lease | None = None
-        self._stop_keepalive: Callable[[], None] | None = None
         host, _, port = cfg.store.rpartition(":")
         try:
             self.store = TCPStore(
@@ -84,6 +82,9 @@ class NodeAgent:
             ) from None
         self.supervisor = Supervisor(self._on_worker_exit)
         self.probe_server = ProbeServer(self._status, cfg.host)
+        self.registration = Registration(
+            kv, key(cfg.job, "nodes", cfg.node), cfg.lease_ttl, cfg.op_timeout, self._node_record
+        )
         self.link = LinkServer(socket_address(cfg.job, cfg.node), self._handle, self._on_disconnect)
         self.progress = ProgressPublisher(
             kv,
@@ -116,7 +117,7 @@ class NodeAgent:
         self._cancel_watch = self.kv.watch_prefix(protocol.job_prefix(job), self._on_watch)
         for kv in self.kv.get_prefix(protocol.job_prefix(job), self.cfg.op_timeout):
             self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
-        self._register()
+        self.registration.register()
         self.progress.start()
         if self.cfg.resume_blob is not None:
             blob = self.cfg.resume_blob.read_bytes()
@@ -126,23 +127,8 @@ class NodeAgent:
             self._spawn(member)
         self.events.write("agent-started", node=self.cfg.node, pid=os.getpid())
 
-    def _register(self) -> None:
-        self.lease = self.kv.grant_lease(self.cfg.lease_ttl, self.cfg.op_timeout)
-        self._stop_keepalive = self.kv.keepalive(self.lease, self.cfg.lease_ttl / 4)
-        self._put_node_record()
-
-    def _reregister(self) -> None:
-        """Our lease expired (the node was stopped or cut off): come back as a new node."""
-        self.events.write("lease-lost", node=self.cfg.node)
-        if self._stop_keepalive is not None:
-            self._stop_keepalive()
-        try:
-            self._register()
-        except KVError as error:
-            log.error("could not re-register after losing the lease: %s", error)
-
-    def _put_node_record(self) -> None:
-        record = NodeRecord(
+    def _node_record(self) -> NodeRecord:
+        return NodeRecord(
             self.cfg.node,
             self.cfg.host,
             self.probe_server.port,
@@ -150,12 +136,10 @@ class NodeAgent:
             self.supervisor.pids(),
             time.time(),
         )
-        self.kv.put(
-            key(self.cfg.job, "nodes", self.cfg.node),
-            protocol.encode(record),
-            self.cfg.op_timeout,
-            lease=self.lease,
-        )
+
+    def _reregister(self) -> None:
+        self.events.write("lease-lost", node=self.cfg.node)
+        self.registration.renew()
 
     def _spawn(self, member: str) -> None:
         spec = worker_spec(
@@ -167,7 +151,7 @@ class NodeAgent:
         pid = self.supervisor.start(spec)
         self.events.write("worker-started", member=member, pid=pid)
         try:
-            self._put_node_record()
+            self.registration.publish()
         except KVError as error:
             log.warning("could not publish worker pids: %s", error)
 
@@ -195,8 +179,7 @@ class NodeAgent:
                 self.durable.close(timeout=60.0)
             except KeepstepError as error:
                 self.failed = f"durable checkpoint failed: {error}"
-        if self._stop_keepalive is not None:
-            self._stop_keepalive()
+        self.registration.stop()
         self._cancel_watch()
         try:
             self.kv.delete(key(self.cfg.job, "nodes", self.cfg.node), self.cfg.op_timeout)
@@ -371,7 +354,7 @@ class NodeAgent:
             pending_key,
             protocol.encode(protocol.PendingRecord(member, time.time())),
             self.cfg.op_timeout,
-            lease=self.lease,
+            lease=self.registration.lease,
         )
         while True:
             with self.changed:
