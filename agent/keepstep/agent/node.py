@@ -308,6 +308,9 @@ class NodeAgent:
             record = message["record"]
             self.events.write(op, member=member, **record)
             if op == "commit":
+                # A worker that trains again is healthy: only crashes in a row count
+                # against max_restarts (a crash loop), not crashes spread over a long job.
+                self.restarts.pop(member, None)
                 self.progress.record(record)
                 cur = self.current
                 # One writer per job: the first worker of the epoch's first node.
