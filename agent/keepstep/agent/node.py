@@ -257,7 +257,9 @@ class NodeAgent:
     # -- workers ----------------------------------------------------------------------
     def _status(self) -> dict[str, Any]:
         with self.lock:
-            return {"node": self.cfg.node, "ready": sorted(self.ready), "draining": self.draining}
+            members = sorted(self.ready)
+        ready = [m for m in members if self.supervisor.alive(m)]
+        return {"node": self.cfg.node, "ready": ready, "draining": self.draining}
 
     def _on_disconnect(self, conn: Connection) -> None:
         with self.lock:

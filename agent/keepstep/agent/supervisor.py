@@ -60,6 +60,13 @@ class Supervisor:
         with self._lock:
             return {m: p.pid for m, p in self._procs.items()}
 
+    def alive(self, member: str) -> bool:
+        """Whether the member's process still runs, asked of the kernel now (the watcher
+        thread may not have reaped a just-killed worker yet)."""
+        with self._lock:
+            proc = self._procs.get(member)
+        return proc is not None and proc.poll() is None
+
     def running(self) -> int:
         with self._lock:
             return len(self._procs)

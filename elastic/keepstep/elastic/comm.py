@@ -188,7 +188,14 @@ def _new_gloo_group(store: Store, spec: _Spec) -> Any:
     opts = gloo._Options()
     opts._devices = [gloo.create_device(hostname=spec.host)]
     opts._timeout = spec.timeout
-    prefixed = PrefixStore(f"keepstep/epoch-{spec.epoch}/", store)
+    # Each group rendezvouses over its own store connection: the group of an abandoned
+    # epoch can still be blocked in a store wait for a dead member, and on a shared
+    # connection that wait would hold up the next epoch's rendezvous until it times out.
+    try:
+        own = store.clone()
+    except (RuntimeError, NotImplementedError):
+        own = store
+    prefixed = PrefixStore(f"keepstep/epoch-{spec.epoch}/", own)
     return gloo(prefixed, spec.rank, len(spec.members), opts)
 
 
