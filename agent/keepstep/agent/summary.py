@@ -80,31 +80,70 @@ def build_summary(
     }
 
 
+_PLANNED = {"join-node", "drain-node"}
+
+
+def _matching_fault(
+    agreed: dict[str, Any], faults: Sequence[dict[str, Any]], used: set[int]
+) -> dict[str, Any] | None:
+    """The earliest unused fault, injected before this epoch was agreed, of a kind that
+    explains it: a planned change (admit, drain) or a failure (kill, hang)."""
+    planned = bool(agreed.get("planned"))
+    reason = str(agreed.get("reason", ""))
+    for index, fault in enumerate(faults):
+        if index in used or fault["t"] > agreed["t"]:
+            continue
+        kind = fault["kind"]
+        if planned and (
+            (kind == "join-node" and "admit" in reason)
+            or (kind == "drain-node" and "drain" in reason)
+        ):
+            used.add(index)
+            return fault
+        if not planned and kind not in _PLANNED:
+            used.add(index)
+            return fault
+    return None
+
+
 def _recoveries(
     events: Sequence[dict[str, Any]], faults: Sequence[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """One record per epoch after the first: its cause and each phase's duration."""
+    """One record per epoch after the first: its cause and each phase's duration.
+
+    A re-admission without a fault of its own (a restarted worker coming back) has cause
+    "rejoin"; a failure nobody injected keeps the cause its detector recorded.
+    """
     agreed: dict[int, dict[str, Any]] = {}
     for e in events:
         if e["kind"] == "epoch-agreed" and e["epoch"] > 0 and e["epoch"] not in agreed:
             agreed[e["epoch"]] = e
     out = []
+    used: set[int] = set()
     previous_t = min((e["t"] for e in events), default=0.0)
     for epoch in sorted(agreed):
         a = agreed[epoch]
-        fault = next((f for f in faults if previous_t <= f["t"] <= a["t"]), None)
+        fault = _matching_fault(a, faults, used)
         detected = [
             e for e in events if e["kind"] == "fault-detected" and previous_t <= e["t"] <= a["t"]
         ]
+        if a.get("planned"):
+            detected = []  # planned changes are announced, not detected
         recon = [e for e in events if e["kind"] == "reconfigured" and e["epoch"] == epoch]
         after = [e["t"] for e in events if e["kind"] == "commit" and e["epoch"] >= epoch]
         start = fault["t"] if fault else (detected[0]["t"] if detected else a["t"])
-        detect_t = detected[0]["t"] if detected else a["t"]
-        cause = fault["kind"] if fault else (detected[0]["cause"] if detected else "planned")
+        detect_t = detected[0]["t"] if detected else (start if fault is None else a["t"])
+        if fault is not None:
+            cause = fault["kind"]
+        elif detected:
+            cause = detected[0]["cause"]
+        else:
+            cause = "rejoin" if "admit" in str(a.get("reason", "")) else "planned"
+        node = fault.get("node") if fault else (detected[0]["node"] if detected else None)
         out.append(
             {
                 "cause": cause,
-                "node": fault.get("node") if fault else (detected[0]["node"] if detected else None),
+                "node": node,
                 "epoch": epoch,
                 "step": min((r["resume_step"] for r in recon), default=a.get("step")),
                 "detect_s": max(detect_t - start, 0.0),
