@@ -4,17 +4,15 @@
         [--kinds kill-worker,kill-node,hang-node,drain-node] [--json PATH]
 
 For each kind it runs `keepstep run` (4 nodes, examples/mlp.py with a small --sleep so a
-step takes ~50-100 ms) with several faults of that kind per run, until at least N were
+step takes ~0.1 s) with several faults of that kind per run, until at least N were
 measured. Every node loss (kill, hang, drain) is followed by a `join-node`, so the job
 keeps 3-4 nodes (a joiner needs ~5 s to start python and torch and be admitted, hence the
-spacing); a killed worker is restarted by its agent and rejoins by itself, at most
-`WORKER_RESTARTS` times per worker, which caps the worker kills per run.
+spacing); a killed worker is restarted by its agent and rejoins by itself, and each worker
+is killed at most `WORKER_RESTARTS` times per run.
 
-The join is scheduled at the same step as its loss, after it: the run summary gives an
-epoch the cause of the first fault since the previous epoch, so a join injected after the
-loss's epoch and still pending at the next loss would take that loss's record; injected
-before the loss's epoch, it can take nothing (its admission is a separate "join-node" or
-"planned" record with reason "admit ...").
+The join is scheduled at the same step as its loss, right after it, so it can never be
+taken for the cause of that loss's epoch or of the next one, whenever it is admitted (its
+admission is a record of its own, reason "admit ...").
 
 Each run is checked against a fault-free run of the same job (same nodes, batch split,
 steps, seed; run once, without --sleep, which only waits and never touches the numbers):
@@ -43,8 +41,9 @@ KINDS = ("kill-worker", "kill-node", "hang-node", "drain-node")
 PHASES = ("detect_s", "agree_s", "communicator_s", "restore_s", "replan_s")
 
 
-# How often an agent restarts a crashed worker (AgentConfig.max_restarts; `keepstep run`
-# has no flag for it): more kills of one worker in a run would end that worker for good.
+# An agent restarts a crashed worker at most AgentConfig.max_restarts times in a row
+# (`keepstep run` has no flag for it); each worker is killed at most this often per run,
+# with time to rejoin in between, so no worker is ever given up.
 WORKER_RESTARTS = 3
 
 
