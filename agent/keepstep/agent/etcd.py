@@ -40,7 +40,7 @@ from keepstep.agent.kv import (
     check_timeout,
     lease_seconds,
 )
-from keepstep.elastic.errors import ConfigError
+from keepstep.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.errors import ConfigError, KeepstepError
 
 if TYPE_CHECKING:
     from keepstep.agent.kv_memory import MemoryKV as MemoryKV

@@ -7,13 +7,17 @@ Configuration errors say which value was wrong and what is allowed; data-plane e
 
 from __future__ import annotations
 
+# The roots live outside the library so that the operator can catch them without torch.
+from keepstep.errors import ConfigError, KeepstepError
 
-class KeepstepError(Exception):
-    """Base class of every error keepstep raises on purpose."""
-
-
-class ConfigError(KeepstepError, ValueError):
-    """A job, plan or run argument is invalid; the message names the value and the rule."""
+__all__ = [
+    "ConfigError",
+    "KeepstepError",
+    "PeerLost",
+    "SnapshotCorrupt",
+    "SnapshotMissing",
+    "StateShapeError",
+]
 
 
 class StateShapeError(KeepstepError, ValueError):
