@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from keepstep.agent.events import read_events
 from keepstep.elastic.local import LocalRun, agreed_sha, run_local
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,7 +61,7 @@ def keepstep_run(
 
 def left_behind(run_dir: Path) -> list[int]:
     """Processes that still carry this run's job in their environment or command line."""
-    job = run_dir.name
+    job = json.loads((run_dir / "agent-n0.json").read_text())["job"]
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -69,8 +70,8 @@ def left_behind(run_dir: Path) -> list[int]:
             blob = (entry / "environ").read_bytes() + (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        # Workers carry the job's link address (@keepstep/<run dir name>-<id>/<node>).
-        if f"@keepstep/{job}-".encode() in blob or str(run_dir).encode() in blob:
+        # Workers carry the job's link address (@keepstep/<job>/<node>).
+        if f"@keepstep/{job}/".encode() in blob or str(run_dir).encode() in blob:
             found.append(int(entry.name))
     return found
 
@@ -126,6 +127,21 @@ def test_failures_keep_the_numbers(fault: str, cause: str, reference: str, tmp_p
     assert first["cause"] == cause
     assert first["mttr_s"] is not None and first["mttr_s"] < 30
     assert 3 in s["world_size_by_step"]
+
+
+@pytest.mark.parametrize("fault", ["kill-node:0@step=8", "hang-node:0@step=8"])
+def test_losing_the_node_that_hosts_the_store(fault: str, reference: str, tmp_path: Path) -> None:
+    # Node n0 is the first node of epoch 0, so its agent hosts the store the job's
+    # process groups rendezvous on; the next epoch must name a survivor's store.
+    proc, summary = keepstep_run(tmp_path, "--fault", fault, "--min-nodes", "2")
+    check(proc, summary, reference, tmp_path)
+    agreed = [e for e in read_events(tmp_path / "run") if e["kind"] == "epoch-agreed"]
+    stores = {e["epoch"]: e["store"] for e in agreed}
+    hosts = {
+        e["node"]: e["store"] for e in read_events(tmp_path / "run") if e["kind"] == "agent-started"
+    }
+    assert stores[0] == hosts["n0"]
+    assert stores[max(stores)] != hosts["n0"] and stores[max(stores)] in hosts.values()
 
 
 def test_drain_leaves_at_a_boundary_without_rollback(reference: str, tmp_path: Path) -> None:

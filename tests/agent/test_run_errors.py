@@ -95,7 +95,6 @@ def test_an_agent_whose_etcd_is_unreachable_gives_up_with_a_clear_error(tmp_path
         job="j",
         node="n0",
         etcd="127.0.0.1:9",
-        store="127.0.0.1:9",
         script=str(tmp_path / "x.py"),
         run_dir=tmp_path,
         op_timeout=1.0,

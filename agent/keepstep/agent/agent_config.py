@@ -21,9 +21,9 @@ class AgentConfig:
     job: str
     node: str
     etcd: str
-    store: str
     script: str
     script_args: tuple[str, ...] = ()
+    command: tuple[str, ...] = ()  # a worker's whole command line (else python SCRIPT ARGS)
     nproc: int = 1
     run_dir: Path = Path(".")
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -35,7 +35,8 @@ class AgentConfig:
     op_timeout: float = 5.0
     max_restarts: int = 3
     snapshot_dir: Path = Path("/dev/shm")
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # the address peers reach this node's probe and store on
+    store_port: int = 0  # the process-group store this node hosts (0: any free port)
     steps: int = 0
     checkpoint_url: str | None = None
     checkpoint_every: int = 0
@@ -68,14 +69,13 @@ def worker_spec(cfg: AgentConfig, member: str, link: str, snapshot: Path) -> Wor
         KEEPSTEP_CONTROLLER="keepstep.agent.worker_link:controller_from_env",
         KEEPSTEP_LINK=link,
         KEEPSTEP_MEMBER=member,
-        KEEPSTEP_STORE=cfg.store,
         KEEPSTEP_SNAPSHOT=str(snapshot),
         OMP_NUM_THREADS="1",
     )
     local = member.rpartition("/")[2]
     return WorkerSpec(
         member,
-        [sys.executable, cfg.script, *cfg.script_args],
+        list(cfg.command) or [sys.executable, cfg.script, *cfg.script_args],
         env,
         cfg.run_dir / f"worker-{cfg.node}-{local}.log",
     )
@@ -92,6 +92,7 @@ def load_config(path: Path) -> AgentConfig:
         if raw.get(name) is not None:
             raw[name] = Path(raw[name])
     raw["script_args"] = tuple(raw.get("script_args", ()))
+    raw["command"] = tuple(raw.get("command", ()))
     try:
         return AgentConfig(**raw)
     except TypeError as error:

@@ -8,9 +8,10 @@ when two agents decide at once exactly one proposal wins and everyone adopts it.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 
 from keepstep.agent.probe import ProbeResult
-from keepstep.agent.protocol import EpochRecord, node_of
+from keepstep.agent.protocol import EpochRecord, NodeRecord, node_of
 
 
 def first_epoch(
@@ -92,3 +93,13 @@ def after_failure(
     if not members:
         return None, reason + "; no worker left to train"
     return EpochRecord(current.epoch + 1, members, reason, done, now), reason
+
+
+def with_store(record: EpochRecord, nodes: Mapping[str, NodeRecord]) -> EpochRecord:
+    """Name the store the epoch rendezvouses on: the one of its first node that has a live
+    record (a node of the epoch, so the store is lost only when the epoch is over anyway)."""
+    for node in record.nodes():
+        found = nodes.get(node)
+        if found is not None and found.store_port:
+            return replace(record, store=found.store_address())
+    return record

@@ -136,15 +136,6 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _cmd_agent(args: argparse.Namespace) -> int:
-    from keepstep.agent.agent_config import load_config
-    from keepstep.agent.etcd import EtcdKV
-    from keepstep.agent.node import run_agent
-
-    cfg = load_config(Path(args.config))
-    return run_agent(cfg, EtcdKV(cfg.etcd))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="keepstep", description="Elastic PyTorch training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,15 +181,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_cmd_run)
-    agent = sub.add_parser("agent", help="run one node agent")
-    agent.add_argument("--config", required=True, help="agent configuration (JSON)")
-    agent.set_defaults(func=_cmd_agent)
+    from keepstep.agent.cli_agent import register as register_agent
+
+    register_agent(sub)
     check = sub.add_parser("selfcheck", help="check bit-identical parameters across rank counts")
     check.add_argument("--ranks", type=_ranks, default=[1, 2, 3, 4])
     check.add_argument("--steps", type=int, default=30)
     check.add_argument("--mode", choices=["exact", "fast"], default="exact")
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(func=_cmd_selfcheck)
+    from keepstep.agent.dashboard.cli import register as register_dashboard
+
+    register_dashboard(sub)
     return parser
 
 

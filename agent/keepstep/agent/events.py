@@ -10,20 +10,29 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 
 class EventLog:
-    def __init__(self, path: Path) -> None:
+    """Appends events; `listener` (telemetry) sees each one as the dict that was written."""
+
+    def __init__(
+        self, path: Path, listener: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
         self.path = path
+        self.listener = listener
         self._lock = threading.Lock()
         self._file = open(path, "a", buffering=1)
 
     def write(self, kind: str, **fields: Any) -> None:
-        line = json.dumps({"t": time.time(), "kind": kind, **fields})
+        event = {"t": time.time(), "kind": kind, **fields}
+        line = json.dumps(event)
         with self._lock:
             self._file.write(line + "\n")
+        if self.listener is not None:
+            self.listener(event)
 
     def close(self) -> None:
         with self._lock:

@@ -64,6 +64,7 @@ class EpochRecord:
     reason: str = ""
     start_step: int = 0
     created_at: float = 0.0
+    store: str = ""  # host:port of the store the epoch's process group rendezvouses on
 
     def nodes(self) -> list[str]:
         return sorted({node_of(m) for m in self.members})
@@ -81,6 +82,11 @@ class NodeRecord:
     pid: int
     workers: dict[str, int] = field(default_factory=dict)  # member -> pid
     started_at: float = 0.0
+    store_port: int = 0  # the process-group store this agent hosts, on `host`
+
+    def store_address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.store_port}"
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """`keepstep run`: one job on one machine, each simulated node its own process group.
 
-The launcher starts a private etcd and the process-group store, starts one node agent
-per node (`keepstep agent`, in a new session so a node can be killed or stopped as a
-whole), injects the scripted faults when the job reaches their step, shows a progress
-line, and writes the run directory: event logs, worker logs, faults, and summary.json.
-Every process it started is gone when it returns.
+The launcher starts a private etcd (each agent hosts its own process-group store),
+starts one node agent per node (`keepstep agent`, in a new session so a node can be
+killed or stopped as a whole), injects the scripted faults when the job reaches their
+step, shows a progress line, and writes the run directory: event logs, worker logs,
+faults, and summary.json. Every process it started is gone when it returns.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
-
-from torch._C._distributed_c10d import TCPStore
 
 from keepstep.agent import protocol
 from keepstep.agent.agent_config import AgentConfig, dump_config
@@ -122,10 +120,8 @@ class Launcher:
             self.resume_blob.write_bytes(blob)
             self._note(f"resuming from step {info.step} ({info.url})")
         etcd = EtcdServer.start(cfg.etcd_binary, cfg.run_dir / "etcd")
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         kv = EtcdKV(etcd.endpoint)
         try:
-            self.store_addr = f"127.0.0.1:{store.port}"
             self.etcd_endpoint = etcd.endpoint
             for i in range(cfg.nodes):
                 self._start_node(f"n{i}")
@@ -153,7 +149,6 @@ class Launcher:
             job=self.job,
             node=node,
             etcd=self.etcd_endpoint,
-            store=self.store_addr,
             script=str(Path(cfg.script).resolve()),
             script_args=cfg.script_args,
             nproc=cfg.nproc_per_node,

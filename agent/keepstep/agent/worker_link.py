@@ -24,13 +24,15 @@ ADMISSION_TIMEOUT = 24 * 3600.0  # a joiner may wait for a long time; the agent 
 
 
 class AgentController:
-    def __init__(self, link: str, member: str, store: str, timeout: float = 30.0) -> None:
+    def __init__(self, link: str, member: str, timeout: float = 30.0) -> None:
         self.member = member
         self.timeout = timeout
         self._pending = threading.Event()
         self._client = LinkClient(link, self._on_push, timeout)
-        host, _, port = store.rpartition(":")
-        self._store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=timeout))
+        # Each epoch names the store its group rendezvouses on (hosted by one of its
+        # nodes); consecutive epochs usually share it, so connections are kept.
+        self._store_of: dict[int, str] = {}
+        self._stores: dict[str, Store] = {}
         self._client.request("hello", timeout, member=member)
 
     def _on_push(self, message: Message) -> None:
@@ -44,10 +46,29 @@ class AgentController:
         record = reply.get("membership")
         if record is None:
             return None
-        return Membership(int(record["epoch"]), tuple(record["members"]), self.member)
+        epoch = int(record["epoch"])
+        if record.get("store"):
+            self._store_of[epoch] = str(record["store"])
+        return Membership(epoch, tuple(record["members"]), self.member)
 
-    def store(self) -> Store:
-        return self._store
+    def store(self, epoch: int) -> Store:
+        address = self._store_of.get(epoch)
+        if address is None:
+            raise PeerLost(epoch, f"epoch {epoch} names no process-group store")
+        client = self._stores.get(address)
+        if client is None:
+            host, _, port = address.rpartition(":")
+            try:
+                client = TCPStore(
+                    host.strip("[]"),
+                    int(port),
+                    is_master=False,
+                    timeout=timedelta(seconds=self.timeout),
+                )
+            except RuntimeError as error:  # its node is gone: the epoch is over
+                raise PeerLost(epoch, f"store {address} unreachable: {error}") from None
+            self._stores = {address: client}  # older epochs' stores are not needed again
+        return client
 
     def initial(self, timeout: float) -> Membership:
         reply = self._client.request("initial", ADMISSION_TIMEOUT, member=self.member)
@@ -95,6 +116,4 @@ def _plain(record: Any) -> dict[str, Any]:
 
 
 def controller_from_env(env: Mapping[str, str]) -> AgentController:
-    return AgentController(
-        link=env["KEEPSTEP_LINK"], member=env["KEEPSTEP_MEMBER"], store=env["KEEPSTEP_STORE"]
-    )
+    return AgentController(link=env["KEEPSTEP_LINK"], member=env["KEEPSTEP_MEMBER"])

@@ -48,6 +48,12 @@ _SLICE_MAX_MS = 5
 _REAP_POLL_S = 0.05
 _REAP_GRACE_S = 5.0  # beyond the op timeout, after which a reaper drops the group anyway
 _REASON_MAX_CHARS = 300
+# How long an abort poll waits for the epoch's store. A loaded machine can delay a
+# healthy store by a fraction of a second; a hung store node must not delay a hang's
+# detection by much more than the agents' own lease timeout.
+_WATCH_TIMEOUT = timedelta(seconds=2)
+# How long a caller that asks "aborted?" waits for a fresh read before taking the last one.
+_FRESH_READ_S = 0.05
 
 
 def abort_key(epoch: int) -> str:
@@ -102,39 +108,97 @@ class _Outcome(enum.Enum):
 
 
 class _AbortWatch:
-    """Polls and writes the abort key of one epoch over a private store connection, so a
-    poll never queues behind another thread's blocking store call."""
+    """Polls and writes the abort key of one epoch from a thread of its own.
+
+    The store lives on a node of the epoch, and a store call to a stopped node blocks
+    without any timeout (the kernel still accepts the bytes). So no store call ever runs
+    on the caller's thread: ``poll`` asks the watch thread for a fresh read and returns
+    what is known; a read unanswered for ``_WATCH_TIMEOUT`` means the store's node died or
+    hangs, and the epoch cannot be trusted any more, which is an abort.
+    """
 
     def __init__(self, store: Store, epoch: int) -> None:
-        try:
-            self._store = store.clone()
-        except (RuntimeError, NotImplementedError):
-            self._store = store
+        self._origin = store
+        self._epoch = epoch
         self._key = abort_key(epoch)
         self.reason: str | None = None
-        # Without the store no abort can be heard; a collective then still ends on success,
-        # a gloo error or its deadline.
-        self._blind = False
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._asked_at: float | None = None  # a read was requested and is not answered
+        self._to_fire: str | None = None
+        self._fired = threading.Event()
+        self._stopped = False
+        threading.Thread(target=self._run, name=f"keepstep-abort-{epoch}", daemon=True).start()
 
-    def poll(self) -> str | None:
-        if self.reason is None and not self._blind:
+    def _run(self) -> None:
+        try:
+            # A private connection: a poll never queues behind a blocking store call.
+            store = self._origin.clone()
+        except (RuntimeError, NotImplementedError):
+            store = self._origin
+        while True:
+            with self._wake:
+                while not self._stopped and self._asked_at is None and self._to_fire is None:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                to_fire = self._to_fire
             try:
-                if self._store.check([self._key]):
-                    self.reason = self._store.get(self._key).decode(errors="replace")
-            except RuntimeError:
-                self._blind = True
-        return self.reason
+                if to_fire is not None:
+                    won = store.compare_set(self._key, "", to_fire).decode(errors="replace")
+                    self._settle(won)
+                    self._fired.set()
+                elif store.check([self._key]):
+                    self._settle(store.get(self._key).decode(errors="replace"))
+            except RuntimeError as error:  # torch's DistStoreError is a RuntimeError
+                self._settle(f"the epoch's store failed: {_short(error)}")
+                self._fired.set()
+                return
+            with self._wake:
+                self._asked_at = None
+                self._wake.notify_all()
+                if self.reason is not None:
+                    return
+
+    def _settle(self, reason: str) -> None:
+        with self._lock:
+            if self.reason is None:
+                self.reason = reason
+
+    def poll(self, wait: float = 0.0) -> str | None:
+        """The abort reason if one is known. Asks for a fresh read and waits at most
+        ``wait`` seconds for it (a healthy store answers in well under a millisecond)."""
+        with self._wake:
+            if self.reason is None:
+                now = time.monotonic()
+                if self._asked_at is None:
+                    self._asked_at = now
+                    self._wake.notify_all()
+                elif now - self._asked_at > _WATCH_TIMEOUT.total_seconds():
+                    self.reason = (
+                        f"the epoch's store did not answer within "
+                        f"{_WATCH_TIMEOUT.total_seconds():.0f} s (its node died or hangs)"
+                    )
+                if wait > 0:
+                    self._wake.wait_for(
+                        lambda: self._asked_at is None or self.reason is not None, wait
+                    )
+            return self.reason
 
     def fire(self, reason: str) -> str:
         """Publish ``reason`` unless another rank was first; return the winning reason."""
-        if self.reason is None:
-            try:
-                won = self._store.compare_set(self._key, "", reason)
-                self.reason = won.decode(errors="replace")
-            except RuntimeError:
-                self._blind = True
-                self.reason = reason
-        return self.reason
+        with self._wake:
+            if self.reason is None and self._to_fire is None:
+                self._to_fire = reason
+                self._wake.notify()
+        self._fired.wait(_WATCH_TIMEOUT.total_seconds())
+        self._settle(reason)  # unanswered: the store is gone, our own reason stands
+        return cast(str, self.reason)
+
+    def close(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
 
     def wait(
         self, ready: Callable[[int], bool], deadline: float, closed: threading.Event
@@ -270,7 +334,8 @@ class Communicator:
             group, watch = _build_group(store, spec)
         else:
             group, watch = None, _AbortWatch(store, epoch)
-        if watch.poll() is not None:  # aborted before or while we built: fail now, not later
+        # Aborted before or while we built: fail now, not at the first collective.
+        if watch.poll(_FRESH_READ_S) is not None:
             if group is not None:
                 _reap(epoch, group, None, 0.0)
             raise PeerLost(epoch, cast(str, watch.reason))
@@ -324,13 +389,14 @@ class Communicator:
 
     def aborted(self) -> bool:
         """True once this epoch was given up here or aborted anywhere (one store read)."""
-        return self._lost is not None or self._watch.poll() is not None
+        return self._lost is not None or self._watch.poll(_FRESH_READ_S) is not None
 
     def close(self) -> None:
         """Release the group without waiting on it; idempotent, callable from any thread."""
         if self._lost is None:
             self._lost = "communicator closed"
         self._closed.set()
+        self._watch.close()
         self._retire(self._inflight)
 
     def _retire(self, work: Any | None) -> None:
@@ -360,7 +426,9 @@ class Communicator:
         op_timeout = self._op_timeout(timeout)
         if self._lost is not None:
             raise PeerLost(self.epoch, self._lost)
-        if self._watch.reason is not None or (self.size == 1 and self._watch.poll() is not None):
+        if self._watch.reason is not None or (
+            self.size == 1 and self._watch.poll(_FRESH_READ_S) is not None
+        ):
             # One member has nothing to exchange, but still honours an outside abort.
             raise self._give_up(cast(str, self._watch.reason), None)
         if self.size == 1 or start is None:

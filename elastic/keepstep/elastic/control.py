@@ -75,13 +75,16 @@ class CommitRecord:
     samples: tuple[int, ...]
     step_s: float
     assignment: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    snapshot_s: float = 0.0  # the snapshot's share of step_s (the copy overlaps the next)
 
 
 class Controller(Protocol):
     """Decides membership; the training process asks it at step boundaries and on failure."""
 
-    def store(self) -> Store:
-        """The store that process groups rendezvous on (each epoch under its own prefix)."""
+    def store(self, epoch: int) -> Store:
+        """The store that epoch ``epoch``'s process group rendezvouses on (under its own
+        prefix). It may differ between epochs: agents host it on a node of the epoch, so
+        losing a node never takes the store of the epochs after it away."""
         ...
 
     def initial(self, timeout: float) -> Membership:
@@ -155,7 +158,7 @@ class ScheduleController:
         self.store_.set(f"keepstep/schedule/epoch-{epoch}", "open")
         return Membership(epoch, tuple(sorted(self.schedule[epoch])), self.me)
 
-    def store(self) -> Store:
+    def store(self, epoch: int) -> Store:
         return self.store_
 
     def initial(self, timeout: float) -> Membership:

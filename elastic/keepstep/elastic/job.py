@@ -79,6 +79,7 @@ class Job:
         self.fresh = not infos
         self.done = infos[0].step if infos else 0
         self.loaded_step: int | None = None if infos else 0
+        self.snapshot_s = 0.0
         if self.fresh:
             self._snapshot()
 
@@ -133,12 +134,18 @@ class Job:
     def apply_and_snapshot(self) -> None:
         """Apply the reduced gradient (already in .grad) and snapshot the new state."""
         # The previous snapshot copy reads the live tensors: it must end before they change.
+        t0 = time.perf_counter()
         self.snapshots.wait()
+        t1 = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.done += 1
         self.loaded_step = self.done
+        t2 = time.perf_counter()
         self._snapshot()
+        # What the snapshot cost this step's critical path: waiting for the last copy to
+        # end, and starting this one (the copy itself overlaps the next step).
+        self.snapshot_s = (t1 - t0) + (time.perf_counter() - t2)
 
     def _snapshot(self) -> None:
         state = capture(self.done, self.model, self.optimizer, self.reducer.state_dict())
@@ -199,7 +206,7 @@ class Job:
             membership.weights,
         )
         self.comm = Communicator.create(
-            self.controller.store(),
+            self.controller.store(membership.epoch),
             membership.epoch,
             membership.members,
             membership.me,

@@ -163,6 +163,7 @@ class Step:
                 ),
                 step_s=time.perf_counter() - self._started,
                 assignment=job.assignment,
+                snapshot_s=job.snapshot_s,
             )
         )
         return True
