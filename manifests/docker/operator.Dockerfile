@@ -1,0 +1,25 @@
+# The operator image: kopf, the Kubernetes and etcd clients, and keepstep's operator and
+# agent-protocol modules. No torch: the operator never imports it (an import-linter
+# contract), and the `operator` extra does not depend on it; the build fails if it appears.
+#
+#   docker build -f manifests/docker/operator.Dockerfile -t keepstep/operator:0.1.0 .
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /opt/keepstep
+COPY pyproject.toml README.md ./
+COPY elastic/ elastic/
+COPY agent/ agent/
+COPY operator/ operator/
+RUN pip install ".[operator]" \
+    && pip check \
+    && python -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'numpy') if u.find_spec(m)]; sys.exit('operator image must not contain ' + ', '.join(bad) if bad else 0)" \
+    && python -c "import keepstep.operator, kopf, kubernetes"
+
+RUN useradd --uid 10001 --user-group --no-create-home keepstep
+USER 10001:10001
+
+ENTRYPOINT ["python", "-m", "keepstep.operator"]

@@ -1,0 +1,193 @@
+"""The manifests that install keepstep, without an API server: the operator's RBAC is exactly
+the least privilege manifests/README.md lists, the Deployment runs the operator under that
+ServiceAccount against the etcd Service, the etcd StatefulSet's initial cluster is built from
+its own stable DNS names, and the Dockerfiles install the right extras (the operator's has no
+torch). tests/e2e/test_crd.py applies the same files to a real API server (dry run).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import re
+import tomllib
+from typing import Any
+
+import pytest
+from openapi_check import MANIFESTS, REPO, load_all
+from packaging.requirements import Requirement
+
+NAMESPACE = "keepstep-system"
+SERVICE_ACCOUNT = "keepstep-operator"
+
+# (apiGroup, resource) -> verbs. Anything more is a finding; see manifests/README.md for why.
+OPERATOR_RULES = {
+    ("keepstep.dev", "trainjobs"): {"get", "list", "watch", "patch"},
+    ("keepstep.dev", "trainjobs/status"): {"patch", "update"},
+    ("", "pods"): {"create", "delete", "get", "list", "watch"},
+    ("", "services"): {"create", "get", "list", "watch"},
+    ("", "events"): {"create", "patch"},
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
+    ("", "namespaces"): {"list", "watch"},
+}
+
+
+def objects(file: str) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in load_all(MANIFESTS / file)}
+
+
+def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        assert set(rule) <= {"apiGroups", "resources", "verbs"}, rule  # no resourceNames etc.
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    return granted
+
+
+def test_operator_role_is_exactly_the_listed_least_privilege() -> None:
+    role = objects("rbac.yaml")[("ClusterRole", "keepstep-operator")]
+    assert rules_of(role) == OPERATOR_RULES
+
+
+def test_no_role_uses_wildcards_or_grants_users_status() -> None:
+    roles = [d for d in load_all(MANIFESTS / "rbac.yaml") if d["kind"] == "ClusterRole"]
+    assert len(roles) == 3
+    for role in roles:
+        for (group, resource), verbs in rules_of(role).items():
+            assert "*" not in (group, resource) and "*" not in verbs, role["metadata"]["name"]
+    for name in ("keepstep-trainjob-editor", "keepstep-trainjob-viewer"):
+        granted = rules_of(objects("rbac.yaml")[("ClusterRole", name)])
+        assert granted[("keepstep.dev", "trainjobs/status")] <= {"get", "list", "watch"}
+        assert {g for g, _ in granted} == {"keepstep.dev"}
+
+
+def test_binding_gives_the_role_to_the_operator_service_account() -> None:
+    binding = objects("rbac.yaml")[("ClusterRoleBinding", "keepstep-operator")]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": "keepstep-operator",
+    }
+    subject = {"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": NAMESPACE}
+    assert binding["subjects"] == [subject]
+    account = objects("operator.yaml")[("ServiceAccount", SERVICE_ACCOUNT)]
+    assert account["metadata"]["namespace"] == NAMESPACE
+
+
+def test_every_namespaced_object_is_in_the_keepstep_namespace() -> None:
+    (namespace,) = load_all(MANIFESTS / "namespace.yaml")
+    assert namespace["metadata"]["name"] == NAMESPACE
+    for file in ("operator.yaml", "etcd.yaml"):
+        for doc in load_all(MANIFESTS / file):
+            assert doc["metadata"]["namespace"] == NAMESPACE, (file, doc["metadata"]["name"])
+
+
+def test_operator_deployment_runs_the_operator_against_the_etcd_service() -> None:
+    deployment = objects("operator.yaml")[("Deployment", "keepstep-operator")]
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
+    pod = spec["template"]["spec"]
+    assert spec["selector"]["matchLabels"].items() <= spec["template"]["metadata"]["labels"].items()
+    assert pod["serviceAccountName"] == SERVICE_ACCOUNT
+    (container,) = pod["containers"]
+    argv = container["command"] + container["args"]
+    assert argv[:4] == ["python", "-m", "keepstep.operator", "--etcd"]
+    url = re.fullmatch(r"http://([a-z0-9-]+)\.([a-z0-9-]+)\.svc:(\d+)", argv[4])
+    assert url is not None and len(argv) == 5, argv
+    service = objects("etcd.yaml")[("Service", url[1])]
+    assert url[2] == service["metadata"]["namespace"]
+    assert int(url[3]) in {p["port"] for p in service["spec"]["ports"]}
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+
+
+def test_etcd_initial_cluster_is_built_from_the_stable_dns_names() -> None:
+    etcd = objects("etcd.yaml")
+    sts = etcd[("StatefulSet", "keepstep-etcd")]
+    spec = sts["spec"]
+    peers = etcd[("Service", spec["serviceName"])]
+    assert peers["spec"]["clusterIP"] == "None" and peers["spec"]["publishNotReadyAddresses"]
+    assert spec["replicas"] == 3 and spec["podManagementPolicy"] == "Parallel"
+    assert peers["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    (container,) = spec["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert {p["name"]: p["port"] for p in peers["spec"]["ports"]} == ports
+    flags = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
+    host = "{pod}." + spec["serviceName"] + ".$(POD_NAMESPACE).svc"
+    members = [f"{sts['metadata']['name']}-{i}" for i in range(spec["replicas"])]
+    expected = [f"{m}=http://{host.format(pod=m)}:{ports['peer']}" for m in members]
+    assert flags["initial-cluster"].split(",") == expected
+    assert flags["name"] == "$(POD_NAME)"
+    assert flags["initial-advertise-peer-urls"] == f"http://{host.format(pod='$(POD_NAME)')}:2380"
+    assert flags["advertise-client-urls"] == f"http://{host.format(pod='$(POD_NAME)')}:2379"
+    assert flags["initial-cluster-state"] == "new"
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
+    (claim,) = spec["volumeClaimTemplates"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert flags["data-dir"].startswith(mounts[claim["metadata"]["name"]] + "/")
+
+
+def dependency_closure(requirements: list[str]) -> set[str]:
+    """Names of the installed distributions a pip install of these requirements would pull in."""
+    seen: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = re.sub(r"[-_.]+", "-", req.name).lower()
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            dist = md.distribution(req.name)
+        except md.PackageNotFoundError:
+            continue
+        for spec in dist.requires or []:
+            dep = Requirement(spec)
+            extras = ["", *sorted(req.extras)]
+            if dep.marker is None or any(dep.marker.evaluate({"extra": e}) for e in extras):
+                todo.append(dep)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def project() -> dict[str, Any]:
+    with (REPO / "pyproject.toml").open("rb") as f:
+        project: dict[str, Any] = tomllib.load(f)["project"]
+    return project
+
+
+def test_operator_extra_pulls_in_no_torch(project: dict[str, Any]) -> None:
+    base = project["dependencies"]
+    operator = dependency_closure(base + project["optional-dependencies"]["operator"])
+    assert {"kopf", "kubernetes", "etcd-sdk-python"} <= operator
+    assert not operator & {"torch", "numpy", "nvidia-cudnn-cu12", "triton"}, sorted(operator)
+    train = dependency_closure(base + project["optional-dependencies"]["train"])
+    assert "torch" in train  # the same walk does find torch where it belongs
+
+
+def dockerfile(name: str) -> list[str]:
+    text = (MANIFESTS / "docker" / name).read_text(encoding="utf-8").replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip() and line[0] != "#"]
+
+
+def test_agent_image_installs_train_extra_as_non_root() -> None:
+    lines = dockerfile("agent.Dockerfile")
+    assert lines[0] == "FROM python:3.11-slim"
+    assert any('".[train]"' in line for line in lines if line.startswith("RUN"))
+    assert lines[-2:] == ['ENTRYPOINT ["keepstep"]', 'CMD ["--help"]']
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and not users[-1].startswith(("0", "root")), users
+    assert "COPY examples/ examples/" in lines  # the samples' training scripts
+
+
+def test_operator_image_has_no_torch_and_checks_it() -> None:
+    lines = dockerfile("operator.Dockerfile")
+    assert lines[0] == "FROM python:3.11-slim"
+    runs = " ".join(line for line in lines if line.startswith("RUN"))
+    assert '".[operator]"' in runs and "[train]" not in runs
+    assert "pip check" in runs and "find_spec" in runs and "'torch'" in runs
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and not users[-1].startswith(("0", "root")), users
+    assert lines[-1] == 'ENTRYPOINT ["python", "-m", "keepstep.operator"]'
