@@ -144,6 +144,18 @@ def test_losing_the_node_that_hosts_the_store(fault: str, reference: str, tmp_pa
     assert stores[max(stores)] != hosts["n0"] and stores[max(stores)] in hosts.values()
 
 
+def test_a_warm_spare_replaces_a_crashed_worker(reference: str, tmp_path: Path) -> None:
+    # Slow steps leave the spare (started at the first commit) time to import torch.
+    proc, summary = keepstep_run(
+        tmp_path, "--fault", "kill-worker:2@step=12", "--warm-spare", "--min-nodes", "2", sleep=0.3
+    )
+    s = check(proc, summary, reference, tmp_path)
+    started = [e for e in read_events(tmp_path / "run") if e["kind"] == "worker-started"]
+    replacement = [e for e in started if e["member"] == "n2/0"][-1]
+    assert replacement["warm"] is True
+    assert s["world_size_by_step"][-1] == 4  # the replacement was admitted again
+
+
 def test_drain_leaves_at_a_boundary_without_rollback(reference: str, tmp_path: Path) -> None:
     proc, summary = keepstep_run(tmp_path, "--fault", "drain-node:2@step=8", "--min-nodes", "2")
     s = check(proc, summary, reference, tmp_path)

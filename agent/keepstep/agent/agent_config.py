@@ -43,6 +43,7 @@ class AgentConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     resume_blob: Path | None = None  # a durable checkpoint to start every worker from
     resume_step: int = 0
+    warm_spare: bool = False  # keep a process with torch imported to replace a crashed worker
 
     def __post_init__(self) -> None:
         if self.nproc < 1:

@@ -85,6 +85,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         resume=args.resume,
         storage_options=_storage_options(os.environ),
         lease_ttl=args.hang_timeout,
+        warm_spare=args.warm_spare,
     )
     # SIGTERM (a CI timeout, kill) must still end every node the launcher started.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -178,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps between durable checkpoints (default: only the last step)",
     )
     run.add_argument("--resume", metavar="URL", help="continue the job from this checkpoint URL")
+    run.add_argument(
+        "--warm-spare",
+        action="store_true",
+        help="keep a process per node with torch imported, to replace a crashed worker fast",
+    )
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
     run.set_defaults(func=_cmd_run)

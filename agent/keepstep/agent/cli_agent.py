@@ -56,6 +56,7 @@ def register(sub: Any) -> None:
     agent.add_argument("--checkpoint", metavar="URL", help="durable checkpoints (fsspec URL)")
     agent.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
     agent.add_argument("--hang-timeout", type=int, default=1, metavar="SECONDS")
+    agent.add_argument("--warm-spare", action="store_true", help="keep a warm spare worker")
     agent.add_argument("--run-dir", help="event log and worker logs [a temporary folder]")
     agent.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     agent.set_defaults(func=_cmd_agent)
@@ -130,4 +131,5 @@ def from_flags(args: argparse.Namespace) -> Any:
         steps=args.steps,
         checkpoint_url=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
+        warm_spare=args.warm_spare,
     )

@@ -36,6 +36,7 @@ from keepstep.agent.probe import ProbeServer
 from keepstep.agent.progress import ProgressPublisher
 from keepstep.agent.protocol import EpochRecord, NodeRecord, key
 from keepstep.agent.registration import Registration
+from keepstep.agent.spare import SparePool
 from keepstep.agent.stores import StoreClients, StoreHost
 from keepstep.agent.supervisor import Supervisor
 from keepstep.agent.telemetry import Telemetry
@@ -67,6 +68,15 @@ class NodeAgent:
         # Aborts must not wait long on a dead or stopped store node.
         self.stores = StoreClients(timeout=min(cfg.op_timeout, 2.0))
         self.supervisor = Supervisor(self._on_worker_exit)
+        self.spares = (
+            SparePool(
+                worker_spec(cfg, "", "", Path()).env,
+                cfg.run_dir / f"spare-{cfg.node}.log",
+                lambda pid: self.events.write("spare-ready", node=cfg.node, pid=pid),
+            )
+            if cfg.warm_spare
+            else None
+        )
         self.probe_server = ProbeServer(self._status, cfg.host)
         self.registration = Registration(
             kv, key(cfg.job, "nodes", cfg.node), cfg.lease_ttl, cfg.op_timeout, self._node_record
@@ -114,6 +124,8 @@ class NodeAgent:
                 seed_snapshot(self.snapshot_path(member), blob, self.events, member)
         for member in self.members():
             self._spawn(member)
+        if self.spares is not None:
+            self.spares.start()
         self.events.write(
             "agent-started", node=self.cfg.node, pid=os.getpid(), store=self.store_host.address
         )
@@ -140,8 +152,9 @@ class NodeAgent:
             socket_address(self.cfg.job, self.cfg.node),
             self.snapshot_path(member),
         )
-        pid = self.supervisor.start(spec)
-        self.events.write("worker-started", member=member, pid=pid)
+        spare = self.spares.take(spec.argv, spec.env, spec.log_path) if self.spares else None
+        pid = self.supervisor.start(spec, spare)
+        self.events.write("worker-started", member=member, pid=pid, warm=spare is not None)
         try:
             self.registration.publish()
         except KVError as error:
@@ -164,6 +177,8 @@ class NodeAgent:
         )
 
     def close(self) -> None:
+        if self.spares is not None:
+            self.spares.close()
         self.supervisor.stop_all(timeout=5.0)
         self.progress.stop()
         if self.durable is not None:
@@ -256,6 +271,8 @@ class NodeAgent:
         op = message.get("op")
         member = str(message.get("member", ""))
         if op == "hello":
+            # The worker imported everything and built its model: it can be admitted.
+            self.events.write("worker-ready", member=member)
             with self.lock:
                 self.ready[member] = conn
                 flag = self.flag

@@ -52,6 +52,7 @@ class RunConfig:
     faults: tuple[FaultSpec, ...] = ()
     timeout: float = 1800.0
     lease_ttl: float = 1.0
+    warm_spare: bool = False
     extra_env: Mapping[str, str] = field(default_factory=dict)
     checkpoint_url: str | None = None
     checkpoint_every: int = 0
@@ -164,6 +165,7 @@ class Launcher:
             expected_nodes=cfg.nodes,
             min_nodes=cfg.min_nodes,
             lease_ttl=cfg.lease_ttl,
+            warm_spare=cfg.warm_spare,
             steps=cfg.steps,
             checkpoint_url=cfg.checkpoint_url,
             checkpoint_every=cfg.checkpoint_every,

@@ -36,11 +36,13 @@ class Supervisor:
         self._lock = threading.Lock()
         self.starts: dict[str, int] = {}
 
-    def start(self, spec: WorkerSpec) -> int:
-        with open(spec.log_path, "ab") as out:
-            proc = subprocess.Popen(
-                list(spec.argv), env=dict(spec.env), stdout=out, stderr=subprocess.STDOUT
-            )
+    def start(self, spec: WorkerSpec, proc: subprocess.Popen[bytes] | None = None) -> int:
+        """Start the worker, or adopt `proc` (a warm spare already running its command)."""
+        if proc is None:
+            with open(spec.log_path, "ab") as out:
+                proc = subprocess.Popen(
+                    list(spec.argv), env=dict(spec.env), stdout=out, stderr=subprocess.STDOUT
+                )
         with self._lock:
             self._procs[spec.member] = proc
             self.starts[spec.member] = self.starts.get(spec.member, 0) + 1
