@@ -1,0 +1,131 @@
+"""`python -m keepstep.operator`: the TrainJob operator (the only place it reads the
+environment or its command line).
+
+    python -m keepstep.operator --etcd URL [--namespace NS] [--kubeconfig PATH]
+        [--standalone | --peering NAME] [--lost-pod-grace S] [--below-min-grace S]
+        [--resync S] [--api-timeout S] [--verbose]
+
+It runs kopf with no liveness endpoint and, unless --peering names a peering object, as a
+standalone operator (one replica). Credentials: --kubeconfig, else the pod's service
+account when running in a cluster, else the default kubeconfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import kopf
+
+from keepstep.operator.agents import AgentStore
+from keepstep.operator.connection import load_connection
+from keepstep.operator.errors import OperatorError
+from keepstep.operator.handlers import Runtime, build_registry
+from keepstep.operator.kube import Kube, KubeError
+from keepstep.operator.reconcile import Reconciler
+from keepstep.operator.settings import DecideConfig, OperatorSettings
+
+
+def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, bool]:
+    """The settings, and whether to log verbosely."""
+    parser = argparse.ArgumentParser(
+        prog="python -m keepstep.operator",
+        description="The keepstep TrainJob operator.",
+    )
+    parser.add_argument("--etcd", required=True, help="job etcd client URL, given to agents")
+    parser.add_argument("--namespace", help="watch only this namespace (default: all)")
+    parser.add_argument("--kubeconfig", help="default: in-cluster, else ~/.kube/config")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--standalone", action="store_true", help="no peering (the default)")
+    group.add_argument("--peering", metavar="NAME", help="take part in kopf peering NAME")
+    parser.add_argument(
+        "--lost-pod-grace",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="a running job's pod whose agent record is missing this long is replaced (15)",
+    )
+    parser.add_argument(
+        "--below-min-grace",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="a running job with fewer than minNodes live agents this long fails (120)",
+    )
+    parser.add_argument(
+        "--resync", type=float, default=5.0, metavar="S", help="reconcile at least this often (5)"
+    )
+    parser.add_argument(
+        "--api-timeout", type=float, default=10.0, metavar="S", help="per API request (10)"
+    )
+    parser.add_argument("--verbose", action="store_true", help="debug logs, kopf's included")
+    args = parser.parse_args(argv)
+    try:
+        settings = OperatorSettings(
+            etcd=args.etcd,
+            namespace=args.namespace,
+            kubeconfig=args.kubeconfig,
+            lost_pod_grace_s=args.lost_pod_grace,
+            below_min_grace_s=args.below_min_grace,
+            resync_s=args.resync,
+            api_timeout_s=args.api_timeout,
+            standalone=args.peering is None,
+            peering=args.peering,
+        )
+    except OperatorError as error:
+        parser.error(str(error))
+    return settings, bool(args.verbose)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, verbose = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not verbose:
+        # kopf reports every handler call at INFO; our reconciles say what they changed.
+        logging.getLogger("kopf").setLevel(logging.WARNING)
+    in_cluster = settings.kubeconfig is None and bool(os.environ.get("KUBERNETES_SERVICE_HOST"))
+    try:
+        connection = load_connection(settings.kubeconfig, in_cluster)
+    except Exception as error:  # the client's loader raises its own assorted types
+        print(f"keepstep.operator: no Kubernetes credentials: {error}", file=sys.stderr)
+        return 2
+    # Imported here: the etcd client's import is heavy, and --help should not wait for it.
+
+    # Imported here: the etcd client's import is heavy, and --help should not wait for it.
+    from keepstep.agent.etcd import EtcdKV
+
+    kube = Kube(connection, settings.api_timeout_s, settings.create_parallelism)
+    kv = EtcdKV(settings.etcd, timeout=settings.etcd_timeout_s)
+    agents = AgentStore(kv, settings.etcd_timeout_s)
+    runtime = Runtime(
+        settings=settings,
+        connection=connection,
+        reconciler=Reconciler(kube, agents, DecideConfig.of(settings)),
+        agents=agents,
+    )
+    try:
+        kopf.run(
+            registry=build_registry(),
+            memo=runtime,
+            standalone=settings.standalone,
+            peering_name=settings.peering,
+            liveness_endpoint=None,
+            clusterwide=settings.namespace is None,
+            namespaces=[settings.namespace] if settings.namespace else (),
+        )
+    except KubeError as error:
+        print(f"keepstep.operator: {error}", file=sys.stderr)
+        return 1
+    finally:
+        kv.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

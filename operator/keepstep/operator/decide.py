@@ -1,0 +1,289 @@
+"""The reconcile decision: a pure function of one observed snapshot and `now`.
+
+Where it sits: `reconcile` observes a TrainJob, its pods, its Service and its agents'
+etcd records, calls `decide`, and applies the returned actions in order. The same call runs
+on every event and on a timer (level-triggered), so every sub-decision is idempotent and
+the status is computed on a copy and patched only when it differs: a snapshot in which
+nothing changed yields no actions at all.
+
+Sub-decisions, in order (each reads the snapshot and what the earlier ones chose):
+  1. prefix   stamp the job's etcd prefix with its uid (reset it if it holds another job's
+              records, or a suspended run's once its pods are gone)
+  2. service  the headless Service exists
+  3. phase    Succeeded when every worker of the current epoch reported done; Suspended
+              while spec.suspend; Running once the agents agreed an epoch; Failed after
+              more than the grace below minNodes live agents; Succeeded and Failed are final
+  4. pods     delete lost pods (Failed, exited unfinished, or Running while their agent's
+              record has been missing from etcd for longer than the grace) and replace them
+              with new indices; create or delete (highest index first) to follow numNodes,
+              never above maxNodes; delete every pod of a suspended job and the unfinished
+              pods of a failed one
+  5. events   one per change
+  6. status   figures from the agents, conditions; PatchStatus only on a difference, and
+              as the last action
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from keepstep.operator.actions import (
+    Action,
+    ClaimPrefix,
+    CreatePod,
+    Decision,
+    DeletePod,
+    EnsureService,
+    Event,
+    EventType,
+    PatchStatus,
+)
+from keepstep.operator.model import (
+    AgentView,
+    Job,
+    Phase,
+    PodPhase,
+    PodView,
+    parse_time,
+)
+from keepstep.operator.podspec import pod_manifest, service_manifest
+from keepstep.operator.settings import DecideConfig
+from keepstep.operator.status import (
+    OWNED,
+    Condition,
+    build_status,
+    conditions,
+    phase_of,
+    status_patch,
+)
+
+_NAMES_IN_EVENT = 5
+
+
+@dataclass
+class _Plan:
+    """The decision under construction (local to one `decide` call)."""
+
+    actions: list[Action] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Phase:
+    phase: Phase
+    why: str
+    below_min_since: float | None = None
+
+
+def decide(
+    job: Job,
+    pods: Sequence[PodView],
+    agents: AgentView | None,
+    now: float,
+    *,
+    config: DecideConfig,
+    service_exists: bool = True,
+) -> Decision:
+    """What to do about `job`. `agents` is None when etcd could not be read: nothing that
+    depends on the agents' records is decided then, and their figures are kept."""
+    if job.deleting:
+        return Decision((), "being deleted: the finalizer cleans up, nothing to reconcile")
+    plan = _Plan()
+    _prefix(job, pods, agents, plan)
+    if not service_exists and not (job.phase and job.phase.final):
+        plan.actions.append(EnsureService(service_manifest(job)))
+        plan.events.append(Event(EventType.NORMAL, "CreatedService", f"headless {job.name}"))
+        plan.reasons.append("service missing")
+    phase = _phase(job, agents, now, config)
+    next_index = _pods(job, pods, agents, now, config, phase.phase, plan)
+    new_status = build_status(
+        job, agents, now, phase.phase, phase.why, phase.below_min_since, next_index
+    )
+    patch = status_patch(job.status, new_status)
+    old_phase = job.phase
+    if phase.phase != old_phase:
+        kind = EventType.WARNING if phase.phase is Phase.FAILED else EventType.NORMAL
+        what = f"{old_phase or 'new'} -> {phase.phase}: {phase.why}"
+        plan.events.append(Event(kind, str(phase.phase), what))
+        plan.reasons.append(f"phase {what}")
+    if "belowMinNodesSince" in patch and patch["belowMinNodesSince"] is not None:
+        live = len(agents.nodes) if agents is not None else 0
+        plan.events.append(
+            Event(
+                EventType.WARNING,
+                "BelowMinNodes",
+                f"{live} live agents, minNodes {job.spec.min_nodes}: the job fails after "
+                f"{config.below_min_s:g} s",
+            )
+        )
+    # The status patch goes last: whoever sees the new status sees all the reconcile did.
+    status_write = [PatchStatus(patch)] if patch else []
+    if patch:
+        plan.reasons.append("status: " + ", ".join(sorted(patch)))
+    actions = (*plan.actions, *plan.events, *status_write)
+    if not actions:
+        live = sum(1 for p in pods if p.owned and not p.terminating)
+        reason = f"nothing to do: {phase.phase}, {live} pods, status unchanged"
+        return Decision((), reason, new_status)
+    return Decision(actions, "; ".join(plan.reasons), new_status)
+
+
+def decide_invalid(job_obj: dict[str, Any], error: str, now: float) -> Decision:
+    """A TrainJob whose spec can never work: mark it Failed (once) and say why."""
+    old = job_obj.get("status") or {}
+    if (phase_of(old) or Phase.PENDING).final:
+        return Decision((), f"invalid spec, already {old.get('phase')}: {error}")
+    failed = Condition("Failed", True, "InvalidSpec", error)
+    new = {
+        **{k: old[k] for k in OWNED if k in old},
+        "phase": str(Phase.FAILED),
+        "observedGeneration": int((job_obj.get("metadata") or {}).get("generation") or 0),
+        "conditions": conditions(old.get("conditions") or [], [failed], now),
+    }
+    actions = (
+        PatchStatus(status_patch(old, new)),
+        Event(EventType.WARNING, "InvalidSpec", error),
+    )
+    return Decision(actions, f"invalid spec: {error}", new)
+
+
+def _prefix(job: Job, pods: Sequence[PodView], agents: AgentView | None, plan: _Plan) -> None:
+    if agents is None:
+        return
+    if agents.owner_uid is not None and agents.owner_uid != job.uid:
+        plan.actions.append(ClaimPrefix(job.key, job.uid, reset=True))
+        plan.reasons.append(f"etcd prefix held records of job uid {agents.owner_uid}: reset")
+    elif agents.owner_uid is None:
+        plan.actions.append(ClaimPrefix(job.key, job.uid))
+        plan.reasons.append("etcd prefix claimed")
+    elif job.spec.suspend and job.phase is Phase.SUSPENDED and not pods and agents.records:
+        # The agents of the suspended run are gone; their epoch must not greet the resumed
+        # run's agents (the job continues from its durable checkpoint instead).
+        plan.actions.append(ClaimPrefix(job.key, job.uid, reset=True))
+        plan.reasons.append(f"suspended: {agents.records} agent records cleared")
+
+
+def _phase(job: Job, agents: AgentView | None, now: float, config: DecideConfig) -> _Phase:
+    old = job.phase or Phase.PENDING
+    since = parse_time(job.status.get("belowMinNodesSince"))
+    if old.final:
+        return _Phase(old, "final", since)  # kept as it was when the job ended
+    if agents is not None and agents.complete():
+        hashes = {d.params_sha256 for d in agents.done.values()}
+        if len(hashes) == 1:
+            return _Phase(Phase.SUCCEEDED, "every worker of the epoch reported done")
+        return _Phase(Phase.FAILED, f"workers finished with {len(hashes)} different parameters")
+    if job.spec.suspend:
+        return _Phase(Phase.SUSPENDED, "spec.suspend is true")
+    if agents is None:
+        running = old is Phase.RUNNING
+    else:
+        running = old is Phase.RUNNING or (agents.epoch is not None and bool(agents.nodes))
+    if not running:
+        return _Phase(Phase.PENDING, "waiting for the agents to agree an epoch")
+    min_nodes = min(job.spec.min_nodes, job.spec.desired_nodes)
+    if agents is None:
+        return _Phase(Phase.RUNNING, "etcd unreachable", since)
+    live = len(agents.nodes)
+    if live >= min_nodes:
+        return _Phase(Phase.RUNNING, f"{live} agents in epoch {_epoch(agents)}")
+    since = now if since is None else since
+    if now - since >= config.below_min_s:
+        why = f"{live} live agents < minNodes {min_nodes} for {now - since:.0f} s"
+        return _Phase(Phase.FAILED, why, since)
+    return _Phase(Phase.RUNNING, f"{live} live agents < minNodes {min_nodes}", since)
+
+
+def _epoch(agents: AgentView) -> int:
+    return agents.epoch.epoch if agents.epoch is not None else 0
+
+
+def _lost(
+    pod: PodView, agents: AgentView | None, now: float, config: DecideConfig, phase: Phase
+) -> str | None:
+    """Why `pod` is lost, or None if it is not."""
+    if pod.phase is PodPhase.FAILED:
+        return "pod Failed"
+    if agents is None:
+        return None
+    if pod.phase is PodPhase.SUCCEEDED:
+        names = {d.node.rpartition("/")[0] or d.node for d in agents.done.values()}
+        return None if pod.name in names else "agent exited before the job finished"
+    if phase is not Phase.RUNNING or pod.phase not in (PodPhase.RUNNING, PodPhase.UNKNOWN):
+        return None
+    if pod.name in agents.nodes:
+        return None
+    # A killed node leaves its pod "Running" on a NotReady node; only the agent's leased
+    # record in etcd tells. Missing since it was last seen, or since the pod started.
+    missing_since = max(pod.running_since or now, agents.last_seen.get(pod.name, 0.0))
+    if now - missing_since > config.lost_pod_s:
+        return f"agent record missing from etcd for {now - missing_since:.0f} s"
+    return None
+
+
+def _pods(
+    job: Job,
+    pods: Sequence[PodView],
+    agents: AgentView | None,
+    now: float,
+    config: DecideConfig,
+    phase: Phase,
+    plan: _Plan,
+) -> int:
+    """Add the pod actions; returns the next unused pod index."""
+    next_index = max([int(job.status.get("nextPodIndex") or 0), *(p.index + 1 for p in pods)])
+    present = sorted((p for p in pods if p.owned and not p.terminating), key=lambda p: p.index)
+    if phase is Phase.SUCCEEDED:
+        return next_index
+    if phase in (Phase.SUSPENDED, Phase.FAILED):
+        doomed = [
+            p
+            for p in present
+            if phase is Phase.SUSPENDED or p.phase not in (PodPhase.SUCCEEDED, PodPhase.FAILED)
+        ]
+        for pod in doomed:
+            plan.actions.append(DeletePod(pod.name, f"job {phase}"))
+        if doomed:
+            plan.reasons.append(f"deleted {len(doomed)} pods of a {phase} job")
+            plan.events.append(
+                Event(EventType.NORMAL, "DeletedPods", f"job {phase}: {_names(doomed)}")
+            )
+        return next_index
+    live: list[PodView] = []
+    for pod in present:
+        why = _lost(pod, agents, now, config, phase)
+        if why is None:
+            live.append(pod)
+            continue
+        plan.actions.append(DeletePod(pod.name, why, grace_seconds=0))
+        plan.events.append(Event(EventType.WARNING, "PodLost", f"{pod.name}: {why}"))
+        plan.reasons.append(f"lost {pod.name} ({why})")
+    desired = job.spec.desired_nodes
+    if len(live) < desired:
+        created = [
+            CreatePod(i, pod_manifest(job, i, config.etcd))
+            for i in range(next_index, next_index + desired - len(live))
+        ]
+        plan.actions.extend(created)
+        next_index += len(created)
+        plan.reasons.append(f"created {len(created)} pods ({len(live)} live, {desired} desired)")
+        plan.events.append(
+            Event(EventType.NORMAL, "CreatedPods", f"{len(created)}: {_names(created)}")
+        )
+    elif len(live) > desired:
+        # The newest pods go first; each agent drains on SIGTERM at a step boundary.
+        extra = sorted(live, key=lambda p: p.index)[desired:]
+        for pod in reversed(extra):
+            plan.actions.append(DeletePod(pod.name, f"scale down to {desired}"))
+        plan.reasons.append(f"scaled down {len(live)} -> {desired}")
+        plan.events.append(Event(EventType.NORMAL, "ScaledDown", _names(extra)))
+    return next_index
+
+
+def _names(items: Sequence[PodView | CreatePod]) -> str:
+    names = [i.name for i in items]
+    more = len(names) - _NAMES_IN_EVENT
+    return ", ".join(names[:_NAMES_IN_EVENT]) + (f" and {more} more" if more > 0 else "")

@@ -1,0 +1,283 @@
+"""The one module that talks to the Kubernetes API (besides kopf's own watching).
+
+Where it sits: `reconcile` reads a TrainJob, its pods and its Service through `Kube`, and
+hands it the Kubernetes actions of a `Decision` to apply. Requests are plain JSON over one
+pooled HTTPS client (the credentials: `connection`); every request has a timeout and is
+counted, per kind and as reads or writes, so tests and the benchmark can assert that a
+reconcile which changes nothing writes nothing. Applying is idempotent: creating what
+exists or deleting what is gone is not an error. Pods are created in parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import urllib3
+
+from keepstep.operator.actions import (
+    Action,
+    CreatePod,
+    DeletePod,
+    EnsureService,
+    Event,
+    PatchStatus,
+)
+from keepstep.operator.connection import Connection
+from keepstep.operator.errors import OperatorError
+from keepstep.operator.model import (
+    GROUP,
+    JOB_LABEL,
+    KIND,
+    PLURAL,
+    VERSION,
+    JobRef,
+    format_time,
+)
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "keepstep-operator"
+
+
+class KubeError(OperatorError):
+    """The API server refused a request or could not be reached in time."""
+
+    def __init__(self, message: str, status: int = 0) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Tally:
+    """API calls of one reconcile (or of the whole process): per kind, reads and writes."""
+
+    calls: Counter[str] = field(default_factory=Counter)
+    reads: int = 0
+    writes: int = 0
+
+    def add(self, kind: str, write: bool) -> None:
+        self.calls[kind] += 1
+        if write:
+            self.writes += 1
+        else:
+            self.reads += 1
+
+
+_TOKEN_REREAD_S = 60.0  # a rotated service account token is picked up within a minute
+_JOBS = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}/{{name}}"
+
+
+class Kube:
+    def __init__(
+        self,
+        connection: Connection,
+        timeout: float = 10.0,
+        parallelism: int = 16,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.connection, self.timeout, self.parallelism = connection, timeout, parallelism
+        self.clock = clock
+        self._headers = {"Accept": "application/json", "User-Agent": COMPONENT}
+        self._token: tuple[float, str | None] = (-math.inf, None)  # (read at, token)
+        self._http = urllib3.PoolManager(
+            maxsize=parallelism,
+            cert_reqs="CERT_NONE" if connection.insecure else "CERT_REQUIRED",
+            ca_certs=connection.ca_path,
+            cert_file=connection.cert_path,
+            key_file=connection.key_path,
+            retries=False,
+        )
+        self._lock = threading.Lock()
+        self.total = Tally()
+        self._host = socket.gethostname()
+
+    # ------------------------------------------------------------------ requests
+
+    def _request(
+        self,
+        kind: str,
+        method: str,
+        path: str,
+        tally: Tally | None,
+        body: Any = None,
+        content_type: str = "application/json",
+        ok_missing: bool = False,
+    ) -> Any:
+        """One API call; the decoded JSON answer, or None for a 404/409 that `ok_missing`
+        (or a create of something that exists) makes harmless."""
+        write = method != "GET"
+        with self._lock:
+            self.total.add(kind, write)
+            if tally is not None:
+                tally.add(kind, write)
+        headers = dict(self._headers)
+        token = self._current_token()
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = None
+        if body is not None:
+            headers["Content-Type"] = content_type
+            data = json.dumps(body).encode()
+        try:
+            response = self._http.request(
+                method,
+                self.connection.server + path,
+                body=data,
+                headers=headers,
+                timeout=urllib3.Timeout(total=self.timeout),
+                preload_content=True,
+            )
+        except urllib3.exceptions.HTTPError as error:
+            raise KubeError(f"{method} {path}: {error}") from error
+        if response.status == 404 and ok_missing:
+            return None
+        if response.status == 409 and method == "POST":
+            return None  # AlreadyExists: an earlier reconcile created it
+        if response.status >= 300:
+            text = response.data.decode(errors="replace")[:500]
+            raise KubeError(f"{method} {path}: HTTP {response.status}: {text}", response.status)
+        return json.loads(response.data) if response.data else {}
+
+    def _current_token(self) -> str | None:
+        read_at, token = self._token
+        if time.monotonic() - read_at > _TOKEN_REREAD_S:
+            try:
+                token = self.connection.current_token()
+            except OSError as error:
+                raise KubeError(f"service account token unreadable: {error}") from error
+            self._token = (time.monotonic(), token)
+        return token
+
+    # ------------------------------------------------------------------ reads
+
+    def get_job(self, namespace: str, name: str, tally: Tally | None = None) -> Any:
+        """The TrainJob as a dict, or None if it does not exist."""
+        path = _JOBS.format(ns=quote(namespace), name=quote(name))
+        return self._request("get_job", "GET", path, tally, ok_missing=True)
+
+    def list_pods(self, namespace: str, job_name: str, tally: Tally | None = None) -> list[Any]:
+        query = urlencode({"labelSelector": f"{JOB_LABEL}={job_name}"})
+        path = f"/api/v1/namespaces/{quote(namespace)}/pods?{query}"
+        answer = self._request("list_pods", "GET", path, tally)
+        return list(answer.get("items") or [])
+
+    def service_exists(self, namespace: str, name: str, tally: Tally | None = None) -> bool:
+        path = f"/api/v1/namespaces/{quote(namespace)}/services/{quote(name)}"
+        return self._request("get_service", "GET", path, tally, ok_missing=True) is not None
+
+    # ------------------------------------------------------------------ writes
+
+    def apply(
+        self, job: JobRef, actions: Sequence[Action], tally: Tally | None = None
+    ) -> str | None:
+        """Carry out the Kubernetes actions in order (pod creations in parallel); returns
+        the TrainJob's resourceVersion after a status patch, if there was one."""
+        ns = quote(job.namespace)
+        version: str | None = None
+        errors: list[str] = []
+        creates = [a for a in actions if isinstance(a, CreatePod)]
+        for action in actions:
+            try:
+                if isinstance(action, EnsureService):
+                    path = f"/api/v1/namespaces/{ns}/services"
+                    self._request("create_service", "POST", path, tally, dict(action.manifest))
+                elif isinstance(action, DeletePod):
+                    self._delete_pod(job.namespace, action, tally)
+                elif isinstance(action, CreatePod) and action is creates[0]:
+                    errors += self._create_pods(job.namespace, creates, tally)
+                elif isinstance(action, PatchStatus):
+                    version = self._patch_status(job, action.patch, tally)
+                elif isinstance(action, Event):
+                    self._event(job, action, tally)
+            except KubeError as error:
+                if isinstance(action, Event):
+                    log.warning("event not posted: %s", error)  # events are best effort
+                else:
+                    errors.append(str(error))
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise KubeError(f"{len(errors)} actions on {job.key} failed: {errors[0]}{more}")
+        return version
+
+    def _create_pods(
+        self, namespace: str, creates: Sequence[CreatePod], tally: Tally | None
+    ) -> list[str]:
+        path = f"/api/v1/namespaces/{quote(namespace)}/pods"
+
+        def create(action: CreatePod) -> str | None:
+            try:
+                self._request("create_pod", "POST", path, tally, dict(action.manifest))
+            except KubeError as error:
+                return str(error)
+            return None
+
+        return _parallel(create, creates, self.parallelism)
+
+    def _delete_pod(self, namespace: str, action: DeletePod, tally: Tally | None) -> None:
+        path = f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(action.name)}"
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if action.grace_seconds is not None:
+            body["gracePeriodSeconds"] = action.grace_seconds
+        self._request("delete_pod", "DELETE", path, tally, body, ok_missing=True)
+
+    def _patch_status(
+        self, job: JobRef, patch: Mapping[str, Any], tally: Tally | None
+    ) -> str | None:
+        path = _JOBS.format(ns=quote(job.namespace), name=quote(job.name)) + "/status"
+        answer = self._request(
+            "patch_status",
+            "PATCH",
+            path,
+            tally,
+            {"status": dict(patch)},
+            content_type="application/merge-patch+json",
+            ok_missing=True,
+        )
+        return None if answer is None else str(answer["metadata"]["resourceVersion"])
+
+    def _event(self, job: JobRef, event: Event, tally: Tally | None) -> None:
+        now = format_time(self.clock())
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{job.name}.", "namespace": job.namespace},
+            "involvedObject": {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": job.name,
+                "namespace": job.namespace,
+                "uid": job.uid,
+            },
+            "type": str(event.type),
+            "reason": event.reason,
+            "message": event.message[:1024],
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self._host,
+        }
+        path = f"/api/v1/namespaces/{quote(job.namespace)}/events"
+        self._request("create_event", "POST", path, tally, body)
+
+
+def _parallel(
+    fn: Callable[[CreatePod], str | None], items: Sequence[CreatePod], workers: int
+) -> list[str]:
+    if len(items) == 1:
+        result = fn(items[0])
+        return [] if result is None else [result]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+        return [r for r in pool.map(fn, items) if r is not None]

@@ -1,0 +1,135 @@
+"""The manifests the operator creates for a TrainJob: one pod per node and a headless Service.
+
+Where it sits: `decide` calls these pure functions to build `CreatePod`/`EnsureService`
+actions; `kube` sends the dicts as they are. Each pod runs the node agent
+(`keepstep agent ...`) with the job's settings as flags and its identity in the environment:
+KEEPSTEP_ETCD, KEEPSTEP_JOB ("<namespace>.<name>", the job's etcd prefix),
+KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from keepstep.operator.model import GROUP, INDEX_LABEL, JOB_LABEL, KIND, VERSION, Job
+from keepstep.operator.spec import JobSpec
+
+AGENT_COMMAND = ("keepstep", "agent")
+CONTAINER = "agent"
+MANAGED_BY = "keepstep-operator"
+# Set by the operator and never taken from trainer.env: they are the job's identity.
+RESERVED_ENV = ("KEEPSTEP_ETCD", "KEEPSTEP_JOB", "KEEPSTEP_NODE", "KEEPSTEP_HOST")
+
+
+def pod_name(job_name: str, index: int) -> str:
+    return f"{job_name}-node-{index}"
+
+
+def selector(job_name: str) -> str:
+    """The label selector of a job's pods (also status.selector, for /scale)."""
+    return f"{JOB_LABEL}={job_name}"
+
+
+def owner_reference(job: Job) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": job.name,
+        "uid": job.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def agent_args(spec: JobSpec) -> list[str]:
+    """The agent's flags: the job's shape, then `--` and the training command."""
+    desired = spec.desired_nodes
+    args = [
+        "--nodes",
+        str(desired),
+        "--min-nodes",
+        str(min(spec.min_nodes, desired)),
+        "--nproc",
+        str(spec.nproc_per_node),
+        "--global-batch",
+        str(spec.global_batch),
+        "--micro-batch",
+        str(spec.micro_batch),
+        "--steps",
+        str(spec.num_steps),
+        "--seed",
+        str(spec.seed),
+    ]
+    if spec.checkpoint is not None:
+        args += [
+            "--checkpoint",
+            spec.checkpoint.uri,
+            "--checkpoint-every",
+            str(spec.checkpoint.every_steps),
+        ]
+    return [*args, "--", *spec.command, *spec.args]
+
+
+def agent_env(job: Job, etcd: str) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "KEEPSTEP_ETCD", "value": etcd},
+        {"name": "KEEPSTEP_JOB", "value": job.key},
+        {"name": "KEEPSTEP_NODE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "KEEPSTEP_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    env += [dict(e) for e in job.spec.env if e.get("name") not in RESERVED_ENV]
+    return env
+
+
+def pod_manifest(job: Job, index: int, etcd: str) -> dict[str, Any]:
+    """The pod of node `index` (indices are never reused within a job)."""
+    container: dict[str, Any] = {
+        "name": CONTAINER,
+        "image": job.spec.image,
+        "command": list(AGENT_COMMAND),
+        "args": agent_args(job.spec),
+        "env": agent_env(job, etcd),
+    }
+    if job.spec.resources:
+        container["resources"] = dict(job.spec.resources)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(job.name, index),
+            "namespace": job.namespace,
+            "labels": {
+                JOB_LABEL: job.name,
+                INDEX_LABEL: str(index),
+                "app.kubernetes.io/managed-by": MANAGED_BY,
+            },
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": {
+            # A failed agent is replaced by a new pod with a new index, never restarted in
+            # place: the membership protocol treats a new node as a join.
+            "restartPolicy": "Never",
+            "subdomain": job.name,
+            "containers": [container],
+        },
+    }
+
+
+def service_manifest(job: Job) -> dict[str, Any]:
+    """The headless Service that gives each pod a DNS name <pod>.<job>.<namespace>.svc."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": job.name,
+            "namespace": job.namespace,
+            "labels": {JOB_LABEL: job.name, "app.kubernetes.io/managed-by": MANAGED_BY},
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": {
+            "clusterIP": "None",
+            "selector": {JOB_LABEL: job.name},
+            # Agents look each other up before they are ready.
+            "publishNotReadyAddresses": True,
+        },
+    }

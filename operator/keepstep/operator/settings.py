@@ -1,0 +1,81 @@
+"""The operator's configuration: one frozen value built at the entry point.
+
+`python -m keepstep.operator` turns its flags into an `OperatorSettings`; every other
+module receives it (or the part it needs) as an argument and never reads the environment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from keepstep.operator.errors import SpecError
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise SpecError(f"{name}={value!r} must be a finite number of seconds > 0")
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    """What the operator needs to run.
+
+    etcd: the client URL of the job etcd, also handed to every agent as KEEPSTEP_ETCD.
+    namespace: the one namespace to watch; None watches all of them.
+    lost_pod_grace_s: how long a Running pod's agent may be missing from etcd, while its
+        job runs, before the pod counts as lost (a killed node leaves its pod "Running").
+    below_min_grace_s: how long a running job may have fewer than minNodes live agents
+        before it is marked Failed.
+    resync_s: a job is reconciled at least this often even when nothing signals a change
+        (agent progress reaches status this way).
+    """
+
+    etcd: str
+    namespace: str | None = None
+    kubeconfig: str | None = None
+    lost_pod_grace_s: float = 15.0
+    below_min_grace_s: float = 120.0
+    resync_s: float = 5.0
+    api_timeout_s: float = 10.0
+    etcd_timeout_s: float = 5.0
+    create_parallelism: int = 16
+    standalone: bool = True
+    peering: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.etcd or not isinstance(self.etcd, str):
+            raise SpecError(f"etcd={self.etcd!r} must be a client URL such as http://host:2379")
+        if self.namespace is not None and not self.namespace:
+            raise SpecError("namespace='' is not a namespace: pass None to watch all of them")
+        _positive("lost_pod_grace_s", self.lost_pod_grace_s)
+        _positive("below_min_grace_s", self.below_min_grace_s)
+        _positive("resync_s", self.resync_s)
+        _positive("api_timeout_s", self.api_timeout_s)
+        _positive("etcd_timeout_s", self.etcd_timeout_s)
+        if not (isinstance(self.create_parallelism, int) and 1 <= self.create_parallelism <= 64):
+            raise SpecError(f"create_parallelism={self.create_parallelism!r} must be 1..64")
+        if self.standalone and self.peering is not None:
+            raise SpecError(
+                f"peering={self.peering!r} needs standalone=False: a standalone operator "
+                "does not take part in peering"
+            )
+
+
+@dataclass(frozen=True)
+class DecideConfig:
+    """The part of the settings a decision uses: what pods are told, and its time limits."""
+
+    etcd: str
+    lost_pod_s: float = 15.0
+    below_min_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not self.etcd:
+            raise SpecError("etcd='' must be the client URL the agents are given")
+        _positive("lost_pod_s", self.lost_pod_s)
+        _positive("below_min_s", self.below_min_s)
+
+    @classmethod
+    def of(cls, settings: OperatorSettings) -> DecideConfig:
+        return cls(settings.etcd, settings.lost_pod_grace_s, settings.below_min_grace_s)

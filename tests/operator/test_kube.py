@@ -1,0 +1,135 @@
+"""The Kubernetes API client's contract, against a stub HTTP server on loopback: what it
+sends, that repeats are harmless (409 on create, 404 on delete), that failures become
+KubeError after every action was tried, and that calls are counted."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+from op_builders import ETCD, job
+
+from keepstep.operator.actions import (
+    Action,
+    CreatePod,
+    DeletePod,
+    EnsureService,
+    Event,
+    EventType,
+    PatchStatus,
+)
+from keepstep.operator.connection import Connection
+from keepstep.operator.kube import Kube, KubeError, Tally
+from keepstep.operator.podspec import pod_manifest, service_manifest
+
+
+class Stub:
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, dict[str, str], Any]] = []
+        self.answers: dict[tuple[str, str], int] = {}  # (method, path) -> status
+        self.lock = threading.Lock()
+
+
+@pytest.fixture
+def stub() -> Iterator[tuple[Stub, str]]:
+    state = Stub()
+
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            path = self.path.split("?")[0]
+            with state.lock:
+                state.requests.append((self.command, self.path, dict(self.headers), body))
+                code = state.answers.get((self.command, path), 200)
+            answer = {"metadata": {"resourceVersion": "42"}, "items": [{"x": 1}]}
+            data = json.dumps(answer if code < 300 else {"message": "no"}).encode()
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = do_PATCH = do_DELETE = _serve
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield state, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_reads_are_counted_and_send_the_token(stub: tuple[Stub, str]) -> None:
+    state, url = stub
+    kube = Kube(Connection(url, token="tkn"), timeout=5.0)
+    tally = Tally()
+    assert kube.get_job("ns", "demo", tally) is not None
+    assert kube.list_pods("ns", "demo", tally) == [{"x": 1}]
+    state.answers[("GET", "/api/v1/namespaces/ns/services/demo")] = 404
+    assert kube.service_exists("ns", "demo", tally) is False
+    assert (tally.reads, tally.writes) == (3, 0)
+    method, path, headers, _ = state.requests[1]
+    assert method == "GET" and "labelSelector=keepstep.dev%2Fjob%3Ddemo" in path
+    assert headers["Authorization"] == "Bearer tkn"
+
+
+def test_apply_is_idempotent_and_returns_the_new_resource_version(stub: tuple[Stub, str]) -> None:
+    state, url = stub
+    j = job()
+    state.answers[("POST", "/api/v1/namespaces/ns/pods")] = 409  # created by an earlier try
+    state.answers[("DELETE", "/api/v1/namespaces/ns/pods/demo-node-9")] = 404  # already gone
+    actions: list[Action] = [
+        EnsureService(service_manifest(j)),
+        *(CreatePod(i, pod_manifest(j, i, ETCD)) for i in range(3)),
+        DeletePod("demo-node-9", "lost", grace_seconds=0),
+        Event(EventType.NORMAL, "CreatedPods", "3"),
+        PatchStatus({"phase": "Pending", "belowMinNodesSince": None}),
+    ]
+    tally = Tally()
+    assert Kube(Connection(url), parallelism=3).apply(j.ref, actions, tally) == "42"
+    assert tally.writes == 7 and tally.calls["create_pod"] == 3
+    by_kind = {(m, p.split("?")[0]): b for m, p, _, b in state.requests}
+    assert by_kind[("DELETE", "/api/v1/namespaces/ns/pods/demo-node-9")]["gracePeriodSeconds"] == 0
+    patch = by_kind[("PATCH", "/apis/keepstep.dev/v1alpha1/namespaces/ns/trainjobs/demo/status")]
+    assert patch == {"status": {"phase": "Pending", "belowMinNodesSince": None}}
+    patch_headers = next(h for m, _, h, _ in state.requests if m == "PATCH")
+    assert patch_headers["Content-Type"] == "application/merge-patch+json"
+    event = by_kind[("POST", "/api/v1/namespaces/ns/events")]
+    assert event["involvedObject"]["uid"] == "uid-1" and event["reason"] == "CreatedPods"
+
+
+def test_failures_are_raised_after_every_action_was_tried(stub: tuple[Stub, str]) -> None:
+    state, url = stub
+    j = job()
+    state.answers[("POST", "/api/v1/namespaces/ns/pods")] = 500
+    state.answers[("POST", "/api/v1/namespaces/ns/events")] = 500  # events are best effort
+    actions: list[Action] = [
+        *(CreatePod(i, pod_manifest(j, i, ETCD)) for i in range(2)),
+        Event(EventType.NORMAL, "CreatedPods", "2"),
+        PatchStatus({"phase": "Pending"}),
+    ]
+    with pytest.raises(KubeError, match=r"2 actions on ns.demo failed: .*HTTP 500"):
+        Kube(Connection(url)).apply(j.ref, actions)
+    assert [m for m, *_ in state.requests].count("PATCH") == 1
+
+
+def test_an_unreachable_server_is_a_kube_error() -> None:
+    with pytest.raises(KubeError):
+        Kube(Connection("http://127.0.0.1:9"), timeout=1.0).get_job("ns", "demo")
+
+
+def test_a_service_account_token_is_read_from_its_file(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("first\n")
+    connection = Connection("https://k", token_path=str(path))
+    assert connection.current_token() == "first"
+    path.write_text("rotated")
+    assert connection.current_token() == "rotated"
