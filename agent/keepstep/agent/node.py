@@ -229,6 +229,7 @@ class NodeAgent:
         self.events.write(
             "fault-detected", cause=cause, node=node, epoch=epoch.epoch, reason=reason
         )
+        self.progress.fault(epoch.epoch)
         if epoch.store:
             self.stores.abort(epoch.store, epoch.epoch, reason)
 
@@ -283,6 +284,7 @@ class NodeAgent:
         if op == "boundary":
             return self.healer.boundary(member, int(message["done"]))
         if op == "failure":
+            self.progress.fault(int(message["epoch"]))
             try:
                 return self.healer.failure(
                     member,

@@ -27,6 +27,15 @@ class ProgressPublisher:
         self._stop = threading.Event()
         self._times: list[tuple[float, int]] = []
         self.latest: protocol.ProgressRecord | None = None
+        self._fault: tuple[float, int] | None = None  # (when, epoch) of an open recovery
+        self._last_mttr: float | None = None
+
+    def fault(self, epoch: int) -> None:
+        """A fault was detected in `epoch`: the next commit in a later epoch ends its MTTR
+        as this node saw it (from its detection; the run summary measures from the fault)."""
+        with self._lock:
+            if self._fault is None or self._fault[1] != epoch:
+                self._fault = (time.time(), epoch)
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="progress", daemon=True).start()
@@ -41,13 +50,15 @@ class ProgressPublisher:
             self._times = [*self._times[-19:], (now, step)]
             first_t, first_step = self._times[0]
             rate = (step - first_step) / (now - first_t) if now > first_t else 0.0
+            if self._fault is not None and int(commit["epoch"]) > self._fault[1]:
+                self._last_mttr, self._fault = now - self._fault[0], None
             self.latest = protocol.ProgressRecord(
                 self.node,
                 step + 1,
                 int(commit["epoch"]),
                 int(commit["world_size"]),
                 rate * self.global_batch,
-                None,
+                self._last_mttr,
                 now,
             )
         self._due.set()

@@ -11,7 +11,7 @@ JSON; every field has a type and a default so that old readers survive new field
     /keepstep/jobs/<job>/progress/<node>  ProgressRecord committed step, rates
     /keepstep/jobs/<job>/recoveries/<e-m> what member m measured entering epoch e
                                                   (communicator_s, restore_s, replan_s, ...)
-    /keepstep/jobs/<job>/done/<node>      DoneRecord    a node whose workers finished
+    /keepstep/jobs/<job>/done/<node>-<r>  DoneRecord    a worker (member <node>/<r>) finished
 """
 
 from __future__ import annotations
