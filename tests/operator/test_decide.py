@@ -156,11 +156,27 @@ def test_a_pod_whose_agent_vanished_is_lost_only_after_the_grace() -> None:
 
 
 def test_a_running_pod_whose_agent_never_registered_counts_from_its_start() -> None:
+    # An agent never seen is still starting (imports, model): it gets the start grace
+    # (120 s), not the lost-pod grace (15 s) of an agent that was seen and vanished.
     j = job(nodes=2, min_nodes=1, status={"phase": "Running", "nextPodIndex": 3})
     pods = [running(0), running(2, since=T0 + 100)]
     ag = agents(["demo-node-0"])
-    assert not run(j, pods, ag, T0 + 110).of(DeletePod)
-    assert names(run(j, pods, ag, T0 + 116).of(DeletePod)) == ["demo-node-2"]
+    assert not run(j, pods, ag, T0 + 116).of(DeletePod)
+    assert not run(j, pods, ag, T0 + 219).of(DeletePod)
+    assert names(run(j, pods, ag, T0 + 221).of(DeletePod)) == ["demo-node-2"]
+
+
+def test_a_replacement_is_kept_off_the_node_its_predecessor_was_lost_on() -> None:
+    j = job(nodes=2, min_nodes=1, status={"phase": "Running", "nextPodIndex": 2})
+    lost = replace(running(1), node="dead-node")
+    d = run(j, [replace(running(0), node="n0"), lost], agents(["demo-node-0"]), T0 + 1000)
+    assert names(d.of(DeletePod)) == ["demo-node-1"]
+    (created,) = d.of(CreatePod)
+    affinity = created.manifest["spec"]["affinity"]["nodeAffinity"]
+    terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms == [
+        {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": ["dead-node"]}]}
+    ]
 
 
 def test_missing_agent_records_do_not_condemn_pods_before_the_job_runs() -> None:

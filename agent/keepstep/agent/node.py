@@ -62,6 +62,7 @@ class NodeAgent:
         self.exit_codes: dict[str, int] = {}
         self.finished: set[str] = set()
         self.restarts: dict[str, int] = {}
+        self.entered: dict[str, dict[str, Any]] = {}  # member -> its last "reconfigured"
         self.done = threading.Event()
         self.failed: str | None = None
         self.store_host = StoreHost(cfg.host, cfg.store_port, timeout=3 * cfg.op_timeout)
@@ -320,22 +321,30 @@ class NodeAgent:
             # A worker that trains again is healthy: only crashes in a row count against
             # max_restarts (a crash loop), not crashes spread over a long job.
             self.restarts.pop(member, None)
-            self.progress.record(record)
+            mttr = self.progress.record(record)
+            entered = self.entered.get(member)
+            if mttr is not None and entered is not None and entered["epoch"] == record["epoch"]:
+                self._publish_recovery(member, {**entered, "mttr_s": mttr})
             cur = self.view.current
             # One writer per job: the first worker of the epoch's first node.
             if self.durable is not None and cur is not None and cur.members[0] == member:
                 self.durable.after_commit(self.snapshot_path(member), int(record["step"]) + 1)
         elif int(record["epoch"]) > 0:
-            # What this member measured entering the epoch, for the operator's status.
-            name = f"{record['epoch']}-{member.replace('/', '-')}"
-            try:
-                self.kv.put(
-                    key(self.cfg.job, "recoveries", name),
-                    json.dumps(record).encode(),
-                    self.cfg.op_timeout,
-                )
-            except KVError as error:
-                log.warning("recovery record not published: %s", error)
+            # What this member measured entering the epoch, for the operator's status; the
+            # MTTR is added at its first commit in the epoch.
+            self.entered[member] = record
+            self._publish_recovery(member, record)
+
+    def _publish_recovery(self, member: str, record: dict[str, Any]) -> None:
+        name = f"{record['epoch']}-{member.replace('/', '-')}"
+        try:
+            self.kv.put(
+                key(self.cfg.job, "recoveries", name),
+                json.dumps(record).encode(),
+                self.cfg.op_timeout,
+            )
+        except KVError as error:
+            log.warning("recovery record not published: %s", error)
 
 
 def run_agent(cfg: AgentConfig, kv: KVStore, telemetry: Telemetry | None = None) -> int:

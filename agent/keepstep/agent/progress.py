@@ -43,8 +43,10 @@ class ProgressPublisher:
     def stop(self) -> None:
         self._stop.set()
 
-    def record(self, commit: dict[str, Any]) -> None:
-        """Note a commit; samples/s is measured over the last 20 commits."""
+    def record(self, commit: dict[str, Any]) -> float | None:
+        """Note a commit; samples/s is measured over the last 20 commits. Returns the MTTR
+        of the recovery this commit ends, if it ends one."""
+        closed: float | None = None
         now, step = time.time(), int(commit["step"])
         with self._lock:
             self._times = [*self._times[-19:], (now, step)]
@@ -52,6 +54,7 @@ class ProgressPublisher:
             rate = (step - first_step) / (now - first_t) if now > first_t else 0.0
             if self._fault is not None and int(commit["epoch"]) > self._fault[1]:
                 self._last_mttr, self._fault = now - self._fault[0], None
+                closed = self._last_mttr
             self.latest = protocol.ProgressRecord(
                 self.node,
                 step + 1,
@@ -62,6 +65,7 @@ class ProgressPublisher:
                 now,
             )
         self._due.set()
+        return closed
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -172,6 +172,8 @@ class NodeProcesses:
             for popen in popens:
                 signal_group(popen, signal.SIGKILL)
         _wait(popens, timeout)
+        # The reconcile thread that normally records exits is halted by a kill.
+        self.reap(time.monotonic())
 
     def terminate_all(self, timeout: float) -> None:
         """A clean stop: nothing starts any more; SIGTERM every group (SIGCONT first, a

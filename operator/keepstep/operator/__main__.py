@@ -49,6 +49,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
         help="a running job's pod whose agent record is missing this long is replaced (15)",
     )
     parser.add_argument(
+        "--agent-start-grace",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="a running pod whose agent never registered this long is replaced (120)",
+    )
+    parser.add_argument(
         "--below-min-grace",
         type=float,
         default=120.0,
@@ -70,6 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
             kubeconfig=args.kubeconfig,
             lost_pod_grace_s=args.lost_pod_grace,
             below_min_grace_s=args.below_min_grace,
+            agent_start_grace_s=args.agent_start_grace,
             resync_s=args.resync,
             api_timeout_s=args.api_timeout,
             standalone=args.peering is None,

@@ -217,9 +217,12 @@ def _lost(
     if pod.name in agents.nodes:
         return None
     # A killed node leaves its pod "Running" on a NotReady node; only the agent's leased
-    # record in etcd tells. Missing since it was last seen, or since the pod started.
-    missing_since = max(pod.running_since or now, agents.last_seen.get(pod.name, 0.0))
-    if now - missing_since > config.lost_pod_s:
+    # record in etcd tells. Missing since it was last seen, or since the pod started; an
+    # agent never seen yet is still starting (importing torch, building its model).
+    seen = agents.last_seen.get(pod.name)
+    missing_since = max(pod.running_since or now, seen or 0.0)
+    grace = config.lost_pod_s if seen is not None else config.agent_start_s
+    if now - missing_since > grace:
         return f"agent record missing from etcd for {now - missing_since:.0f} s"
     return None
 
@@ -253,18 +256,23 @@ def _pods(
             )
         return next_index
     live: list[PodView] = []
+    lost_nodes: list[str] = []
     for pod in present:
         why = _lost(pod, agents, now, config, phase)
         if why is None:
             live.append(pod)
             continue
+        if pod.node:
+            lost_nodes.append(pod.node)
         plan.actions.append(DeletePod(pod.name, why, grace_seconds=0))
         plan.events.append(Event(EventType.WARNING, "PodLost", f"{pod.name}: {why}"))
         plan.reasons.append(f"lost {pod.name} ({why})")
     desired = job.spec.desired_nodes
     if len(live) < desired:
         created = [
-            CreatePod(i, pod_manifest(job, i, config.etcd))
+            # The node-lifecycle controller marks a dead node NotReady only after its
+            # grace; until then the scheduler would happily bind the replacement there.
+            CreatePod(i, pod_manifest(job, i, config.etcd, avoid_nodes=lost_nodes))
             for i in range(next_index, next_index + desired - len(live))
         ]
         plan.actions.extend(created)

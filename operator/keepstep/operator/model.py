@@ -136,6 +136,7 @@ class PodView:
     # False for a pod with the job's label but another owner (an earlier job of the same
     # name, not yet garbage-collected): it only keeps its name from being reused.
     owned: bool = True
+    node: str = ""  # spec.nodeName: where the scheduler bound it ("" while unbound)
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any], job_uid: str) -> PodView | None:
@@ -165,6 +166,7 @@ class PodView:
             terminating=bool(meta.get("deletionTimestamp")),
             running_since=running_since,
             owned=owned,
+            node=str((obj.get("spec") or {}).get("nodeName") or ""),
         )
 
 
@@ -183,6 +185,7 @@ def pod_summary(obj: Mapping[str, Any]) -> dict[str, Any]:
             ],
             "deletionTimestamp": meta.get("deletionTimestamp"),
         },
+        "spec": {"nodeName": (obj.get("spec") or {}).get("nodeName")},
         "status": {
             "phase": status.get("phase"),
             "startTime": status.get("startTime"),

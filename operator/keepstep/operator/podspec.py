@@ -9,6 +9,7 @@ KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from keepstep.operator.model import GROUP, INDEX_LABEL, JOB_LABEL, KIND, VERSION, Job
@@ -81,8 +82,11 @@ def agent_env(job: Job, etcd: str) -> list[dict[str, Any]]:
     return env
 
 
-def pod_manifest(job: Job, index: int, etcd: str) -> dict[str, Any]:
-    """The pod of node `index` (indices are never reused within a job)."""
+def pod_manifest(
+    job: Job, index: int, etcd: str, avoid_nodes: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The pod of node `index` (indices are never reused within a job); `avoid_nodes`
+    are nodes the pod must not be bound to (where the pods it replaces were lost)."""
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": job.spec.image,
@@ -92,6 +96,20 @@ def pod_manifest(job: Job, index: int, etcd: str) -> dict[str, Any]:
     }
     if job.spec.resources:
         container["resources"] = dict(job.spec.resources)
+    spec: dict[str, Any] = {
+        # A failed agent is replaced by a new pod with a new index, never restarted in
+        # place: the membership protocol treats a new node as a join.
+        "restartPolicy": "Never",
+        "subdomain": job.name,
+        "containers": [container],
+    }
+    if avoid_nodes:
+        term = {"matchFields": [_not_in("metadata.name", sorted(set(avoid_nodes)))]}
+        spec["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
+            }
+        }
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -105,14 +123,12 @@ def pod_manifest(job: Job, index: int, etcd: str) -> dict[str, Any]:
             },
             "ownerReferences": [owner_reference(job)],
         },
-        "spec": {
-            # A failed agent is replaced by a new pod with a new index, never restarted in
-            # place: the membership protocol treats a new node as a join.
-            "restartPolicy": "Never",
-            "subdomain": job.name,
-            "containers": [container],
-        },
+        "spec": spec,
     }
+
+
+def _not_in(key: str, values: list[str]) -> dict[str, Any]:
+    return {"key": key, "operator": "NotIn", "values": values}
 
 
 def service_manifest(job: Job) -> dict[str, Any]:

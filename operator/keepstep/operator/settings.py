@@ -27,6 +27,8 @@ class OperatorSettings:
         job runs, before the pod counts as lost (a killed node leaves its pod "Running").
     below_min_grace_s: how long a running job may have fewer than minNodes live agents
         before it is marked Failed.
+    agent_start_grace_s: how long a running pod's agent may take to register for the
+        first time (it imports torch and builds its model) before the pod counts as lost.
     resync_s: a job is reconciled at least this often even when nothing signals a change
         (agent progress reaches status this way).
     """
@@ -36,6 +38,7 @@ class OperatorSettings:
     kubeconfig: str | None = None
     lost_pod_grace_s: float = 15.0
     below_min_grace_s: float = 120.0
+    agent_start_grace_s: float = 120.0
     resync_s: float = 5.0
     api_timeout_s: float = 10.0
     etcd_timeout_s: float = 5.0
@@ -49,6 +52,7 @@ class OperatorSettings:
         if self.namespace is not None and not self.namespace:
             raise SpecError("namespace='' is not a namespace: pass None to watch all of them")
         _positive("lost_pod_grace_s", self.lost_pod_grace_s)
+        _positive("agent_start_grace_s", self.agent_start_grace_s)
         _positive("below_min_grace_s", self.below_min_grace_s)
         _positive("resync_s", self.resync_s)
         _positive("api_timeout_s", self.api_timeout_s)
@@ -69,13 +73,20 @@ class DecideConfig:
     etcd: str
     lost_pod_s: float = 15.0
     below_min_s: float = 120.0
+    agent_start_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.etcd:
             raise SpecError("etcd='' must be the client URL the agents are given")
         _positive("lost_pod_s", self.lost_pod_s)
         _positive("below_min_s", self.below_min_s)
+        _positive("agent_start_s", self.agent_start_s)
 
     @classmethod
     def of(cls, settings: OperatorSettings) -> DecideConfig:
-        return cls(settings.etcd, settings.lost_pod_grace_s, settings.below_min_grace_s)
+        return cls(
+            settings.etcd,
+            settings.lost_pod_grace_s,
+            settings.below_min_grace_s,
+            settings.agent_start_grace_s,
+        )
