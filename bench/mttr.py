@@ -37,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from harness.stats import percentile  # noqa: E402
+
 KINDS = ("kill-worker", "kill-node", "hang-node", "drain-node")
 PHASES = ("detect_s", "agree_s", "communicator_s", "restore_s", "replan_s")
 
@@ -145,16 +148,6 @@ def run_keepstep(
     summary["returncode"] = proc.returncode
     summary["log_tail"] = log.read_text(errors="replace")[-1500:]
     return summary
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass

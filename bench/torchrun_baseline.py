@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import mttr
+from harness.procs import children, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 NPROC = 4
@@ -62,12 +62,6 @@ class Baseline:
         return self.first_step + self.faults_per_run * self.spacing + self.tail_steps
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def read_log(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
@@ -78,25 +72,6 @@ def read_log(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             pass  # a line being written right now: read it on the next poll
     return out
-
-
-def workers_of(pid: int) -> list[int]:
-    """The running training processes torchrun started (its children running the job)."""
-    kids: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            kids += [int(p) for p in (task / "children").read_text().split()]
-        except (FileNotFoundError, ProcessLookupError):
-            pass
-    alive = []
-    for kid in sorted(set(kids)):
-        try:
-            cmdline = Path(f"/proc/{kid}/cmdline").read_bytes()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if b"torchrun_job.py" in cmdline:
-            alive.append(kid)
-    return alive
 
 
 def wait_for(cond: Any, timeout: float, what: str, proc: subprocess.Popen[bytes]) -> Any:
@@ -151,7 +126,9 @@ def run_torchrun(b: Baseline, faults: int, workdir: Path, index: int) -> list[di
                     proc,
                 )
                 restart = events[-1]["restart"]
-                pids = wait_for(lambda: workers_of(proc.pid), 10.0, "worker processes", proc)
+                pids = wait_for(
+                    lambda: children(proc.pid, b"torchrun_job.py"), 10.0, "worker processes", proc
+                )
                 victim = pids[k % len(pids)]
                 t_kill = time.time()
                 os.kill(victim, signal.SIGKILL)

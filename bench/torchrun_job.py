@@ -40,15 +40,8 @@ from torch.nn.parallel import DistributedDataParallel
 from keepstep.elastic.rng import SampleOrder, rng_scope
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from harness.procs import process_start_time
 from mlp import make_dataset, make_model
-
-
-def process_start_time() -> float:
-    """Wall time this process was created (before Python and torch were imported)."""
-    ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
-    # /proc/uptime has 10 ms resolution; /proc/stat's btime only whole seconds.
-    boot = time.time() - float(Path("/proc/uptime").read_text().split()[0])
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def log_line(path: str, event: str, **fields: Any) -> None:
