@@ -199,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     from keepstep.agent.dashboard.cli import register as register_dashboard
 
     register_dashboard(sub)
+    from keepstep.agent.chaos.cli import register as register_chaos
+
+    register_chaos(sub)
     return parser
 
 

@@ -1,0 +1,169 @@
+"""The fault actions the chaos injector applies from outside a run's processes.
+
+Where it sits: `inject.py` decides *when*; this module does *what*, on process ids and
+files of one run: signals to a process or a node's process group, a SIGSTOP/SIGCONT duty
+cycle (a slow node without cgroups), flipping bytes in a worker's snapshot, and bringing
+a killed etcd back with its own command line. Each long-lived action is an object with
+`end()`, so the injector can undo it at its deadline or when the run is over.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+from keepstep.agent.chaos.cgroups import Cgroup
+from keepstep.elastic.snapshot import FileBuffer, SnapshotStore
+from keepstep.elastic.snapshot_format import FILE_STRUCT, HEADER, SLOT_STRUCT, SlotState
+
+
+class Ongoing(Protocol):
+    """An action that lasts: `end` undoes it (idempotent)."""
+
+    def end(self) -> None: ...
+
+
+def send(pid: int, sig: signal.Signals, group: bool = False) -> bool:
+    """Signal a process (or its process group); False if it is gone."""
+    try:
+        (os.killpg if group else os.kill)(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+class Stopped:
+    """A node's process group held with SIGSTOP (a hang), or frozen in a cgroup."""
+
+    def __init__(self, pgid: int, freezer: Cgroup | None = None) -> None:
+        self.pgid = pgid
+        self.freezer = freezer
+        self._ended = False
+
+    def end(self) -> None:
+        """Let the node run again (a hang that resumes)."""
+        if self._ended:
+            return
+        self._ended = True
+        if self.freezer is not None:
+            self.freezer.release()
+        else:
+            send(self.pgid, signal.SIGCONT, group=True)
+
+    def kill(self) -> None:
+        """End the node for good: SIGKILL is delivered once the group runs again."""
+        send(self.pgid, signal.SIGKILL, group=True)
+        self.end()
+
+
+class DutyCycle:
+    """Slow a node down without cgroups: stop its process group `1 - share` of each period.
+
+    Each stop is far shorter than the hang timeout, so the node is slow, not lost.
+    """
+
+    def __init__(self, pgid: int, share: float, period: float = 0.2) -> None:
+        self.pgid = pgid
+        self.run_s = period * share
+        self.stop_s = period - self.run_s
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="chaos-duty-cycle", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._done.is_set():
+            if not send(self.pgid, signal.SIGSTOP, group=True):
+                return
+            self._done.wait(self.stop_s)
+            send(self.pgid, signal.SIGCONT, group=True)
+            self._done.wait(self.run_s)
+
+    def end(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=2.0)
+        send(self.pgid, signal.SIGCONT, group=True)
+
+
+class Throttled:
+    """A node in a cgroup with a CPU quota."""
+
+    def __init__(self, group: Cgroup) -> None:
+        self.group = group
+
+    def end(self) -> None:
+        self.group.release()
+
+
+def corrupt_newest_slot(path: Path) -> dict[str, Any]:
+    """Flip bytes in the payload of the newest valid slot of a snapshot file.
+
+    Returns what was done and whether the snapshot store now refuses that slot (its
+    checksum no longer matches): the run must then go on from the other slot or a peer.
+    """
+    with open(path, "r+b") as f:
+        head = f.read(HEADER)
+        slot_size = int(FILE_STRUCT.unpack_from(head, 0)[3])
+        slots = []
+        for slot in (0, 1):
+            at = HEADER + slot * slot_size
+            f.seek(at)
+            _, state, _, step, nbytes, _, gen = SLOT_STRUCT.unpack(f.read(SLOT_STRUCT.size))
+            if state == SlotState.VALID and nbytes > 0:
+                slots.append((gen, slot, at, step, nbytes))
+        if not slots:
+            return {"corrupted": False, "reason": "no valid slot yet"}
+        _, slot, at, step, nbytes = max(slots)
+        # The middle of the payload is tensor data: a silent flip there would change numbers.
+        where = at + HEADER + nbytes // 2
+        f.seek(where)
+        original = f.read(8)
+        f.seek(where)
+        f.write(bytes(b ^ 0xFF for b in original))
+        f.flush()
+    return {
+        "corrupted": True,
+        "slot": slot,
+        "slot_step": step,
+        "offset": where,
+        "bytes": len(original),
+        "store_refuses_slot": _refused(path, slot),
+    }
+
+
+def _refused(path: Path, slot: int) -> bool:
+    """Whether the snapshot store's own check leaves the slot out of its valid list."""
+    buffer = FileBuffer.open(path)
+    try:
+        store = SnapshotStore(buffer, background=False)
+        return slot not in {info.slot for info in store.infos()}
+    finally:
+        buffer.close()
+
+
+def etcd_command(pid: int) -> tuple[list[str], str]:
+    """A running etcd's command line and working directory, to start it again later."""
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return [a.decode() for a in argv if a], os.readlink(f"/proc/{pid}/cwd")
+
+
+class RestartedEtcd:
+    """etcd started again on the same data directory and ports (its member restarted)."""
+
+    def __init__(self, argv: list[str], cwd: str, log: Path) -> None:
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                argv, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    def end(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
