@@ -21,6 +21,7 @@ from keepstep.elastic.control import CommitRecord, Membership, Reconfiguration
 from keepstep.elastic.errors import PeerLost
 
 ADMISSION_TIMEOUT = 24 * 3600.0  # a joiner may wait for a long time; the agent bounds it
+STORE_CONNECT_TIMEOUT = 3.0  # a healthy store answers in milliseconds
 
 
 class AgentController:
@@ -57,16 +58,7 @@ class AgentController:
             raise PeerLost(epoch, f"epoch {epoch} names no process-group store")
         client = self._stores.get(address)
         if client is None:
-            host, _, port = address.rpartition(":")
-            try:
-                client = TCPStore(
-                    host.strip("[]"),
-                    int(port),
-                    is_master=False,
-                    timeout=timedelta(seconds=self.timeout),
-                )
-            except RuntimeError as error:  # its node is gone: the epoch is over
-                raise PeerLost(epoch, f"store {address} unreachable: {error}") from None
+            client = _connect(epoch, address, self.timeout)
             self._stores = {address: client}  # older epochs' stores are not needed again
         return client
 
@@ -108,6 +100,33 @@ class AgentController:
         self._client.request(
             "finish", self.timeout, member=self.member, done=done, params_sha256=params_sha256
         )
+
+
+def _connect(epoch: int, address: str, timeout: float) -> Store:
+    """A client of the epoch's store. Connecting to a stopped node blocks with no timeout
+    (the kernel accepts, nobody answers the handshake), so it runs on a thread of its own
+    and a silent store is given up after `STORE_CONNECT_TIMEOUT`: the epoch is over."""
+    host, _, port = address.rpartition(":")
+    box: list[Store] = []
+    errors: list[RuntimeError] = []
+
+    def connect() -> None:
+        try:
+            box.append(
+                TCPStore(
+                    host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout)
+                )
+            )
+        except RuntimeError as error:  # torch's DistNetworkError is a RuntimeError
+            errors.append(error)
+
+    thread = threading.Thread(target=connect, name=f"keepstep-store-{epoch}", daemon=True)
+    thread.start()
+    thread.join(min(timeout, STORE_CONNECT_TIMEOUT))
+    if box:
+        return box[0]
+    why = f": {errors[0]}" if errors else f" within {STORE_CONNECT_TIMEOUT:.0f} s"
+    raise PeerLost(epoch, f"store {address} did not answer{why}")
 
 
 def _plain(record: Any) -> dict[str, Any]:
