@@ -294,3 +294,16 @@ def test_a_reference_must_have_finished() -> None:
     summary["params_sha256"] = None
     with pytest.raises(ValueError, match="did not finish cleanly"):
         reference_from(summary, events, JOB)
+
+
+def test_checkpoints_locate_where_the_numbers_left_the_reference() -> None:
+    ref_summary, ref_events = make_run()
+    ref = reference_from(ref_summary, ref_events, JOB, ((2, "a"), (4, "b"), (6, "c")))
+    summary, events = make_run()
+    summary["params_sha256"] = "def"
+    seen = Observation(0, T0 + 2, checkpoints=((2, "a"), (4, "x"), (6, "y")))
+    v = check(summary, events, ref, seen, JOB, CHECKS)
+    assert broken(v) == {"final_parameters_equal"}
+    assert any(
+        "first differs at the checkpoint of step 4 (equal at step 2)" in x for x in v.violations
+    )

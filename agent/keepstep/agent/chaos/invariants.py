@@ -56,6 +56,7 @@ class Reference:
     # step and micro-batch id, so any member computing it must have used the same ones).
     micro_batch_samples: tuple[tuple[str, ...], ...]
     samples_per_s: float
+    checkpoints: tuple[tuple[int, str], ...] = ()  # (step, sha256) of durable checkpoints
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Observation:
     ended_t: float
     faults: tuple[Mapping[str, Any], ...] = ()  # applied fault records (with t, or skipped)
     leftovers: tuple[str, ...] = ()
+    checkpoints: tuple[tuple[int, str], ...] = ()  # (step, sha256) of durable checkpoints
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,12 @@ def samples_per_s(events: Sequence[Event], job: Job) -> float | None:
     return job.steps * job.global_batch / (min(finishes) - min(commits))
 
 
-def reference_from(summary: Mapping[str, Any], events: Sequence[Event], job: Job) -> Reference:
+def reference_from(
+    summary: Mapping[str, Any],
+    events: Sequence[Event],
+    job: Job,
+    checkpoints: tuple[tuple[int, str], ...] = (),
+) -> Reference:
     rate = samples_per_s(events, job)
     digests = micro_batch_digests(events, job.steps, job.n_micro)
     if summary.get("params_sha256") is None or rate is None or summary["steps"] != job.steps:
@@ -139,6 +146,7 @@ def reference_from(summary: Mapping[str, Any], events: Sequence[Event], job: Job
         job.global_batch,
         tuple(tuple(row) for row in digests),
         rate,
+        checkpoints,
     )
 
 
@@ -151,7 +159,7 @@ def check(
     checks: Checks,
 ) -> Verdict:
     found: dict[str, list[str]] = {
-        "final_parameters_equal": _parameters(summary, reference, job),
+        "final_parameters_equal": _parameters(summary, reference, job, seen.checkpoints),
         "global_batch_constant": _global_batch(summary, events, job),
         "every_sample_once": _samples(summary, events, reference, job),
         "no_hang_beyond_bound": _no_hang(events, seen, checks),
@@ -179,10 +187,15 @@ def check(
     )
 
 
-def _parameters(summary: Mapping[str, Any] | None, ref: Reference, job: Job) -> list[str]:
+def _parameters(
+    summary: Mapping[str, Any] | None,
+    ref: Reference,
+    job: Job,
+    checkpoints: tuple[tuple[int, str], ...],
+) -> list[str]:
+    out = _diverged(checkpoints, ref.checkpoints)
     if summary is None:
-        return ["the run wrote no summary (it did not end)"]
-    out = []
+        return ["the run wrote no summary (it did not end)", *out]
     if summary.get("params_sha256_disagree"):
         out.append(f"members disagree on the parameters: {summary['params_sha256_disagree']}")
     if summary.get("steps") != job.steps:
@@ -193,6 +206,17 @@ def _parameters(summary: Mapping[str, Any] | None, ref: Reference, job: Job) -> 
             f"run's {ref.params_sha256}"
         )
     return out
+
+
+def _diverged(mine: tuple[tuple[int, str], ...], ref: tuple[tuple[int, str], ...]) -> list[str]:
+    """Where the training state first differed, by the checkpoints both runs wrote."""
+    theirs = dict(ref)
+    common = [(step, sha) for step, sha in mine if step in theirs]
+    for i, (step, sha) in enumerate(common):
+        if sha != theirs[step]:
+            since = f"equal at step {common[i - 1][0]}" if i else "no earlier common checkpoint"
+            return [f"the state first differs at the checkpoint of step {step} ({since})"]
+    return []
 
 
 def _global_batch(

@@ -22,7 +22,7 @@ from keepstep.agent.chaos.actions import send
 from keepstep.agent.chaos.inject import Applied, Injector
 from keepstep.agent.chaos.invariants import Observation
 from keepstep.agent.chaos.model import FaultKind, Job
-from keepstep.agent.chaos.rundir import RunView, alive, command_line, process_group
+from keepstep.agent.chaos.rundir import CHECKPOINTS, RunView, alive, command_line, process_group
 from keepstep.agent.chaos.schedule import RunPlan
 from keepstep.agent.chaos.target import RunOutcome
 from keepstep.agent.events import read_events
@@ -65,6 +65,9 @@ class LocalTarget:
             "--timeout", str(job.timeout),
             "--run-dir", str(run_dir),
         ]  # fmt: skip
+        if job.checkpoint_every:
+            argv += ["--checkpoint", (run_dir / CHECKPOINTS).as_uri()]
+            argv += ["--checkpoint-every", str(job.checkpoint_every)]
         for spec in plan.native_specs if plan is not None else ():
             argv += ["--fault", spec]
         return [*argv, job.script, *job.script_args]
@@ -103,7 +106,13 @@ class LocalTarget:
         view = injector.view
         view.poll()
         leftovers = _leftovers(view, job, injector)
-        seen = Observation(code, ended, tuple(r.as_dict() for r in faults), tuple(leftovers))
+        seen = Observation(
+            code,
+            ended,
+            tuple(r.as_dict() for r in faults),
+            tuple(leftovers),
+            tuple(sorted(view.checkpoints.items())),
+        )
         error = repr(injector.error) if injector.error is not None else None
         tail = out_path.read_text(errors="replace")[-3000:]
         return RunOutcome(run_dir, summary, events, seen, started, tail, error)

@@ -181,8 +181,13 @@ class Job:
     mode: str = "exact"
     hang_timeout: int = 1
     timeout: float = 300.0
+    # > 0: durable checkpoints every K steps, whose hashes locate where a run's numbers
+    # first left the fault-free run's (the checkpoint holds the whole training state).
+    checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"checkpoint_every {self.checkpoint_every} must be >= 0")
         for name in ("nodes", "global_batch", "micro_batch", "steps", "nproc_per_node"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} {getattr(self, name)} must be >= 1")

@@ -14,7 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from keepstep.agent.checkpoint_io import CheckpointInfo
+from keepstep.elastic.errors import KeepstepError
+
 DETECTIONS = ("fault-detected", "drain-requested", "epoch-agreed")
+CHECKPOINTS = "checkpoints"  # the run's durable checkpoints, when the job asks for them
 
 
 @dataclass
@@ -28,6 +32,7 @@ class RunView:
     workers: dict[str, int] = field(default_factory=dict)  # member -> pid of a live worker
     detections: list[float] = field(default_factory=list)  # times of detections, agreements
     finished: int = 0
+    checkpoints: dict[int, str] = field(default_factory=dict)  # step -> sha256 of its state
     _offsets: dict[Path, int] = field(default_factory=dict)
     _partial: dict[Path, bytes] = field(default_factory=dict)
 
@@ -53,7 +58,23 @@ class RunView:
         new.sort(key=lambda e: float(e["t"]))
         for event in new:
             self._apply(event)
+        self._read_checkpoints()
         return new
+
+    def _read_checkpoints(self) -> None:
+        """Note each published checkpoint's hash: the writer keeps only the newest few."""
+        folder = self.run_dir / CHECKPOINTS
+        if not folder.is_dir():
+            return
+        for path in folder.glob("step-*.json"):
+            step = int(path.stem.removeprefix("step-"))
+            if step in self.checkpoints:
+                continue
+            try:
+                info = CheckpointInfo.from_json(path.read_bytes(), str(path))
+            except (OSError, KeepstepError):
+                continue  # being written or already pruned: the next poll decides
+            self.checkpoints[step] = info.sha256
 
     def _apply(self, e: dict[str, Any]) -> None:
         kind = e["kind"]

@@ -32,7 +32,7 @@ from keepstep.agent.chaos.target import RunOutcome, Target
 from keepstep.agent.events import read_events
 from keepstep.elastic.errors import KeepstepError
 
-_REFERENCE_FORMAT = 2  # bump when `Reference` changes: old cache entries are not read
+_REFERENCE_FORMAT = 3  # bump when `Reference` changes: old cache entries are not read
 
 
 class ChaosError(KeepstepError):
@@ -91,7 +91,7 @@ def reference(
             f"the fault-free reference run failed (see {outcome.run_dir}):\n{outcome.output_tail}"
         )
     try:
-        ref = reference_from(outcome.summary, outcome.events, job)
+        ref = reference_from(outcome.summary, outcome.events, job, outcome.seen.checkpoints)
     except ValueError as error:
         raise ChaosError(f"{error} (see {outcome.run_dir})") from None
     cache.mkdir(parents=True, exist_ok=True)
@@ -102,6 +102,7 @@ def reference(
 def load_reference(path: Path) -> Reference:
     data = json.loads(path.read_text())
     data["micro_batch_samples"] = tuple(tuple(row) for row in data["micro_batch_samples"])
+    data["checkpoints"] = tuple((int(step), str(sha)) for step, sha in data["checkpoints"])
     return Reference(**data)
 
 
@@ -182,6 +183,7 @@ def summarize(result: ScenarioResult) -> dict[str, Any]:
                 "ended_t": r.outcome.seen.ended_t,
                 "wall_s": r.outcome.seen.ended_t - start,
                 "leftovers": list(r.outcome.seen.leftovers),
+                "checkpoints": [list(c) for c in r.outcome.seen.checkpoints],
                 "injector_error": r.outcome.injector_error,
             }
         )
@@ -211,7 +213,8 @@ def summarize(result: ScenarioResult) -> dict[str, Any]:
             "target": s.checks.min_goodput,
         },
         "reference_path": str(result.reference_path) if result.reference_path else None,
-        "reference": asdict(result.reference) | {"micro_batch_samples": "(per step digests)"}
+        "reference": asdict(result.reference)
+        | {"micro_batch_samples": "(per step digests)", "checkpoints": "(see the cache)"}
         if result.reference
         else None,
         "runs": runs,
@@ -276,7 +279,13 @@ def recheck(data: dict[str, Any], scenario: Scenario) -> list[Verdict]:
             for f in data["faults"]
             if f["run"] == run["index"]
         )
-        seen = Observation(run["exit_code"], run["ended_t"], faults, tuple(run["leftovers"]))
+        seen = Observation(
+            run["exit_code"],
+            run["ended_t"],
+            faults,
+            tuple(run["leftovers"]),
+            tuple((int(step), str(sha)) for step, sha in run.get("checkpoints", [])),
+        )
         verdict = check(summary, read_events(run_dir), ref, seen, scenario.job, scenario.checks)
         if run.get("injector_error"):
             verdict.violations.append(f"harness: the injector failed: {run['injector_error']}")

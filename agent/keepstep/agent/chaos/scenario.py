@@ -64,6 +64,7 @@ _JOB = (
     "mode",
     "hang_timeout",
     "timeout",
+    "checkpoint_every",
 )
 _FAULT = ("kind", "node", "at", "duration", "method", "cpu", "restart_after", "kill")
 _AT = ("step", "time", "during_recovery_of", "delay")
