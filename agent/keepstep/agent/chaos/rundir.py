@@ -3,7 +3,8 @@
 Where it sits: the injector (`inject.py`) polls a `RunView` to fire faults at a step, a
 time or a detection, and to find the process ids a fault acts on; the runner uses the
 process helpers to check that nothing is left behind. Everything is read from the run
-directory's public files (the nodes' event logs, `agent-<node>.json`) and from /proc.
+directory's public files (the nodes' event logs, `agent-<node>.json`, the records of its
+durable checkpoints, whose hashes are noted before the writer prunes them) and from /proc.
 """
 
 from __future__ import annotations
