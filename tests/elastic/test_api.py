@@ -10,6 +10,7 @@ from torch.utils.data import TensorDataset
 
 import keepstep
 from keepstep.elastic import ConfigError, Membership, ScheduleController, StateShapeError
+from keepstep.elastic.errors import PeerLost
 
 
 def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, TensorDataset]:
@@ -112,3 +113,34 @@ def test_a_model_whose_state_changes_shape_is_refused() -> None:
 def test_membership_must_be_sorted() -> None:
     with pytest.raises(ConfigError, match="sorted and unique"):
         Membership(0, ("b", "a"), "a")
+
+
+def test_a_failed_step_leaves_its_reduction_buffer_to_the_dead_epoch() -> None:
+    # The failed all-reduce of step 3 keeps its tensor (a stopped peer can complete it
+    # later, see test_comm); its late writes must not reach the repeated step.
+    clean_sha, _ = train(6)
+    model, opt, data = make()
+    controller = ScheduleController(
+        store_=torch.distributed.HashStore(), me="m0", schedule=[["m0"], ["m0"]], at_step=[0, None]
+    )
+    job = keepstep.init(
+        model, opt, data, global_batch=32, micro_batch=4, seed=1, env={}, controller=controller
+    )
+    handed: list[torch.Tensor] = []
+    for step in job.steps(6):
+        comm = job.comm
+        assert comm is not None
+        if step.index == 3 and comm.epoch == 0:
+
+            def lost(tensor: torch.Tensor, *_: object) -> None:
+                handed.append(tensor)
+                raise PeerLost(0, "m1 stopped")
+
+            comm.allreduce = lost  # type: ignore[method-assign]
+        for mb in step.micro_batches():
+            if handed:
+                handed[0].fill_(12345)  # the dead epoch's work completing late
+            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+        step.commit()
+    assert [r.epoch for r in controller.reconfigurations] == [0, 1]
+    assert handed and job.params_sha256() == clean_sha

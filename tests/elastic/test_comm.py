@@ -182,6 +182,32 @@ def test_close_from_another_thread_ends_a_blocked_collective() -> None:
     b.close()
 
 
+def test_a_given_up_collective_still_writes_its_tensor_when_the_peer_comes_back() -> None:
+    # Why the reducers abandon a buffer after PeerLost (reduce_base.Reducer.abandon_buffer):
+    # a's work outlives its PeerLost, and b, stopped rather than dead, completes it later.
+    store = HashStore()
+    a, b = _create_on_threads(store, 0, ["a", "b"])
+    ta = torch.tensor([1, 1], dtype=torch.int64)
+    timer = threading.Timer(0.2, abort_epoch, args=(store, 0, "agent: b lost its lease"))
+    timer.start()
+    with pytest.raises(PeerLost, match="b lost its lease"):
+        a.allreduce(ta, timeout=timedelta(seconds=10))
+    timer.join()
+    assert ta.tolist() == [1, 1]
+    # b resumes inside the collective it had started before it stopped: it never looks at
+    # the abort key again, its gloo work simply goes on.
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    tb = torch.tensor([2, 5], dtype=torch.int64)
+    b._group.allreduce([tb], opts).wait()
+    deadline = time.monotonic() + 5
+    while ta.tolist() == [1, 1] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ta.tolist() == [3, 6]  # written after a's PeerLost
+    a.close()
+    b.close()
+
+
 # ---- slow tests: worker processes --------------------------------------------------------
 
 _EPOCHS = {  # rebuild scenario: n2 leaves after epoch 0, n3 joins at epoch 2
@@ -398,7 +424,9 @@ def test_abort_epoch_unblocks_waiting_ranks_and_they_exit_cleanly(workers: Any) 
     for name in ("n0", "n1"):
         lost, closed = results[name]
         assert lost["reason"] == "test: stop epoch 0"
-        assert lost["lost_at"] - aborted_at < 2.0
+        # Heard from the abort key, not the 90 s group timeout (a loaded machine can delay
+        # a poll by seconds; the usual figure is a few milliseconds).
+        assert lost["lost_at"] - aborted_at < 10.0
         assert closed["close_s"] < 0.1
     assert results["n2"][0]["saw_abort"] is True
     print(f"abort to all 3 workers exited: {exit_s:.2f} s")

@@ -456,3 +456,26 @@ def test_a_step_without_any_gradient_leaves_grad_none(mode: ReduceMode) -> None:
     reducer.add_micro_batch([None] * len(params))
     assert isinstance(reducer.finish(reducer.buffer(), 2, params), ReduceDone)
     assert all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("mode", list(ReduceMode))
+def test_an_abandoned_buffer_is_replaced_and_never_read_again(mode: ReduceMode) -> None:
+    # A collective that was given up may still complete later and write into the tensor it
+    # was handed (comm.py): after abandon_buffer, nothing written there reaches a step.
+    grouping = [list(range(N_MICRO))]
+    clean, hit = Ranks(grouping, 0, mode), Ranks(grouping, 0, mode)
+    reducer = hit.reducers[0]
+    reducer.begin_step()
+    reducer.add_micro_batch(grads_for(0, 0))
+    stale = reducer.buffer()
+    reducer.abandon_buffer()
+    fresh = reducer.buffer()
+    assert fresh.data_ptr() != stale.data_ptr()
+    assert (fresh.shape, fresh.dtype) == (stale.shape, stale.dtype)
+    stale.fill_(7)  # the late write of the dead epoch's work
+    assert clean.step(0) == hit.step(0) == [ReduceDone()]
+    assert_same_bits(clean.grads(), hit.grads())
+    stale.fill_(-3)
+    clean.step(1)
+    hit.step(1)
+    assert_same_bits(clean.grads(), hit.grads())

@@ -15,9 +15,13 @@ within a poll interval. The agent or a test aborts an epoch the same way (``abor
 
 Tearing down: a given-up group still has gloo threads blocked on the dead peer, and its
 destructor joins them. A daemon reaper thread takes it, waits for the pending work to fail
-and drops it, so ``close()`` and the next ``create()`` never wait. No Python callback is
-ever attached to gloo work: one could fire while the interpreter shuts down and kill the
-process (seen as ``terminate called after throwing gloo::IoException``).
+and drops it, so ``close()`` and the next ``create()`` never wait. Until then the work is
+live: if the peer it waits for was only stopped and comes back, the work completes and
+writes into the tensor it was handed, after ``PeerLost`` was raised. So a caller must not
+reuse a tensor whose collective raised ``PeerLost`` (the reducers take a fresh buffer).
+No Python callback is ever attached to gloo work: one could fire while the interpreter
+shuts down and kill the process (seen as ``terminate called after throwing
+gloo::IoException``).
 """
 
 from __future__ import annotations

@@ -66,6 +66,16 @@ class Reducer(Protocol):
     def begin_step(self) -> None: ...
     def add_micro_batch(self, grads: Sequence[torch.Tensor | None]) -> None: ...
     def buffer(self) -> torch.Tensor: ...
+    def abandon_buffer(self) -> None:
+        """Take a fresh buffer: the current one went to a collective that was given up.
+
+        A given-up gloo group lives on until its work ends (comm.py), and if the peer it
+        waited for comes back (a node resumed after a stop) the work completes and writes
+        into the tensor it was handed. Reusing that tensor would let a dead epoch's bytes
+        land in a later step's sum; the old one is left to the dead group.
+        """
+        ...
+
     def finish(
         self, reduced: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
     ) -> ReduceOutcome: ...

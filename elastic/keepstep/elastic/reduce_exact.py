@@ -111,9 +111,8 @@ class ExactReducer:
         wide = [i for i in range(n_t) if self._compute[i] == torch.float64]
         n = sum(numels)
         self._n, self._n32 = n, n - sum(numels[i] for i in wide)
-        # Tail: overflowing, non-finite micro-batches; per tensor: non-finite, peak, given.
-        self._acc = torch.zeros(n + 2 + 3 * n_t, dtype=torch.int64, device=dev)
-        self._tail = self._acc[n:]
+        self._acc = self._tail = torch.empty(0)
+        self.abandon_buffer()
         self._f32 = torch.empty(self._n32, dtype=torch.float32, device=dev)
         self._f64 = torch.empty(n - self._n32, dtype=torch.float64, device=dev)
         self._ints = torch.empty(n, dtype=torch.int64, device=dev)
@@ -147,6 +146,12 @@ class ExactReducer:
         self._k = ks
         self._scales = [2.0**k for k in ks]
         self._scale_vec = torch.tensor(self._scales, dtype=torch.float64, device=self._acc.device)
+
+    def abandon_buffer(self) -> None:
+        # Tail: overflowing, non-finite micro-batches; per tensor: non-finite, peak, given.
+        n, n_t = self._n, len(self._layout.specs)
+        self._acc = torch.zeros(n + 2 + 3 * n_t, dtype=torch.int64, device=self._layout.device)
+        self._tail = self._acc[n:]
 
     def begin_step(self) -> None:
         self._acc.zero_()

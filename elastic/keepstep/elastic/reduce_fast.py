@@ -34,15 +34,22 @@ class FastReducer:
     def __init__(self, params: Sequence[torch.Tensor], n_micro: int) -> None:
         self.mode = ReduceMode.FAST
         self._layout = layout = ParamLayout(params, n_micro)
-        n = sum(layout.numels)
-        self._acc = torch.zeros(n + len(layout.specs), device=layout.device)  # tail: given
-        self._out = torch.empty_like(self._acc)
-        self._views, self._oviews, at = [], [], 0
-        for (shape, _), numel in zip(layout.specs, layout.numels, strict=True):
-            self._views.append(self._acc[at : at + numel].view(shape))
-            self._oviews.append(self._out[at : at + numel].view(shape))
+        self._n = n = sum(layout.numels)
+        self._out = torch.empty(n + len(layout.specs), device=layout.device)
+        self._oviews = self._split(self._out)
+        self._acc, self._views = self._out, self._oviews
+        self.abandon_buffer()
+
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        views, at = [], 0
+        for (shape, _), numel in zip(self._layout.specs, self._layout.numels, strict=True):
+            views.append(flat[at : at + numel].view(shape))
             at += numel
-        self._n = n
+        return views
+
+    def abandon_buffer(self) -> None:
+        self._acc = torch.zeros_like(self._out)  # tail: micro-batches that gave a gradient
+        self._views = self._split(self._acc)
 
     def begin_step(self) -> None:
         self._acc.zero_()

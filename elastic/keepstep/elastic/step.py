@@ -169,6 +169,7 @@ class Step:
         return True
 
     def _fail(self, error: PeerLost) -> bool:
+        self.job.reducer.abandon_buffer()
         self.failure = error
         self.outcome = StepOutcome.FAILED
         return False

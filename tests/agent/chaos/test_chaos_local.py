@@ -32,6 +32,7 @@ PASSING = [
     "corrupt-snapshot",
     "etcd-restart",
     "fault-during-recovery",
+    "hang-resume",  # its own four-node job: a second reference run
 ]
 
 
@@ -65,6 +66,10 @@ def test_scenario_keeps_every_invariant(name: str, tmp_path: Path, reference_cac
         assert summary["recoveries"] == []  # slow is not lost
     if name in ("kill-node", "hang-node", "drain-node"):
         assert min(summary["world_size_by_step"]) < 3
+    if name == "hang-resume":  # each stopped node was excluded, then admitted again
+        sizes = summary["world_size_by_step"]
+        assert min(sizes) == 3 and sizes[-1] == 4
+        assert sum(r["cause"] == "rejoin" for r in summary["recoveries"]) == 3
     if name == "join-node":
         assert max(summary["world_size_by_step"]) == 4
 
