@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from keepstep.agent.chaos.model import FaultKind
+from keepstep.agent.chaos.model import Fault, FaultKind, Trigger
 from keepstep.agent.chaos.scenario import ScenarioError, load_scenario, parse_scenario
 from keepstep.agent.chaos.schedule import expand
 from keepstep.agent.cli import main
+from keepstep.agent.faults import FaultKind as LauncherKind
+from keepstep.agent.faults import FaultSpec, parse_fault
 
 REPO = Path(__file__).resolve().parents[3]
 SCENARIOS = sorted((REPO / "e2e" / "scenarios").glob("*.yaml"))
@@ -48,6 +50,23 @@ def test_shipped_scenarios_parse_and_are_named_after_their_file() -> None:
 def test_every_fault_kind_has_a_scenario() -> None:
     kinds = {f.kind for p in SCENARIOS for f in load_scenario(p).faults}
     assert kinds == set(FaultKind)
+
+
+def test_the_launchers_kinds_are_taken_from_the_agent() -> None:
+    """The chaos list holds every kind `keepstep run --fault` knows, by the same value, and
+    hands those (at a step) to the launcher in its own spec syntax."""
+    assert {k.value for k in LauncherKind} <= {k.value for k in FaultKind}
+    for kind in FaultKind:
+        own = kind.launcher_kind
+        assert kind.launcher_native == (own is not None)
+        if own is None:
+            continue
+        assert own.value == kind.value and kind.needs_node == own.needs_node
+        node = 1 if kind.needs_node else None
+        fault = Fault(kind, Trigger(step=7), node)
+        assert fault.native and parse_fault(fault.spec()) == FaultSpec(own, node, 7)
+    assert not FaultKind.SLOW_NODE.launcher_native
+    assert FaultKind.RESTART_OPERATOR.launcher_kind is None
 
 
 def test_a_good_file_becomes_frozen_dataclasses_with_lines() -> None:

@@ -27,6 +27,12 @@ class Ongoing(Protocol):
     def end(self) -> None: ...
 
 
+class Held(Ongoing, Protocol):
+    """A hung node: `end` lets it run again, `kill` ends it for good."""
+
+    def kill(self) -> None: ...
+
+
 def send(pid: int, sig: signal.Signals, group: bool = False) -> bool:
     """Signal a process (or its process group); False if it is gone."""
     try:

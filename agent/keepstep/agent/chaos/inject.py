@@ -56,7 +56,7 @@ class Injector(threading.Thread):
     def __init__(
         self,
         run_dir: Path,
-        launcher_pid: int,
+        launcher_pid: int | None,
         faults: tuple[tuple[int, Fault], ...],
         skip: dict[FaultKind, str],
         poll_s: float = 0.02,
@@ -72,7 +72,7 @@ class Injector(threading.Thread):
         self.etcd_pids: list[int] = []
         self.cgroups: list[cgroups.Cgroup] = []
         self._ongoing: list[tuple[float, actions.Ongoing]] = []  # (end time, action)
-        self._hung: dict[str, actions.Stopped] = {}  # stopped until the others end
+        self._hung: dict[str, actions.Held] = {}  # stopped until the others end
         self._etcd_restart: tuple[float, list[str], str] | None = None
         self._restarted: list[actions.RestartedEtcd] = []
         self._halt = threading.Event()
@@ -91,7 +91,7 @@ class Injector(threading.Thread):
 
     def _tick(self) -> None:
         self.view.poll()
-        if not self.etcd_pids:
+        if not self.etcd_pids and self.launcher_pid is not None:
             self.etcd_pids = children_matching(self.launcher_pid, str(self.run_dir / "etcd"))
         now = time.time()
         for index, fault in list(self.pending):
@@ -141,8 +141,12 @@ class Injector(threading.Thread):
             self._hung.clear()
 
     # -- applying one fault ----------------------------------------------------------------
+    def node_name(self, index: int) -> str:
+        """The name a scenario's node `index` has in the run (its agent's node id)."""
+        return f"n{index}"
+
     def _apply(self, index: int, fault: Fault) -> Applied:
-        node = f"n{fault.node}" if fault.node is not None else None
+        node = self.node_name(fault.node) if fault.node is not None else None
         rec = Applied(index, fault.kind.value, node, str(fault), "injector", step=self.view.step)
         ref = fault.at.during_recovery_of
         if fault.kind in self.skip:
@@ -232,11 +236,17 @@ class Injector(threading.Thread):
         with self._lock:
             self._ongoing.append((time.time() + fault.duration, action))
 
-    def _corrupt(self, fault: Fault, node: str, worker: int, detail: dict[str, Any]) -> str | None:
+    def snapshot_path(self, node: str) -> Path | None:
+        """The shared-memory snapshot of the node's first worker (None: not known yet)."""
         job = self.view.job_id(node)
         if job is None:
+            return None
+        return self.view.snapshot_dir(node) / f"keepstep-{job}-{node}-0"
+
+    def _corrupt(self, fault: Fault, node: str, worker: int, detail: dict[str, Any]) -> str | None:
+        path = self.snapshot_path(node)
+        if path is None:
             return f"node {node} has no agent configuration yet"
-        path = self.view.snapshot_dir(node) / f"keepstep-{job}-{node}-0"
         # Stopped while its snapshot is changed, so no copy of its own races the flip.
         actions.send(worker, signal.SIGSTOP)
         try:
@@ -285,7 +295,7 @@ class Injector(threading.Thread):
         for etcd in self._restarted:
             etcd.end()
         for index, fault in self.pending:
-            node = f"n{fault.node}" if fault.node is not None else None
+            node = self.node_name(fault.node) if fault.node is not None else None
             self.records[index] = Applied(
                 index,
                 fault.kind.value,

@@ -14,6 +14,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from keepstep.agent.faults import FaultKind as LauncherKind
+from keepstep.agent.faults import FaultSpec
 from keepstep.elastic.errors import ConfigError
 
 
@@ -26,11 +28,16 @@ class FaultError(ConfigError):
 
 
 class FaultKind(enum.Enum):
-    KILL_WORKER = "kill-worker"
-    KILL_NODE = "kill-node"
-    HANG_NODE = "hang-node"
-    DRAIN_NODE = "drain-node"
-    JOIN_NODE = "join-node"
+    """Every fault a scenario can name. The first five are the launcher's own kinds
+    (`keepstep.agent.faults.FaultKind`), taken from it by value; `_LAUNCHER` below is built
+    from that enum, so a kind the launcher gains and this list lacks fails at import. The
+    rest only the chaos injector (or a cluster target) applies."""
+
+    KILL_WORKER = LauncherKind.KILL_WORKER.value
+    KILL_NODE = LauncherKind.KILL_NODE.value
+    HANG_NODE = LauncherKind.HANG_NODE.value
+    DRAIN_NODE = LauncherKind.DRAIN_NODE.value
+    JOIN_NODE = LauncherKind.JOIN_NODE.value
     SLOW_NODE = "slow-node"
     CORRUPT_SNAPSHOT = "corrupt-snapshot"
     KILL_ETCD = "kill-etcd"
@@ -38,13 +45,21 @@ class FaultKind(enum.Enum):
     RESTART_OPERATOR = "restart-operator"
 
     @property
+    def launcher_kind(self) -> LauncherKind | None:
+        """The launcher's own kind of the same name (None: the injector's only)."""
+        return _LAUNCHER.get(self)
+
+    @property
     def needs_node(self) -> bool:
-        return self not in (FaultKind.JOIN_NODE, FaultKind.KILL_ETCD, FaultKind.RESTART_OPERATOR)
+        own = self.launcher_kind
+        if own is not None:
+            return own.needs_node
+        return self not in (FaultKind.KILL_ETCD, FaultKind.RESTART_OPERATOR)
 
     @property
     def launcher_native(self) -> bool:
         """`keepstep run --fault` can inject it itself (at a step)."""
-        return self in _NATIVE
+        return self in _LAUNCHER
 
     @property
     def expects_recovery(self) -> bool:
@@ -56,16 +71,9 @@ class FaultKind(enum.Enum):
         return self in (FaultKind.KILL_NODE, FaultKind.HANG_NODE, FaultKind.DRAIN_NODE)
 
 
-_NATIVE = frozenset(
-    {
-        FaultKind.KILL_WORKER,
-        FaultKind.KILL_NODE,
-        FaultKind.HANG_NODE,
-        FaultKind.DRAIN_NODE,
-        FaultKind.JOIN_NODE,
-    }
-)
-_RECOVERING = _NATIVE | {FaultKind.CORRUPT_SNAPSHOT, FaultKind.PARTITION_NODE}
+# ValueError at import if the launcher has a kind the chaos list lacks.
+_LAUNCHER = {FaultKind(kind.value): kind for kind in LauncherKind}
+_RECOVERING = frozenset(_LAUNCHER) | {FaultKind.CORRUPT_SNAPSHOT, FaultKind.PARTITION_NODE}
 KIND_NAMES = ", ".join(k.value for k in FaultKind)
 SLOW_METHODS = ("auto", "cgroup", "signal")
 HANG_METHODS = ("signal", "freezer")
@@ -157,8 +165,10 @@ class Fault:
 
     def spec(self) -> str:
         """The `keepstep run --fault` form (meaningful when `native`)."""
-        target = f":{self.node}" if self.node is not None else ""
-        return f"{self.kind.value}{target}@step={self.at.step}"
+        kind = self.kind.launcher_kind
+        if kind is None or self.at.step is None:
+            return str(self)
+        return str(FaultSpec(kind, self.node, self.at.step))
 
     def __str__(self) -> str:
         target = f":{self.node}" if self.node is not None else ""

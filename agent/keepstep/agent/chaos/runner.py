@@ -113,7 +113,11 @@ def run_scenario(
     cache: Path | None = None,
     only_runs: set[int] | None = None,
     say: Callable[[str], None] = print,
+    reference_target: Target | None = None,
 ) -> ScenarioResult:
+    """Run every plan of the scenario on `target`. The fault-free reference runs on
+    `reference_target` (default: `target`): a cluster target compares with the same job
+    run locally, whose numbers are the same by design and which is cached."""
     plans = expand(scenario)
     if only_runs is not None:
         plans = [p for p in plans if p.index in only_runs]
@@ -122,7 +126,7 @@ def run_scenario(
     if kinds and kinds <= set(unsupported):
         reason = "; ".join(unsupported[k] for k in sorted(kinds, key=lambda k: k.value))
         return ScenarioResult(scenario, target.name, None, skipped=reason)
-    ref = reference(scenario.job, target, cache or out_dir, say)
+    ref = reference(scenario.job, reference_target or target, cache or out_dir, say)
     ref_path = (cache or out_dir) / f"reference-{job_key(scenario.job)}.json"
     result = ScenarioResult(scenario, target.name, ref, reference_path=ref_path)
     for plan in plans:

@@ -2,9 +2,10 @@
 
 Where it sits: `runner.py` asks a target for one fault-free run (the reference) and one
 run per `RunPlan`; `invariants.py` checks what comes back. `local.LocalTarget` runs
-`keepstep run` on this machine. A cluster target (a TrainJob on the end-to-end cluster,
-faults applied to pods and their nodes) implements the same two methods and lives with
-the end-to-end infrastructure, which the product never imports.
+`keepstep run` on this machine. The cluster target (`keepstep.e2e.chaos_cluster`: a
+TrainJob on the end-to-end cluster, faults applied to pods and their nodes) implements
+the same two methods and lives with the end-to-end infrastructure, which the product
+never imports; it takes its reference run from the local target.
 """
 
 from __future__ import annotations
