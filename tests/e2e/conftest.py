@@ -1,5 +1,6 @@
 """Fixtures of the end-to-end tests: one real control plane per session, a separate etcd
-for the training jobs, and a fresh namespace per test.
+for the training jobs, the TrainJob CRD, and a fresh namespace per test (the helpers the
+tests share beside these fixtures are in helpers.py).
 
 The control plane is the real kube-apiserver, kube-controller-manager, kube-scheduler and
 etcd built by e2e/controlplane/build (see keepstep.e2e.controlplane); it starts once, on
@@ -18,6 +19,8 @@ import pytest
 
 from keepstep.e2e.controlplane import ControlPlane, build_binaries
 from keepstep.e2e.procs import StartupError
+
+from .helpers import apply_crd
 
 # Below the 120 s per-test timeout, which also covers a session fixture's setup.
 START_TIMEOUT = 90.0
@@ -48,6 +51,13 @@ def jobs_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         binary = str(build_binaries() / "etcd")
     with EtcdServer.start(binary, tmp_path_factory.mktemp("jobs-etcd")) as server:
         yield f"http://{server.endpoint}"
+
+
+@pytest.fixture(scope="session")
+def trainjob_crd(control_plane: ControlPlane) -> ControlPlane:
+    """The control plane with the TrainJob CRD applied and Established."""
+    apply_crd(control_plane)
+    return control_plane
 
 
 @pytest.fixture

@@ -10,9 +10,8 @@ import socket
 import stat
 import time
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -20,20 +19,9 @@ from keepstep.e2e import procs
 from keepstep.e2e.controlplane import ControlPlane, build_binaries
 from keepstep.e2e.procs import StartupError
 
+from .helpers import wait_for
+
 pytestmark = pytest.mark.e2e
-
-T = TypeVar("T")
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def get_json(cp: ControlPlane, *args: str) -> Any:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,11 @@ import yaml  # type: ignore[import-untyped]  # no stubs in the pinned environmen
 
 from keepstep.e2e.controlplane import ControlPlane
 
+from .helpers import wait_for
+
 pytestmark = pytest.mark.e2e
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "manifests"
-CRD = "trainjobs.keepstep.dev"
 OPERATOR = "system:serviceaccount:keepstep-system:keepstep-operator"
 Job = dict[str, Any]
 
@@ -34,14 +34,9 @@ def load(relative: str) -> Job:
 
 
 @pytest.fixture(scope="module")
-def cp(control_plane: ControlPlane) -> ControlPlane:
+def cp(trainjob_crd: ControlPlane) -> ControlPlane:
     """The control plane with the TrainJob CRD applied and Established."""
-    control_plane.kubectl("apply", "-f", str(MANIFESTS / "crd" / "trainjob.yaml"), check=True)
-    done = control_plane.kubectl(
-        "wait", "--for=condition=Established", f"crd/{CRD}", "--timeout=30s", timeout=40
-    )
-    assert done.returncode == 0, done.stderr
-    return control_plane
+    return trainjob_crd
 
 
 def create(cp: ControlPlane, namespace: str, job: Job) -> Any:
@@ -291,14 +286,6 @@ def can_i(cp: ControlPlane, who: str, namespace: str) -> dict[str, set[str]]:
     return granted
 
 
-def wait_until(what: str, probe: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not probe():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.3)
-
-
 OPERATOR_CAN = {
     "trainjobs.keepstep.dev": {"get", "list", "watch", "patch"},
     "trainjobs.keepstep.dev/status": {"patch", "update"},
@@ -320,7 +307,7 @@ def test_rbac_grants_the_operator_exactly_its_verbs(cp: ControlPlane, namespace:
         own = {k: v for k, v in granted.items() if not k.startswith(("self", "["))}
         return own == OPERATOR_CAN
 
-    wait_until("the operator's RBAC to take effect", operator_granted)
+    wait_for("the operator's RBAC to take effect", operator_granted, 20.0, every=0.3)
     # A namespace's `edit` users get TrainJobs through aggregation, but not their status.
     cp.kubectl(
         "create", "rolebinding", "dev-edit", "--clusterrole=edit", "--user=dev", "-n", namespace,
@@ -331,7 +318,7 @@ def test_rbac_grants_the_operator_exactly_its_verbs(cp: ControlPlane, namespace:
         granted = can_i(cp, "dev", namespace)
         return {"create", "delete", "patch"} <= granted.get("trainjobs.keepstep.dev", set())
 
-    wait_until("edit to aggregate the TrainJob role", developer_may_run_jobs)
+    wait_for("edit to aggregate the TrainJob role", developer_may_run_jobs, 20.0, every=0.3)
     granted = can_i(cp, "dev", namespace)
     assert granted["trainjobs.keepstep.dev/status"] <= {"get", "list", "watch"}
     assert {"patch", "update"} <= granted["trainjobs.keepstep.dev/scale"]

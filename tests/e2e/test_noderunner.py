@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -26,46 +26,16 @@ from keepstep.e2e.controlplane import ControlPlane
 from keepstep.e2e.nodeprocs import proc_state
 from keepstep.e2e.noderunner import NodeRunner
 
+from .helpers import REPO, api_get, node_ready, wait_for
+
 pytestmark = pytest.mark.e2e
 
-T = TypeVar("T")
 TAINT = "keepstep.dev/test-node"
-REPO = Path(__file__).resolve().parents[2]
-
-
-def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value is not None:
-            return value
-        if time.monotonic() >= deadline:
-            pytest.fail(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
-
-
-def api_get(cp: ControlPlane, path: str) -> dict[str, Any] | None:
-    """GET an API object (one HTTPS request, no kubectl process); None if it is gone."""
-    status, body = cp.access.get(path, timeout=5.0)
-    if status == 404:
-        return None
-    assert status == 200, f"GET {path}: {status} {body[:300]!r}"
-    data: dict[str, Any] = json.loads(body)
-    return data
 
 
 def get_pod(cp: ControlPlane, namespace: str, name: str) -> dict[str, Any] | None:
-    return api_get(cp, f"/api/v1/namespaces/{namespace}/pods/{name}")
-
-
-def node_ready(cp: ControlPlane, node: str) -> str | None:
-    obj = api_get(cp, f"/api/v1/nodes/{node}")
-    if obj is None:
-        return None
-    for cond in obj["status"].get("conditions", []):
-        if cond["type"] == "Ready":
-            return str(cond["status"])
-    return None
+    pod: dict[str, Any] | None = api_get(cp, f"/api/v1/namespaces/{namespace}/pods/{name}")
+    return pod
 
 
 def container(pod: dict[str, Any]) -> dict[str, Any]:

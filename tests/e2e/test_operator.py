@@ -10,14 +10,9 @@ from __future__ import annotations
 
 import json
 import os
-import ssl
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -26,10 +21,10 @@ from keepstep.agent import protocol
 from keepstep.agent.etcd import EtcdKV
 from keepstep.e2e.controlplane import ControlPlane
 
+from .helpers import Operator, api_delete, api_get, get_job, job_pods, wait_for
+
 pytestmark = pytest.mark.e2e
 
-REPO = Path(__file__).resolve().parents[2]
-CRD = REPO / "manifests" / "crd" / "trainjob.yaml"
 SHA = "0123456789abcdef" * 4
 LOST_POD_GRACE = 2.0
 RESYNC = 1.0
@@ -41,36 +36,19 @@ class Env:
     cp: ControlPlane
     namespace: str
     etcd: str
-    log: Path
+    operator: Operator
 
     def get(self, path: str) -> Any:
-        status, body = self.cp.access.get(path, timeout=5.0)
-        if status == 404:
-            return None
-        assert status == 200, (path, status, body[:300])
-        return json.loads(body)
+        return api_get(self.cp, path)
 
     def job(self, name: str) -> Any:
-        return self.get(f"/apis/keepstep.dev/v1alpha1/namespaces/{self.namespace}/trainjobs/{name}")
+        return get_job(self.cp, self.namespace, name)
 
     def pods(self, name: str) -> dict[str, Any]:
-        path = f"/api/v1/namespaces/{self.namespace}/pods?labelSelector=keepstep.dev/job%3D{name}"
-        return {p["metadata"]["name"]: p for p in self.get(path)["items"]}
+        return job_pods(self.cp, self.namespace, name)
 
     def delete(self, path: str) -> None:
-        """DELETE through the API directly (kubectl's start-up would blur a timing)."""
-        access = self.cp.access
-        context = ssl.create_default_context(cafile=str(access.ca_file))
-        request = urllib.request.Request(
-            access.server + path,
-            method="DELETE",
-            headers={"Authorization": f"Bearer {access.token}"},
-        )
-        opener = urllib.request.build_opener(
-            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=context)
-        )
-        with opener.open(request, timeout=5.0) as response:
-            assert response.status in (200, 202), response.status
+        api_delete(self.cp, path)
 
     def kubectl(self, *args: str, input: str | None = None) -> str:
         done = self.cp.kubectl("-n", self.namespace, *args, input=input)
@@ -78,49 +56,29 @@ class Env:
         return done.stdout
 
     def wait(self, what: str, probe: Callable[[], T | None], timeout: float = 30.0) -> T:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = probe()
-            if value:
-                return value
-            time.sleep(0.05)
-        tail = self.log.read_text(errors="replace")[-3000:]
-        raise AssertionError(f"timed out waiting for {what}; operator log tail:\n{tail}")
+        return wait_for(what, probe, timeout, every=0.05, report=self.log_tail)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return "operator log tail:\n" + self.operator.tail(chars)
 
 
 @pytest.fixture(scope="module")
 def env(
-    control_plane: ControlPlane, jobs_etcd: str, tmp_path_factory: pytest.TempPathFactory
+    trainjob_crd: ControlPlane, jobs_etcd: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Env]:
-    control_plane.kubectl("apply", "-f", str(CRD), check=True)
-    control_plane.kubectl(
-        "wait", "--for=condition=Established", "crd/trainjobs.keepstep.dev", "--timeout=30s"
-    )
+    cp = trainjob_crd
     namespace = f"op-{os.getpid()}-{int(time.time()) % 100000}"
-    control_plane.kubectl("create", "namespace", namespace, check=True)
-    control_plane.wait_for_service_account(namespace)
+    cp.kubectl("create", "namespace", namespace, check=True)
+    cp.wait_for_service_account(namespace)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
-    argv = [
-        sys.executable, "-m", "keepstep.operator",
-        "--etcd", jobs_etcd,
-        "--kubeconfig", str(control_plane.kubeconfig),
-        "--namespace", namespace,
-        "--resync", str(RESYNC),
-        "--lost-pod-grace", str(LOST_POD_GRACE),
-        "--below-min-grace", "600",
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+    flags = ("--resync", str(RESYNC), "--lost-pod-grace", str(LOST_POD_GRACE))
+    operator = Operator(cp, jobs_etcd, namespace, log, (*flags, "--below-min-grace", "600"))
+    operator.start()
     try:
-        yield Env(control_plane, namespace, jobs_etcd, log)
+        yield Env(cp, namespace, jobs_etcd, operator)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-        control_plane.kubectl("delete", "namespace", namespace, "--wait=false")
+        operator.stop()
+        cp.kubectl("delete", "namespace", namespace, "--wait=false")
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +266,7 @@ def test_a_reconcile_that_changes_nothing_writes_nothing(env: Env) -> None:
     time.sleep(3.5 * RESYNC)  # at least three resyncs
     assert versions() == before
     assert our_events() == events_before
-    log = env.log.read_text(errors="replace")
+    log = env.operator.tail(chars=10**9)
     assert "echo: " in log  # the first reconcile acted and said why
 
 
@@ -363,3 +321,36 @@ def test_suspend_deletes_the_pods_and_resume_recreates_them(env: Env) -> None:
     env.kubectl("patch", "trainjob", "golf", "--type=merge", "-p", '{"spec":{"suspend":false}}')
     env.wait("2 new pods", lambda: sorted(env.pods("golf")) == ["golf-node-2", "golf-node-3"])
     env.wait("Pending", lambda: env.job("golf")["status"].get("phase") == "Pending")
+
+
+def test_a_resumed_job_starts_its_agents_from_its_checkpoint(env: Env, kv: EtcdKV) -> None:
+    uri = "file:///ckpt/hotel"
+    apply_job(env, "hotel", nodes=2, checkpoint={"uri": uri, "everySteps": 5})
+    key = f"{env.namespace}.hotel"
+    nodes = ["hotel-node-0", "hotel-node-1"]
+    members = [f"{n}/0" for n in nodes]
+    kv.put(protocol.key(key, "epoch"), protocol.encode(protocol.EpochRecord(1, members)), 5.0)
+    for node in nodes:
+        put(kv, key, "nodes", node, protocol.NodeRecord(node, "h", 1, 2))
+        put(kv, key, "progress", node, protocol.ProgressRecord(node, 12, 1, 2, 64.0))
+    env.wait("step 12", lambda: env.job("hotel").get("status", {}).get("step") == 12)
+    assert all("--resume" not in args_of(p) for p in env.pods("hotel").values())
+
+    env.kubectl("patch", "trainjob", "hotel", "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    env.wait("no pods", lambda: not env.pods("hotel"))
+    # The suspended run's records are cleared (its agents would have left them behind).
+    env.wait("the records cleared", lambda: not kv.get_prefix(protocol.prefix(key, "nodes"), 5.0))
+    env.kubectl("patch", "trainjob", "hotel", "--type=merge", "-p", '{"spec":{"suspend":false}}')
+    pods = env.wait("2 new pods", lambda: p if len(p := env.pods("hotel")) == 2 else None)
+    assert sorted(pods) == ["hotel-node-2", "hotel-node-3"]
+    for pod in pods.values():
+        args = args_of(pod)
+        sep = args.index("--")
+        assert args[sep - 2 : sep] == ["--resume", uri], args
+    events = env.kubectl("get", "events", "--field-selector", "involvedObject.name=hotel")
+    assert f"resuming from the newest checkpoint at {uri}" in events
+
+
+def args_of(pod: dict[str, Any]) -> list[str]:
+    args: list[str] = pod["spec"]["containers"][0]["args"]
+    return args

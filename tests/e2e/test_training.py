@@ -25,7 +25,8 @@ import yaml  # type: ignore[import-untyped]  # no stubs in the pinned environmen
 from keepstep.e2e.controlplane import ControlPlane
 from keepstep.elastic.local import LocalRun, agreed_sha, run_local
 
-from .training_fixtures import CRD, REPO, Training
+from .helpers import REPO
+from .training_fixtures import Training
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -38,24 +39,13 @@ SLEEP = 0.05
 DOWN_S = 3.0  # how long the operator stays down
 
 
-@pytest.fixture(scope="module")
-def crd(control_plane: ControlPlane) -> ControlPlane:
-    """The control plane with the TrainJob CRD applied and Established."""
-    control_plane.kubectl("apply", "-f", str(CRD), check=True)
-    done = control_plane.kubectl(
-        "wait", "--for=condition=Established", "crd/trainjobs.keepstep.dev", "--timeout=30s"
-    )
-    assert done.returncode == 0, done.stderr
-    return control_plane
-
-
 @pytest.fixture
 def training(
-    crd: ControlPlane, jobs_etcd: str, namespace: str, tmp_path: Path
+    trainjob_crd: ControlPlane, jobs_etcd: str, namespace: str, tmp_path: Path
 ) -> Iterator[Training]:
     """A `Training` with no nodes yet and the operator running; torn down after the test,
     which fails if a pod process, an agent or a worker outlived it."""
-    cluster = Training(crd, jobs_etcd, namespace, tmp_path)
+    cluster = Training(trainjob_crd, jobs_etcd, namespace, tmp_path)
     try:
         cluster.operator.start()
         yield cluster

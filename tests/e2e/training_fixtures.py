@@ -16,9 +16,6 @@ import json
 import os
 import secrets
 import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,8 +27,8 @@ from keepstep.e2e.controlplane import ControlPlane
 from keepstep.e2e.nodeprocs import proc_state
 from keepstep.e2e.noderunner import NodeRunner
 
-REPO = Path(__file__).resolve().parents[2]
-CRD = REPO / "manifests" / "crd" / "trainjob.yaml"
+from .helpers import REPO, Operator, get_job, job_pods, job_status, wait_for
+
 SPARE_TAINT = ("keepstep.dev/spare", "true", "NoSchedule")
 # Status at least every second. The lost-pod grace stays above the control plane's
 # node-monitor grace plus the eviction toleration (10 + 5 s): a replacement made earlier is
@@ -40,38 +37,6 @@ SPARE_TAINT = ("keepstep.dev/spare", "true", "NoSchedule")
 # which the operator counts against a new pod whose agent has not registered yet.
 OPERATOR_FLAGS = ("--resync", "1", "--lost-pod-grace", "20", "--below-min-grace", "600")
 T = TypeVar("T")
-
-
-class Operator:
-    """`python -m keepstep.operator` for one namespace, as a process of this test."""
-
-    def __init__(self, cp: ControlPlane, etcd: str, namespace: str, log: Path) -> None:
-        self.log = log
-        self.argv = [sys.executable, "-m", "keepstep.operator", "--etcd", etcd]
-        self.argv += ["--kubeconfig", str(cp.kubeconfig), "--namespace", namespace]
-        self.argv += OPERATOR_FLAGS
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None, "the operator runs already"
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM (kopf shuts down cleanly), SIGKILL after `timeout`; the exit code."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                return proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        return proc.wait(5.0)
-
-    def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
 
 class Training:
@@ -85,7 +50,7 @@ class Training:
         (tmp / "pods").mkdir()
         self.pod_env = dict(os.environ, TMPDIR=str(tmp / "pods"), OMP_NUM_THREADS="1")
         self.runners: dict[str, NodeRunner] = {}
-        self.operator = Operator(cp, etcd, namespace, tmp / "operator.log")
+        self.operator = Operator(cp, etcd, namespace, tmp / "operator.log", OPERATOR_FLAGS)
         self.kv = EtcdKV(etcd, timeout=5.0)
         self.jobs: list[str] = []
 
@@ -126,23 +91,14 @@ class Training:
         assert done.returncode == 0, f"kubectl {' '.join(args)}: {done.stderr}"
         return done.stdout
 
-    def get(self, path: str) -> Any:
-        status, body = self.cp.access.get(path, timeout=5.0)
-        if status == 404:
-            return None
-        assert status == 200, (path, status, body[:300])
-        return json.loads(body)
-
     def job(self, name: str) -> Any:
-        return self.get(f"/apis/keepstep.dev/v1alpha1/namespaces/{self.namespace}/trainjobs/{name}")
+        return get_job(self.cp, self.namespace, name)
 
     def status(self, name: str) -> dict[str, Any]:
-        status: dict[str, Any] = (self.job(name) or {}).get("status") or {}
-        return status
+        return job_status(self.cp, self.namespace, name)
 
     def pods(self, name: str) -> dict[str, Any]:
-        path = f"/api/v1/namespaces/{self.namespace}/pods?labelSelector=keepstep.dev/job%3D{name}"
-        return {p["metadata"]["name"]: p for p in self.get(path)["items"]}
+        return job_pods(self.cp, self.namespace, name)
 
     def job_key(self, name: str) -> str:
         return f"{self.namespace}.{name}"
@@ -163,16 +119,7 @@ class Training:
         return read_events(run_dir) if run_dir.exists() else []
 
     def wait(self, what: str, probe: Callable[[], T | None], timeout: float = 60.0) -> T:
-        deadline = time.monotonic() + timeout
-        while True:
-            value = probe()
-            if value:
-                return value
-            if time.monotonic() >= deadline:
-                raise AssertionError(
-                    f"timed out after {timeout} s waiting for {what}\n{self.report()}"
-                )
-            time.sleep(0.1)
+        return wait_for(what, probe, timeout, report=self.report)
 
     def report(self) -> str:
         """What a failed test prints: statuses, pods, epochs, log tails."""

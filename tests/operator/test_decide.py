@@ -274,6 +274,76 @@ def test_suspend_deletes_every_pod_then_clears_the_records_and_resume_recreates(
     assert suspended["status"] == "False"
 
 
+def agent_args_of(d: Decision) -> dict[str, list[str]]:
+    return {c.name: c.manifest["spec"]["containers"][0]["args"] for c in d.of(CreatePod)}
+
+
+def suspended_after_training(checkpoint: dict[str, Any] | None) -> Cluster:
+    """A 2-node job that trained to step 30, was suspended, and whose agents are gone."""
+    cluster = Cluster(job_object(nodes=2, min_nodes=1, checkpoint=checkpoint))
+    settle(cluster)
+    trained = {n: progress(n, 30, world=2) for n in ("demo-node-0", "demo-node-1")}
+    cluster.agents = agents(["demo-node-0", "demo-node-1"], progress=trained)
+    settle(cluster)
+    assert (cluster.obj["status"]["phase"], cluster.obj["status"]["step"]) == ("Running", 30)
+    cluster.obj["spec"]["suspend"] = True
+    cluster.apply(run(cluster.job, cluster.pod_list(), cluster.agents))
+    cluster.agents = replace(cluster.agents, nodes={})
+    settle(cluster)  # the records are cleared; status.step stays
+    assert cluster.agents.progress == {} and cluster.obj["status"]["step"] == 30
+    cluster.obj["spec"]["suspend"] = False
+    return cluster
+
+
+def test_a_resumed_job_with_a_checkpoint_starts_its_pods_from_it() -> None:
+    uri = "s3://bucket/demo"
+    cluster = suspended_after_training({"uri": uri, "everySteps": 10})
+    d = run(cluster.job, cluster.pod_list(), cluster.agents)
+    args = agent_args_of(d)
+    assert sorted(args) == ["demo-node-2", "demo-node-3"]
+    for flags in args.values():
+        sep = flags.index("--")
+        assert flags[sep - 6 : sep] == [
+            "--checkpoint", uri, "--checkpoint-every", "10", "--resume", uri,
+        ]  # fmt: skip
+    (created,) = [e for e in d.of(Event) if e.reason == "CreatedPods"]
+    assert f"resuming from the newest checkpoint at {uri}" in created.message
+    cluster.apply(d)
+    # A pod of the resumed run that fails before the agents agree an epoch: its
+    # replacement starts from the checkpoint too, like the rest of the run.
+    cluster.pods["demo-node-2"] = pod(2, PodPhase.FAILED)
+    d = run(cluster.job, cluster.pod_list(), cluster.agents)
+    assert d.status["phase"] == "Pending"
+    flags = agent_args_of(d)["demo-node-4"]
+    assert flags[flags.index("--resume") + 1] == uri
+    cluster.apply(d)
+    # Once the resumed run trains, a replacement is a join: its state comes from peers.
+    cluster.agents = replace(agents(["demo-node-3", "demo-node-4"]), owner_uid=UID)
+    settle(cluster)
+    assert cluster.obj["status"]["phase"] == "Running"
+    cluster.pods["demo-node-3"] = pod(3, PodPhase.FAILED)
+    d = run(cluster.job, cluster.pod_list(), cluster.agents)
+    assert "--resume" not in agent_args_of(d)["demo-node-5"]
+
+
+def test_a_resumed_job_without_a_checkpoint_starts_over() -> None:
+    cluster = suspended_after_training(checkpoint=None)
+    d = run(cluster.job, cluster.pod_list(), cluster.agents)
+    assert len(agent_args_of(d)) == 2
+    assert not any("--resume" in flags for flags in agent_args_of(d).values())
+
+
+def test_a_job_suspended_before_it_trained_does_not_resume() -> None:
+    # Created suspended (a queue admits it later): no step was ever committed.
+    cluster = Cluster(job_object(nodes=2, suspend=True, checkpoint={"uri": "file:///c"}))
+    settle(cluster)
+    assert cluster.obj["status"]["phase"] == "Suspended"
+    cluster.obj["spec"]["suspend"] = False
+    d = run(cluster.job, cluster.pod_list(), cluster.agents)
+    assert len(agent_args_of(d)) == 2
+    assert not any("--resume" in flags for flags in agent_args_of(d).values())
+
+
 # ---------------------------------------------------------------- min nodes, completion
 
 

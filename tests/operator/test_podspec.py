@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 from op_builders import ETCD, UID, job
 
+from keepstep.operator.model import Phase
 from keepstep.operator.podspec import (
     agent_args,
     owner_reference,
     pod_manifest,
     pod_name,
+    resumes_from_checkpoint,
     service_manifest,
 )
 
@@ -31,6 +36,40 @@ def test_checkpoint_flags_come_before_the_separator() -> None:
     sep = args.index("--")
     assert args[sep - 4 : sep] == ["--checkpoint", "s3://b/j", "--checkpoint-every", "25"]
     assert "--checkpoint" not in agent_args(job().spec)
+
+
+def test_resume_names_the_checkpoint_uri_before_the_separator() -> None:
+    spec = job(checkpoint={"uri": "file:///ckpt/demo", "everySteps": 5}).spec
+    args = agent_args(spec, resume=True)
+    sep = args.index("--")
+    assert args[sep - 2 : sep] == ["--resume", "file:///ckpt/demo"]
+    assert args[sep:] == agent_args(spec)[agent_args(spec).index("--") :]
+    assert "--resume" not in agent_args(spec)
+    # Nothing to resume from without a checkpoint URI.
+    assert "--resume" not in agent_args(job().spec, resume=True)
+    (container,) = pod_manifest(job(checkpoint={"uri": "file:///c"}), 1, ETCD, resume=True)["spec"][
+        "containers"
+    ]
+    assert container["args"][container["args"].index("--resume") + 1] == "file:///c"
+
+
+SUSPENDED_ONCE = [{"type": "Suspended", "status": "False"}]
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "status", "phase", "resumes"),
+    [
+        ({"uri": "file:///c"}, {"step": 30, "conditions": SUSPENDED_ONCE}, Phase.PENDING, True),
+        (None, {"step": 30, "conditions": SUSPENDED_ONCE}, Phase.PENDING, False),
+        ({"uri": "file:///c"}, {"step": 0, "conditions": SUSPENDED_ONCE}, Phase.PENDING, False),
+        ({"uri": "file:///c"}, {"step": 30}, Phase.PENDING, False),  # never suspended
+        ({"uri": "file:///c"}, {"step": 30, "conditions": SUSPENDED_ONCE}, Phase.RUNNING, False),
+    ],
+)
+def test_which_pods_resume_from_the_checkpoint(
+    checkpoint: dict[str, Any] | None, status: dict[str, Any], phase: Phase, resumes: bool
+) -> None:
+    assert resumes_from_checkpoint(job(checkpoint=checkpoint, status=status), phase) is resumes
 
 
 def test_pod_identity_labels_owner_and_restart_policy() -> None:

@@ -48,7 +48,7 @@ from keepstep.operator.model import (
     PodView,
     parse_time,
 )
-from keepstep.operator.podspec import pod_manifest, service_manifest
+from keepstep.operator.podspec import pod_manifest, resumes_from_checkpoint, service_manifest
 from keepstep.operator.settings import DecideConfig
 from keepstep.operator.status import (
     OWNED,
@@ -269,18 +269,20 @@ def _pods(
         plan.reasons.append(f"lost {pod.name} ({why})")
     desired = job.spec.desired_nodes
     if len(live) < desired:
+        resume = resumes_from_checkpoint(job, phase)
         created = [
             # The node-lifecycle controller marks a dead node NotReady only after its
             # grace; until then the scheduler would happily bind the replacement there.
-            CreatePod(i, pod_manifest(job, i, config.etcd, avoid_nodes=lost_nodes))
+            CreatePod(i, pod_manifest(job, i, config.etcd, lost_nodes, resume=resume))
             for i in range(next_index, next_index + desired - len(live))
         ]
         plan.actions.extend(created)
         next_index += len(created)
+        what = f"{len(created)}: {_names(created)}"
+        if resume and job.spec.checkpoint is not None:
+            what += f", resuming from the newest checkpoint at {job.spec.checkpoint.uri}"
         plan.reasons.append(f"created {len(created)} pods ({len(live)} live, {desired} desired)")
-        plan.events.append(
-            Event(EventType.NORMAL, "CreatedPods", f"{len(created)}: {_names(created)}")
-        )
+        plan.events.append(Event(EventType.NORMAL, "CreatedPods", what))
     elif len(live) > desired:
         # The newest pods go first; each agent drains on SIGTERM at a step boundary.
         extra = sorted(live, key=lambda p: p.index)[desired:]

@@ -4,15 +4,16 @@ Where it sits: `decide` calls these pure functions to build `CreatePod`/`EnsureS
 actions; `kube` sends the dicts as they are. Each pod runs the node agent
 (`keepstep agent ...`) with the job's settings as flags and its identity in the environment:
 KEEPSTEP_ETCD, KEEPSTEP_JOB ("<namespace>.<name>", the job's etcd prefix),
-KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP).
+KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP). A job resumed after a
+suspension adds `--resume <checkpoint URI>` (`resumes_from_checkpoint`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from keepstep.operator.model import GROUP, INDEX_LABEL, JOB_LABEL, KIND, VERSION, Job
+from keepstep.operator.model import GROUP, INDEX_LABEL, JOB_LABEL, KIND, VERSION, Job, Phase
 from keepstep.operator.spec import JobSpec
 
 AGENT_COMMAND = ("keepstep", "agent")
@@ -42,8 +43,10 @@ def owner_reference(job: Job) -> dict[str, Any]:
     }
 
 
-def agent_args(spec: JobSpec) -> list[str]:
-    """The agent's flags: the job's shape, then `--` and the training command."""
+def agent_args(spec: JobSpec, resume: bool = False) -> list[str]:
+    """The agent's flags: the job's shape, then `--` and the training command. With
+    `resume` (and a checkpoint URI) the agent continues from the newest durable checkpoint
+    under the URI, if there is one, instead of from step 0."""
     desired = spec.desired_nodes
     args = [
         "--nodes",
@@ -68,7 +71,27 @@ def agent_args(spec: JobSpec) -> list[str]:
             "--checkpoint-every",
             str(spec.checkpoint.every_steps),
         ]
+        if resume:
+            args += ["--resume", spec.checkpoint.uri]
     return [*args, "--", *spec.command, *spec.args]
+
+
+def resumes_from_checkpoint(job: Job, phase: Phase) -> bool:
+    """Whether pods created now start from the job's newest durable checkpoint.
+
+    A suspension ends every agent and clears the job's etcd records, so after it the
+    durable checkpoint is all that is left of the run. That holds for the pods that form
+    the resumed run: the job has a checkpoint URI, was suspended after it had trained
+    (status.step and the Suspended condition outlive the suspension; the condition stays,
+    False, once it was True), and is Pending again (`phase`, this reconcile's). Once the
+    resumed run's agents agreed an epoch (Running), a replacement joins like any new node
+    and gets the state from its peers."""
+    if job.spec.checkpoint is None or phase is not Phase.PENDING:
+        return False
+    conditions = job.status.get("conditions") or []
+    suspended = any(isinstance(c, Mapping) and c.get("type") == "Suspended" for c in conditions)
+    step = job.status.get("step")
+    return suspended and isinstance(step, int) and step > 0
 
 
 def agent_env(job: Job, etcd: str) -> list[dict[str, Any]]:
@@ -83,15 +106,16 @@ def agent_env(job: Job, etcd: str) -> list[dict[str, Any]]:
 
 
 def pod_manifest(
-    job: Job, index: int, etcd: str, avoid_nodes: Sequence[str] = ()
+    job: Job, index: int, etcd: str, avoid_nodes: Sequence[str] = (), *, resume: bool = False
 ) -> dict[str, Any]:
     """The pod of node `index` (indices are never reused within a job); `avoid_nodes`
-    are nodes the pod must not be bound to (where the pods it replaces were lost)."""
+    are nodes the pod must not be bound to (where the pods it replaces were lost);
+    `resume`: its agent starts from the job's newest durable checkpoint."""
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": job.spec.image,
         "command": list(AGENT_COMMAND),
-        "args": agent_args(job.spec),
+        "args": agent_args(job.spec, resume),
         "env": agent_env(job, etcd),
     }
     if job.spec.resources:

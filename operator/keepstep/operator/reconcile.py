@@ -121,14 +121,15 @@ class Reconciler:
         except KubeError:
             self.expectations.forget(ident)
             raise
+        seconds = time.monotonic() - started
         if decision.actions:
-            log.info("%s: %s", job.key, decision.reason)
+            log.info("%s: %s (%.2f s)", job.key, decision.reason, seconds)
         return Outcome(
             decision,
             tally,
             etcd_reads=1,
             etcd_writes=etcd_writes,
-            seconds=time.monotonic() - started,
+            seconds=seconds,
             decide_seconds=decide_s,
             resource_version=version,
         )
