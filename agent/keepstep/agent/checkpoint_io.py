@@ -226,3 +226,10 @@ def check_int(name: str, value: int, minimum: int) -> None:
 def check_timeout(timeout: float) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise ConfigError(f"timeout={timeout!r}: must be a number of seconds > 0")
+
+
+def storage_options_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """fsspec options for durable checkpoints from the environment: KEEPSTEP_S3_ENDPOINT
+    names an S3-compatible endpoint (credentials come from AWS_* as usual)."""
+    endpoint = env.get("KEEPSTEP_S3_ENDPOINT")
+    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}

@@ -9,8 +9,14 @@ Two ways to configure it:
 In the second form the etcd endpoint, job and node come from flags or, as the operator
 sets them, from KEEPSTEP_ETCD, KEEPSTEP_JOB, KEEPSTEP_NODE and KEEPSTEP_HOST (the pod's
 IP, which peers use to reach this node's probe and process-group store). Telemetry
-exporters come from KEEPSTEP_TELEMETRY / OTEL_EXPORTER_OTLP_ENDPOINT. The environment is
-read here and nowhere deeper.
+exporters come from KEEPSTEP_TELEMETRY / OTEL_EXPORTER_OTLP_ENDPOINT, an S3-compatible
+checkpoint endpoint from KEEPSTEP_S3_ENDPOINT. The environment is read here and nowhere
+deeper.
+
+`--resume URL` (what the operator adds when a suspended TrainJob resumes) starts the
+workers from the newest durable checkpoint under URL. Unlike `keepstep run --resume`,
+finding none is not an error: the job then starts from step 0, since a pod that refused
+would only be replaced by another that refuses.
 """
 
 from __future__ import annotations
@@ -23,6 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from keepstep.errors import ConfigError
+
+# Reading the newest checkpoint record and its blob from object storage.
+_RESUME_READ_S = 120.0
 
 
 def register(sub: Any) -> None:
@@ -55,6 +64,11 @@ def register(sub: Any) -> None:
     agent.add_argument("--mode", choices=["exact", "fast"], default="exact")
     agent.add_argument("--checkpoint", metavar="URL", help="durable checkpoints (fsspec URL)")
     agent.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
+    agent.add_argument(
+        "--resume",
+        metavar="URL",
+        help="start from the newest durable checkpoint under URL, if there is one",
+    )
     agent.add_argument("--hang-timeout", type=int, default=1, metavar="SECONDS")
     agent.add_argument("--warm-spare", action="store_true", help="keep a warm spare worker")
     agent.add_argument("--run-dir", help="event log and worker logs [a temporary folder]")
@@ -109,6 +123,10 @@ def from_flags(args: argparse.Namespace) -> Any:
         )
     run_dir = Path(args.run_dir or Path(tempfile.gettempdir()) / "keepstep" / args.job)
     run_dir.mkdir(parents=True, exist_ok=True)
+    from keepstep.agent.checkpoint_io import storage_options_from_env
+
+    options = storage_options_from_env(os.environ)
+    resume_step, resume_blob = _resume_point(args.resume, args.steps, options, run_dir, args.node)
     return AgentConfig(
         job=args.job,
         node=args.node,
@@ -131,5 +149,31 @@ def from_flags(args: argparse.Namespace) -> Any:
         steps=args.steps,
         checkpoint_url=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
+        storage_options=options,
+        resume_blob=resume_blob,
+        resume_step=resume_step,
         warm_spare=args.warm_spare,
     )
+
+
+def _resume_point(
+    url: str | None, steps: int, options: dict[str, Any], run_dir: Path, node: str
+) -> tuple[int, Path | None]:
+    """The step and blob of the newest checkpoint under `url`; (0, None) when there is none."""
+    if not url:
+        return 0, None
+    from keepstep.agent.checkpoint_read import latest_checkpoint
+
+    found = latest_checkpoint(url, _RESUME_READ_S, options)
+    if found is None:
+        print(f"keepstep agent: no checkpoint under {url}; starting from step 0", flush=True)
+        return 0, None
+    info, blob = found
+    if info.step >= steps:
+        raise ConfigError(
+            f"--resume {url}: the checkpoint is at step {info.step}, not before --steps {steps}"
+        )
+    path = run_dir / f"resume-{node}.ckpt"
+    path.write_bytes(blob)
+    print(f"keepstep agent: resuming from step {info.step} ({info.url})", flush=True)
+    return info.step, path
