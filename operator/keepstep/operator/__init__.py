@@ -4,7 +4,7 @@
 
 handlers (kopf: events, a pod index, one loop per TrainJob, the finalizer) -> reconcile
 (observe; expect lays our own unseen writes over the pod cache) -> decide (pure: Job, pods,
-agents, now -> Decision) -> kube (the Kubernetes API) and agents (the job etcd). model,
-spec, status, podspec and actions are the pure values in between; settings, connection and
-errors are built at the entry point (__main__) or shared by all.
+agents, now -> Decision; suspension gates a resumed run) -> kube (the Kubernetes API) and
+agents (the job etcd). model, spec, status, podspec and actions are the pure values in
+between; settings, connection and errors are built at the entry point (__main__) or shared by all.
 """

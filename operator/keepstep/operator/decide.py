@@ -8,16 +8,17 @@ nothing changed yields no actions at all.
 
 Sub-decisions, in order (each reads the snapshot and what the earlier ones chose):
   1. prefix   stamp the job's etcd prefix with its uid (reset it if it holds another job's
-              records, or a suspended run's once its pods are gone)
+              records, or a suspended run's once its pods are gone: `suspension`)
   2. service  the headless Service exists
   3. phase    Succeeded when every worker of the current epoch reported done; Suspended
-              while spec.suspend; Running once the agents agreed an epoch; Failed after
+              while spec.suspend; Pending after it until no pod and no agent record of the
+              suspended run is left; Running once the agents agreed an epoch; Failed after
               more than the grace below minNodes live agents; Succeeded and Failed are final
   4. pods     delete lost pods (Failed, exited unfinished, or Running while their agent's
               record has been missing from etcd for longer than the grace) and replace them
               with new indices; create or delete (highest index first) to follow numNodes,
-              never above maxNodes; delete every pod of a suspended job and the unfinished
-              pods of a failed one
+              never above maxNodes; delete every pod of a suspended job (none created
+              until its suspended run ended) and the unfinished pods of a failed one
   5. events   one per change
   6. status   figures from the agents, conditions; PatchStatus only on a difference, and
               as the last action
@@ -31,7 +32,6 @@ from typing import Any
 
 from keepstep.operator.actions import (
     Action,
-    ClaimPrefix,
     CreatePod,
     Decision,
     DeletePod,
@@ -57,6 +57,13 @@ from keepstep.operator.status import (
     conditions,
     phase_of,
     status_patch,
+)
+from keepstep.operator.suspension import (
+    SuspendedRun,
+    prefix_claim,
+    resuming_condition,
+    suspended_run,
+    waiting,
 )
 
 _NAMES_IN_EVENT = 5
@@ -92,15 +99,27 @@ def decide(
     if job.deleting:
         return Decision((), "being deleted: the finalizer cleans up, nothing to reconcile")
     plan = _Plan()
-    _prefix(job, pods, agents, plan)
+    left = suspended_run(job, pods, agents)
+    claim = prefix_claim(job, agents, left)
+    if claim is not None:
+        plan.actions.append(claim[0])
+        plan.reasons.append(claim[1])
     if not service_exists and not (job.phase and job.phase.final):
         plan.actions.append(EnsureService(service_manifest(job)))
         plan.events.append(Event(EventType.NORMAL, "CreatedService", f"headless {job.name}"))
         plan.reasons.append("service missing")
-    phase = _phase(job, agents, now, config)
-    next_index = _pods(job, pods, agents, now, config, phase.phase, plan)
+    hold = waiting(job, left)
+    phase = _phase(job, agents, now, config, left if hold else None)
+    next_index = _pods(job, pods, agents, now, config, phase.phase, plan, hold)
     new_status = build_status(
-        job, agents, now, phase.phase, phase.why, phase.below_min_since, next_index
+        job,
+        agents,
+        now,
+        phase.phase,
+        phase.why,
+        phase.below_min_since,
+        next_index,
+        extra=[resuming_condition(job, left)],
     )
     patch = status_patch(job.status, new_status)
     old_phase = job.phase
@@ -150,23 +169,13 @@ def decide_invalid(job_obj: dict[str, Any], error: str, now: float) -> Decision:
     return Decision(actions, f"invalid spec: {error}", new)
 
 
-def _prefix(job: Job, pods: Sequence[PodView], agents: AgentView | None, plan: _Plan) -> None:
-    if agents is None:
-        return
-    if agents.owner_uid is not None and agents.owner_uid != job.uid:
-        plan.actions.append(ClaimPrefix(job.key, job.uid, reset=True))
-        plan.reasons.append(f"etcd prefix held records of job uid {agents.owner_uid}: reset")
-    elif agents.owner_uid is None:
-        plan.actions.append(ClaimPrefix(job.key, job.uid))
-        plan.reasons.append("etcd prefix claimed")
-    elif job.spec.suspend and job.phase is Phase.SUSPENDED and not pods and agents.records:
-        # The agents of the suspended run are gone; their epoch must not greet the resumed
-        # run's agents (the job continues from its durable checkpoint instead).
-        plan.actions.append(ClaimPrefix(job.key, job.uid, reset=True))
-        plan.reasons.append(f"suspended: {agents.records} agent records cleared")
-
-
-def _phase(job: Job, agents: AgentView | None, now: float, config: DecideConfig) -> _Phase:
+def _phase(
+    job: Job,
+    agents: AgentView | None,
+    now: float,
+    config: DecideConfig,
+    left: SuspendedRun | None,
+) -> _Phase:
     old = job.phase or Phase.PENDING
     since = parse_time(job.status.get("belowMinNodesSince"))
     if old.final:
@@ -178,6 +187,8 @@ def _phase(job: Job, agents: AgentView | None, now: float, config: DecideConfig)
         return _Phase(Phase.FAILED, f"workers finished with {len(hashes)} different parameters")
     if job.spec.suspend:
         return _Phase(Phase.SUSPENDED, "spec.suspend is true")
+    if left is not None:  # its records would make the job look Running already
+        return _Phase(Phase.PENDING, left.why)
     if agents is None:
         running = old is Phase.RUNNING
     else:
@@ -235,25 +246,27 @@ def _pods(
     config: DecideConfig,
     phase: Phase,
     plan: _Plan,
+    hold: bool,
 ) -> int:
-    """Add the pod actions; returns the next unused pod index."""
+    """Add the pod actions; returns the next unused pod index. `hold`: the resumed run
+    waits for the suspended one to end (its pods are deleted, none is created)."""
     next_index = max([int(job.status.get("nextPodIndex") or 0), *(p.index + 1 for p in pods)])
     present = sorted((p for p in pods if p.owned and not p.terminating), key=lambda p: p.index)
     if phase is Phase.SUCCEEDED:
         return next_index
-    if phase in (Phase.SUSPENDED, Phase.FAILED):
+    if phase in (Phase.SUSPENDED, Phase.FAILED) or hold:
+        every = phase is Phase.SUSPENDED or hold
         doomed = [
-            p
-            for p in present
-            if phase is Phase.SUSPENDED or p.phase not in (PodPhase.SUCCEEDED, PodPhase.FAILED)
+            p for p in present if every or p.phase not in (PodPhase.SUCCEEDED, PodPhase.FAILED)
         ]
+        what = "the suspended run ends" if hold else f"job {phase}"
         for pod in doomed:
-            plan.actions.append(DeletePod(pod.name, f"job {phase}"))
+            plan.actions.append(DeletePod(pod.name, what))
         if doomed:
-            plan.reasons.append(f"deleted {len(doomed)} pods of a {phase} job")
-            plan.events.append(
-                Event(EventType.NORMAL, "DeletedPods", f"job {phase}: {_names(doomed)}")
-            )
+            plan.reasons.append(f"deleted {len(doomed)} pods: {what}")
+            plan.events.append(Event(EventType.NORMAL, "DeletedPods", f"{what}: {_names(doomed)}"))
+        elif hold and pods:
+            plan.reasons.append(f"{len(pods)} pods of the suspended run still terminating")
         return next_index
     live: list[PodView] = []
     lost_nodes: list[str] = []

@@ -143,8 +143,11 @@ def build_status(
     why: str,
     below_min_since: float | None,
     next_index: int,
+    *,
+    extra: Sequence[Condition] = (),
 ) -> dict[str, Any]:
-    """The status `decide` wants (computed on a copy: the observed one is not touched)."""
+    """The status `decide` wants (computed on a copy: the observed one is not touched);
+    `extra`: conditions decided elsewhere, listed after the phase's own."""
     old = job.status
     new: dict[str, Any] = {
         "phase": str(phase),
@@ -172,6 +175,7 @@ def build_status(
         ),
         Condition("Succeeded", phase is Phase.SUCCEEDED, str(phase), why),
         Condition("Failed", phase is Phase.FAILED, str(phase), why),
+        *extra,
     ]
     listed = conditions(old.get("conditions") or [], wanted, now)
     if listed:
