@@ -40,6 +40,7 @@ def test_flags_become_the_agent_configuration(tmp_path: Path) -> None:
     assert cfg.command == ("python", "train.py", "--lr", "0.1")
     assert cfg.worker_env["KEEPSTEP_GLOBAL_BATCH"] == "32"
     assert cfg.worker_env["KEEPSTEP_SEED"] == "5"
+    assert cfg.worker_env["KEEPSTEP_HOST"] == "127.0.2.7"  # what the workers' gloo binds
 
 
 @pytest.mark.slow

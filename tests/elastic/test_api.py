@@ -144,3 +144,17 @@ def test_a_failed_step_leaves_its_reduction_buffer_to_the_dead_epoch() -> None:
         step.commit()
     assert [r.epoch for r in controller.reconfigurations] == [0, 1]
     assert handed and job.params_sha256() == clean_sha
+
+
+def test_the_launchers_host_is_the_address_gloo_binds() -> None:
+    # A pod's IP, or a node's network-namespace address: 127.0.0.1 there is the node's own
+    # loopback, which no peer can reach.
+    model, opt, data = make()
+    job = keepstep.init(
+        model, opt, data, global_batch=32, micro_batch=4, env={"KEEPSTEP_HOST": "127.0.0.3"}
+    )
+    assert job.host == "127.0.0.3"
+    model, opt, data = make()
+    assert keepstep.init(model, opt, data, global_batch=32, micro_batch=4, env={}).host == (
+        "127.0.0.1"
+    )

@@ -141,6 +141,8 @@ def from_flags(args: argparse.Namespace) -> Any:
             "KEEPSTEP_STEPS": str(args.steps),
             "KEEPSTEP_SEED": str(args.seed),
             "KEEPSTEP_MODE": args.mode,
+            # The workers' gloo binds and publishes the node's address, as the agent does.
+            "KEEPSTEP_HOST": args.host,
         },
         expected_nodes=args.nodes,
         min_nodes=args.min_nodes or args.nodes,

@@ -101,4 +101,7 @@ def init(
     store = SnapshotStore(_snapshot_buffer(path))
     job = Job(model, optimizer, dataset, config, controller, store, collate_fn)
     job.planned_steps = _setting("steps", None, int, env)
+    # The address peers reach this process on (a pod's IP, a node's namespace address):
+    # gloo binds its device to it and publishes it to the other members.
+    job.host = env.get(ENV_PREFIX + "HOST") or job.host
     return job

@@ -72,6 +72,7 @@ class Job:
         self.left = False
         self.announced = False  # a member flagged a planned change in the last step
         self.planned_steps: int | None = None  # what a launcher asked for, if any
+        self.host = "127.0.0.1"  # the address gloo binds and publishes (keepstep.init sets it)
         self.reconfigurations: list[Reconfiguration] = []
         infos = snapshots.infos()
         # A restarted worker finds its node's snapshots and resumes from them; a new one
@@ -211,6 +212,7 @@ class Job:
             membership.members,
             membership.me,
             self.collective_timeout,
+            host=self.host,
         )
         t1 = time.perf_counter()
         before = self.done
