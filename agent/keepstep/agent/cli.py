@@ -86,6 +86,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         storage_options=_storage_options(os.environ),
         lease_ttl=args.hang_timeout,
         warm_spare=args.warm_spare,
+        netns=args.netns,
     )
     # SIGTERM (a CI timeout, kill) must still end every node the launcher started.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -183,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--warm-spare",
         action="store_true",
         help="keep a process per node with torch imported, to replace a crashed worker fast",
+    )
+    run.add_argument(
+        "--netns",
+        action="store_true",
+        help="run each node in its own network namespace on a bridge, so that one node can "
+        "be cut off the network (needs root and iproute2's `ip`)",
     )
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)

@@ -5,12 +5,17 @@ starts one node agent per node (`keepstep agent`, in a new session so a node can
 killed or stopped as a whole), injects the scripted faults when the job reaches their
 step, shows a progress line, and writes the run directory: event logs, worker logs,
 faults, and summary.json. Every process it started is gone when it returns.
+
+With `netns`, each node runs in a network namespace of its own on a bridge (`netns.py`):
+its agent and workers publish the namespace's address, etcd listens on the bridge's, and
+the namespaces, veths and bridge are removed on the way out, whatever ended the run.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +34,7 @@ from keepstep.agent.etcd_server import EtcdServer
 from keepstep.agent.events import read_events
 from keepstep.agent.faults import FaultKind, FaultSpec, check_faults
 from keepstep.agent.kv import KVError
+from keepstep.agent.netns import MAX_NODES, NodeNetworks
 from keepstep.agent.protocol import NodeRecord, ProgressRecord
 from keepstep.agent.summary import build_summary
 from keepstep.elastic.errors import ConfigError, KeepstepError
@@ -58,6 +64,7 @@ class RunConfig:
     checkpoint_every: int = 0
     resume: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
+    netns: bool = False  # each node in its own network namespace (root and `ip` needed)
 
     def __post_init__(self) -> None:
         n_micro = micro_batch_count(self.global_batch, self.micro_batch)
@@ -87,6 +94,11 @@ class RunConfig:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every} must be >= 0")
         if self.checkpoint_every and not self.checkpoint_url:
             raise ConfigError("--checkpoint-every needs --checkpoint URL")
+        if self.netns and self.nodes + joins > MAX_NODES:
+            raise ConfigError(
+                f"--netns gives each node an address of one /24: at most {MAX_NODES} nodes "
+                f"(--nodes {self.nodes} + {joins} joins)"
+            )
 
 
 class Launcher:
@@ -101,6 +113,7 @@ class Launcher:
         self.next_node = cfg.nodes
         self.last_line = 0.0
         self.stopped: set[str] = set()
+        self.networks: NodeNetworks | None = None
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -120,17 +133,15 @@ class Launcher:
             self.resume_step, self.resume_blob = info.step, cfg.run_dir / "resume.ckpt"
             self.resume_blob.write_bytes(blob)
             self._note(f"resuming from step {info.step} ({info.url})")
-        etcd = EtcdServer.start(cfg.etcd_binary, cfg.run_dir / "etcd")
-        kv = EtcdKV(etcd.endpoint)
+        if cfg.netns:
+            ip = shutil.which("ip")
+            self.networks = NodeNetworks.create(cfg.run_dir, euid=os.geteuid(), ip=ip)
         try:
-            self.etcd_endpoint = etcd.endpoint
-            for i in range(cfg.nodes):
-                self._start_node(f"n{i}")
-            self._watch(kv)
+            self._train()
         finally:
-            self._stop_all()
-            kv.close()
-            etcd.stop(timeout=10)
+            if self.networks is not None:
+                for error in self.networks.close():
+                    self._note(f"network cleanup: {error}")
         summary = build_summary(
             read_events(cfg.run_dir),
             self.faults_log,
@@ -144,8 +155,29 @@ class Launcher:
         (cfg.run_dir / "faults.json").write_text(json.dumps(self.faults_log, indent=2))
         return summary
 
+    def _train(self) -> None:
+        cfg = self.cfg
+        # Namespaced nodes reach etcd on the bridge; so does the launcher (a local address).
+        host = self.networks.plan.bridge_address if self.networks else "127.0.0.1"
+        etcd = EtcdServer.start(cfg.etcd_binary, cfg.run_dir / "etcd", host=host)
+        kv = EtcdKV(etcd.endpoint)
+        try:
+            self.etcd_endpoint = etcd.endpoint
+            for i in range(cfg.nodes):
+                self._start_node(f"n{i}")
+            self._watch(kv)
+        finally:
+            self._stop_all()
+            kv.close()
+            etcd.stop(timeout=10)
+
     def _start_node(self, node: str) -> None:
         cfg = self.cfg
+        host, prefix = "127.0.0.1", []
+        if self.networks is not None:
+            index = int(node.removeprefix("n"))
+            host = self.networks.add(index).address
+            prefix = self.networks.plan.exec_prefix(index, self.networks.ip)
         agent_cfg = AgentConfig(
             job=self.job,
             node=node,
@@ -160,6 +192,8 @@ class Launcher:
                 "KEEPSTEP_STEPS": str(cfg.steps),
                 "KEEPSTEP_SEED": str(cfg.seed),
                 "KEEPSTEP_MODE": cfg.mode,
+                # The address the workers' gloo binds and publishes: the node's own.
+                "KEEPSTEP_HOST": host,
                 **cfg.extra_env,
             },
             expected_nodes=cfg.nodes,
@@ -172,12 +206,13 @@ class Launcher:
             storage_options=dict(cfg.storage_options),
             resume_blob=self.resume_blob,
             resume_step=self.resume_step,
+            host=host,
         )
         path = cfg.run_dir / f"agent-{node}.json"
         dump_config(agent_cfg, path)
         with open(cfg.run_dir / f"agent-{node}.log", "ab") as log:
             self.agents[node] = subprocess.Popen(
-                [sys.executable, "-m", "keepstep.agent", "agent", "--config", str(path)],
+                [*prefix, sys.executable, "-m", "keepstep.agent", "agent", "--config", str(path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

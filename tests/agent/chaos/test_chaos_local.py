@@ -9,13 +9,17 @@ small machine: each is one `keepstep run` of three nodes.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from keepstep.agent import netns
 from keepstep.agent.chaos.local import PARTITION_SKIP, LocalTarget
 from keepstep.agent.chaos.runner import ScenarioResult, recheck, run_scenario, summarize
 from keepstep.agent.chaos.scenario import load_scenario
+from keepstep.agent.chaos.schedule import expand
 
 # Each run is one `keepstep run` of three nodes (about a minute on a busy 2-core machine);
 # the first one of a session also runs the fault-free reference.
@@ -41,9 +45,16 @@ def reference_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("chaos-reference")
 
 
-def run(name: str, tmp_path: Path, cache: Path) -> ScenarioResult:
+# A partition needs every node in a network namespace of its own: root and `ip`.
+NETNS_MISSING = netns.missing(os.geteuid(), shutil.which("ip"))
+
+
+def run(
+    name: str, tmp_path: Path, cache: Path, target: LocalTarget | None = None
+) -> ScenarioResult:
     scenario = load_scenario(SCENARIOS / f"{name}.yaml")
-    return run_scenario(scenario, LocalTarget(), tmp_path / name, cache, say=lambda _: None)
+    target = target or LocalTarget()
+    return run_scenario(scenario, target, tmp_path / name, cache, say=lambda _: None)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=slow) for n in PASSING])
@@ -74,9 +85,60 @@ def test_scenario_keeps_every_invariant(name: str, tmp_path: Path, reference_cac
         assert max(summary["world_size_by_step"]) == 4
 
 
+@pytest.mark.skipif(NETNS_MISSING is None, reason="root with `ip`: the partition runs")
 def test_partition_is_skipped_with_its_reason(tmp_path: Path, reference_cache: Path) -> None:
     result = run("partition-node", tmp_path, reference_cache)
-    assert result.skipped == PARTITION_SKIP and result.runs == []
+    assert result.skipped == PARTITION_SKIP + str(NETNS_MISSING) and result.runs == []
+
+
+def test_partition_skip_names_what_is_missing(tmp_path: Path, reference_cache: Path) -> None:
+    unprivileged = LocalTarget(euid=1000, ip=None)
+    result = run("partition-node", tmp_path, reference_cache, unprivileged)
+    assert result.runs == [] and result.skipped is not None
+    assert result.skipped.startswith(PARTITION_SKIP)
+    assert "root (running as uid 1000)" in result.skipped and "`ip` command" in result.skipped
+
+
+def test_only_a_run_with_a_partition_asks_for_namespaces(tmp_path: Path) -> None:
+    scenario = load_scenario(SCENARIOS / "partition-node.yaml")
+    (plan,) = expand(scenario)
+    (kill,) = expand(load_scenario(SCENARIOS / "kill-node.yaml"))
+    ip = tmp_path / "ip"  # never run: the target only needs to find it
+    ip.write_text("#!/bin/sh\nexit 1\n")
+    ip.chmod(0o755)
+    able = LocalTarget(euid=0, ip=str(ip))
+    assert "--netns" in able.command(scenario.job, plan, tmp_path)
+    assert "--netns" not in able.command(scenario.job, None, tmp_path)  # the reference
+    assert "--netns" not in able.command(scenario.job, kill, tmp_path)
+    unable = LocalTarget(euid=1000, ip=str(ip))
+    assert "--netns" not in unable.command(scenario.job, plan, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(NETNS_MISSING is not None, reason=f"partition-node needs {NETNS_MISSING}")
+def test_partitioned_node_is_excluded_then_readmitted_with_every_invariant(
+    tmp_path: Path, reference_cache: Path
+) -> None:
+    """The fault-free reference runs without namespaces: the numbers do not depend on them."""
+    result = run("partition-node", tmp_path, reference_cache)
+    assert result.skipped is None
+    (only,) = result.runs
+    assert only.verdict.passed and not only.verdict.violations, only.verdict.violations
+    assert all(only.verdict.invariants.values()), only.verdict.invariants
+    (fault,) = only.outcome.seen.faults
+    assert fault["t"] is not None and fault["detail"]["method"] == "veth-down"
+    run_dir = only.outcome.run_dir
+    loaded = netns.load_plan(run_dir)
+    assert loaded is not None and fault["detail"]["veth"] == loaded[0].node(1).host_veth
+    summary = only.outcome.summary
+    assert summary is not None
+    # Lost when its lease expired, trained on without it, admitted again once reachable.
+    causes = [(r["cause"], r["node"]) for r in summary["recoveries"]]
+    assert causes[0] == ("lease-expired", "n1") and causes[-1][0] == "rejoin", causes
+    sizes = summary["world_size_by_step"]
+    assert min(sizes) == 2 and sizes[-1] == 3
+    assert summary["agent_exit_codes"] == {"n0": 0, "n1": 0, "n2": 0}
 
 
 def test_restart_operator_is_for_cluster_mode(tmp_path: Path, reference_cache: Path) -> None:

@@ -2,8 +2,9 @@
 
 Where it sits: `inject.py` decides *when*; this module does *what*, on process ids and
 files of one run: signals to a process or a node's process group, a SIGSTOP/SIGCONT duty
-cycle (a slow node without cgroups), flipping bytes in a worker's snapshot, and bringing
-a killed etcd back with its own command line. Each long-lived action is an object with
+cycle (a slow node without cgroups), a node's veth taken down (a partition, with
+`keepstep run --netns`), flipping bytes in a worker's snapshot, and bringing a killed etcd
+back with its own command line. Each long-lived action is an object with
 `end()`, so the injector can undo it at its deadline or when the run is over.
 """
 
@@ -16,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
+from keepstep.agent import netns
 from keepstep.agent.chaos.cgroups import Cgroup
 from keepstep.elastic.snapshot import FileBuffer, SnapshotStore
 from keepstep.elastic.snapshot_format import FILE_STRUCT, HEADER, SLOT_STRUCT, SlotState
@@ -102,6 +104,25 @@ class Throttled:
 
     def end(self) -> None:
         self.group.release()
+
+
+class Partitioned:
+    """A node cut off the network: the root end of its veth is down, so every packet to
+    or from its namespace is dropped. Its connections stall as on a real partition (no
+    reset) and carry on when the link is back, unless a side gave up on them meanwhile."""
+
+    def __init__(self, ip: str, veth: str) -> None:
+        self.ip = ip
+        self.veth = veth
+        self._ended = False
+        netns.set_link(ip, veth, up=False)
+
+    def end(self) -> None:
+        """Reconnect the node."""
+        if self._ended:
+            return
+        self._ended = True
+        netns.set_link(self.ip, self.veth, up=True)
 
 
 def corrupt_newest_slot(path: Path) -> dict[str, Any]:

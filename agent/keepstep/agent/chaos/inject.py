@@ -9,6 +9,7 @@ run's processes (`actions.py`, `cgroups.py`):
     slow-node          a CPU quota in a cgroup, or a SIGSTOP/SIGCONT duty cycle
     corrupt-snapshot   flip bytes in the worker's newest snapshot slot, then kill it
     kill-etcd          SIGKILL the run's etcd (and start it again after restart_after)
+    partition-node     take the node's veth down for `duration` (a `--netns` run only)
 
 A node it hung without a resume time stays stopped until every other node has ended,
 then it is killed (as the launcher does with its own hangs). `finish` undoes whatever
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import threading
 import time
@@ -26,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from keepstep.agent import netns
 from keepstep.agent.chaos import actions, cgroups
 from keepstep.agent.chaos.model import Fault, FaultKind
 from keepstep.agent.chaos.rundir import RunView, alive, children_matching, process_group
@@ -60,8 +63,10 @@ class Injector(threading.Thread):
         faults: tuple[tuple[int, Fault], ...],
         skip: dict[FaultKind, str],
         poll_s: float = 0.02,
+        ip: str | None = "ip",
     ) -> None:
         super().__init__(name="chaos-injector", daemon=True)
+        self.ip = shutil.which(ip) if ip else None  # for partitions (None: there is none)
         self.view = RunView(run_dir)
         self.run_dir = run_dir
         self.launcher_pid = launcher_pid
@@ -106,7 +111,8 @@ class Injector(threading.Thread):
                     self._ongoing.remove((end_t, action))
                     try:
                         action.end()
-                    except OSError as error:  # the leftover check reports what remains
+                    except (OSError, KeepstepError) as error:
+                        # What could not be undone, the leftover check reports.
                         log.warning("chaos: could not undo %r: %s", action, error)
         if self._etcd_restart is not None and now >= self._etcd_restart[0]:
             _, argv, cwd = self._etcd_restart
@@ -189,6 +195,8 @@ class Injector(threading.Thread):
             self._hang(fault, node, agent, detail)
         elif kind is FaultKind.SLOW_NODE:
             self._slow(fault, node, agent, detail)
+        elif kind is FaultKind.PARTITION_NODE:
+            return self._partition(fault, node, detail)
         else:
             return f"{kind.value} cannot be injected by the local injector"
         return None
@@ -235,6 +243,27 @@ class Injector(threading.Thread):
         detail["cpu_share"] = fault.cpu
         with self._lock:
             self._ongoing.append((time.time() + fault.duration, action))
+
+    def _partition(self, fault: Fault, node: str, detail: dict[str, Any]) -> str | None:
+        assert fault.duration is not None  # the scenario model requires one
+        loaded = netns.load_plan(self.run_dir)
+        if loaded is None or self.ip is None:
+            return "the run's nodes have no network namespaces (keepstep run --netns)"
+        plan, indices = loaded
+        index = int(node.removeprefix("n"))
+        if index not in indices:
+            return f"node {node} has no network namespace"
+        net = plan.node(index)
+        cut = actions.Partitioned(self.ip, net.host_veth)
+        detail.update(
+            method="veth-down",
+            veth=net.host_veth,
+            address=net.address,
+            resume_after_s=fault.duration,
+        )
+        with self._lock:
+            self._ongoing.append((time.time() + fault.duration, cut))
+        return None
 
     def snapshot_path(self, node: str) -> Path | None:
         """The shared-memory snapshot of the node's first worker (None: not known yet)."""
@@ -286,7 +315,7 @@ class Injector(threading.Thread):
             for _, action in self._ongoing:
                 try:
                     action.end()
-                except OSError as error:
+                except (OSError, KeepstepError) as error:
                     log.warning("chaos: could not undo %r: %s", action, error)
             self._ongoing.clear()
             for stopped in self._hung.values():

@@ -2,14 +2,18 @@
 
 Where it sits: `runner.py` calls `LocalTarget.run` for the reference run and each faulty
 run. The launcher is started as a subprocess with the plan's step-triggered faults as
-`--fault` specs; an `Injector` thread applies the rest. Once the launcher has exited,
-everything the run started is looked for (process groups of its nodes, workers, etcd,
-snapshot files, chaos cgroups): what is found is reported as left behind, then removed.
+`--fault` specs; an `Injector` thread applies the rest. A plan with a partition runs with
+`--netns` (each node in its own network namespace; root and `ip` needed, else the fault
+is skipped with the reason); other runs, the reference included, do not: the numbers are
+the same either way. Once the launcher has exited, everything the run started is looked
+for (process groups of its nodes, workers, etcd, snapshot files, chaos cgroups, network
+namespaces and interfaces): what is found is reported as left behind, then removed.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -18,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from keepstep.agent import netns
 from keepstep.agent.chaos.actions import send
 from keepstep.agent.chaos.inject import Applied, Injector
 from keepstep.agent.chaos.invariants import Observation
@@ -28,13 +33,8 @@ from keepstep.agent.chaos.target import RunOutcome
 from keepstep.agent.events import read_events
 
 PARTITION_SKIP = (
-    "partition-node needs every simulated node in its own network namespace from its start "
-    "(a running process cannot be moved into another namespace from outside), and `keepstep "
-    "run` starts all agents in its own namespace with every address on 127.0.0.1. The "
-    "launcher would need to start each agent under `ip netns exec` in a namespace joined to "
-    "the host by a veth pair, give each node its own address (the agent's host for probes "
-    "and its process-group store, gloo's interface) and have etcd listen on the host end; "
-    "the injector would then cut a node's veth for the fault's duration"
+    "partition-node puts every simulated node in its own network namespace (`keepstep run "
+    "--netns`) and cuts the node's veth; that needs "
 )
 OPERATOR_SKIP = "local mode has no operator: restart-operator runs in cluster mode only"
 _GRACE_S = 60.0
@@ -43,12 +43,25 @@ _GRACE_S = 60.0
 class LocalTarget:
     name = "local"
 
-    def __init__(self, python: str = sys.executable, poll_s: float = 0.02) -> None:
+    def __init__(
+        self,
+        python: str = sys.executable,
+        poll_s: float = 0.02,
+        euid: int | None = None,
+        ip: str | None = "ip",
+    ) -> None:
+        """`euid`: this process's unless given; `ip`: the command, looked up on PATH (None:
+        there is none). Tests pass others to see what an unprivileged machine does."""
         self.python = python
         self.poll_s = poll_s
+        self.ip = shutil.which(ip) if ip else None
+        self.netns_missing = netns.missing(os.geteuid() if euid is None else euid, self.ip)
 
     def unsupported(self) -> dict[FaultKind, str]:
-        return {FaultKind.PARTITION_NODE: PARTITION_SKIP, FaultKind.RESTART_OPERATOR: OPERATOR_SKIP}
+        skip = {FaultKind.RESTART_OPERATOR: OPERATOR_SKIP}
+        if self.netns_missing is not None:
+            skip[FaultKind.PARTITION_NODE] = PARTITION_SKIP + self.netns_missing
+        return skip
 
     def command(self, job: Job, plan: RunPlan | None, run_dir: Path) -> list[str]:
         argv = [
@@ -70,6 +83,11 @@ class LocalTarget:
             argv += ["--checkpoint-every", str(job.checkpoint_every)]
         for spec in plan.native_specs if plan is not None else ():
             argv += ["--fault", spec]
+        partitions = plan is not None and any(
+            f.kind is FaultKind.PARTITION_NODE for f in plan.faults
+        )
+        if partitions and self.netns_missing is None:
+            argv.append("--netns")
         return [*argv, job.script, *job.script_args]
 
     def run(self, job: Job, plan: RunPlan | None, run_dir: Path) -> RunOutcome:
@@ -87,7 +105,9 @@ class LocalTarget:
                 start_new_session=True,
             )
         injected = plan.injected if plan is not None else ()
-        injector = Injector(run_dir, proc.pid, injected, self.unsupported(), self.poll_s)
+        injector = Injector(
+            run_dir, proc.pid, injected, self.unsupported(), self.poll_s, ip=self.ip
+        )
         injector.start()
         try:
             code = _wait(proc, job.timeout + _GRACE_S)
@@ -106,6 +126,8 @@ class LocalTarget:
         view = injector.view
         view.poll()
         leftovers = _leftovers(view, job, injector)
+        if self.ip is not None:
+            leftovers += netns.remove_leftovers(run_dir, self.ip)
         seen = Observation(
             code,
             ended,
