@@ -87,6 +87,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         lease_ttl=args.hang_timeout,
         warm_spare=args.warm_spare,
         netns=args.netns,
+        etcd_members=args.etcd_members,
     )
     # SIGTERM (a CI timeout, kill) must still end every node the launcher started.
     signal.signal(signal.SIGTERM, _interrupt)
@@ -190,6 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run each node in its own network namespace on a bridge, so that one node can "
         "be cut off the network (needs root and iproute2's `ip`)",
+    )
+    run.add_argument(
+        "--etcd-members",
+        type=int,
+        choices=[1, 3],
+        default=1,
+        help="members of the run's private etcd; 3 survive the loss of any one (default 1)",
     )
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)

@@ -9,7 +9,17 @@ after one UNAVAILABLE answer pyetcd marks its only endpoint failed and refuses e
 five minutes; and pyetcd's watcher cannot end its stream (etcd keeps a watch stream open after
 the client half-closes it), so a cancelled watch would leave a thread behind. gRPC errors
 become `KVTimeout` (deadline), `LeaseLost` (the lease is gone) or `KVError` (anything else);
-calls on a dead server fail fast instead of hanging.
+a call to a dead server fails instead of hanging: at once, or, for a read that is retried,
+once its deadline passed without a member answering.
+
+Several members: `endpoint` may list them ("h:p1,h:p2,h:p3", IP addresses; or one DNS
+name whose answer holds several). One gRPC channel spans them all with round-robin
+balancing, so calls and streams are spread over the members and a member that dies is
+left out as soon as its connection breaks: a call in flight on it fails (reads and lease
+revokes, which are safe to repeat, are retried on another member within their deadline;
+writes are not, since a write that failed may still have been applied), a failed lease
+refresh is tried again at once rather than a beat later, and its watch streams are reopened
+on another member from the next revision.
 
 Watches: each `watch_prefix` owns one gRPC stream and one thread that runs the callback,
 in revision order (see `etcd_watch`). Keepalives: one thread per lease, refreshing every
@@ -21,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +39,7 @@ import grpc
 from pyetcd import etcdrpc
 from pyetcd.utils import prefix_range_end
 
+from keepstep.agent.etcd_channel import open_channel, parse_endpoint, parse_endpoints
 from keepstep.agent.etcd_watch import EtcdWatch, rpc_error
 from keepstep.agent.kv import (
     KV,
@@ -40,29 +52,12 @@ from keepstep.agent.kv import (
     check_timeout,
     lease_seconds,
 )
-from keepstep.errors import ConfigError
+
+__all__ = ["EtcdKV", "EtcdLease", "parse_endpoint", "parse_endpoints"]
 
 log = logging.getLogger(__name__)
 
-_GRPC_OPTIONS = [
-    # Reconnect quickly after an etcd restart (gRPC's default backoff grows to 120 s).
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-    # Notice a silently dead peer under an open watch. etcd refuses pings closer than 5 s.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.max_pings_without_data", 0),
-]
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """Split "host:port" (an "http://" in front is accepted) into (host, port)."""
-    text = endpoint.removeprefix("http://").rstrip("/")
-    host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"etcd endpoint {endpoint!r} must look like 127.0.0.1:2379")
-    return host, int(port)
+_RETRY_PAUSE_S = 0.02  # between a read that met a dead member and its retry on another
 
 
 def _kv(raw: Any) -> KV:
@@ -91,7 +86,7 @@ class EtcdLease:
         request = etcdrpc.LeaseRevokeRequest(ID=self.id)
         try:
             what = f"revoke lease {self.id:x}"
-            self._kv._unary(what, self._kv._leases.LeaseRevoke, request, timeout)
+            self._kv._unary(what, self._kv._leases.LeaseRevoke, request, timeout, retry=True)
         except LeaseLost:
             pass  # already gone: revoking is idempotent
 
@@ -100,13 +95,14 @@ class EtcdLease:
 
 
 class EtcdKV:
-    """A `KVStore` on the etcd at `endpoint`; `timeout` is the default for calls without one."""
+    """A `KVStore` on the etcd at `endpoint` ("host:port", or several, comma-separated:
+    the members of one cluster); `timeout` is the default for calls without one."""
 
     def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
-        host, port = parse_endpoint(endpoint)
-        self.endpoint = f"{host}:{port}"
+        addresses = parse_endpoints(endpoint)
+        self.endpoint = ",".join(f"{host}:{port}" for host, port in addresses)
         self.timeout = check_timeout(timeout)
-        self._channel = grpc.insecure_channel(self.endpoint, options=_GRPC_OPTIONS)
+        self._channel = open_channel(addresses)
         self._kvs = etcdrpc.KVStub(self._channel)
         self._leases = etcdrpc.LeaseStub(self._channel)
         self._watch_stub = etcdrpc.WatchStub(self._channel)
@@ -118,7 +114,7 @@ class EtcdKV:
 
     def get(self, key: str, timeout: float) -> KV | None:
         request = etcdrpc.RangeRequest(key=key.encode())
-        response = self._unary(f"get {key!r}", self._kvs.Range, request, timeout)
+        response = self._unary(f"get {key!r}", self._kvs.Range, request, timeout, retry=True)
         return _kv(response.kvs[0]) if response.kvs else None
 
     def get_prefix(self, prefix: str, timeout: float) -> list[KV]:
@@ -129,7 +125,8 @@ class EtcdKV:
             sort_order=etcdrpc.RangeRequest.ASCEND,
             sort_target=etcdrpc.RangeRequest.KEY,
         )
-        response = self._unary(f"get prefix {prefix!r}", self._kvs.Range, request, timeout)
+        what = f"get prefix {prefix!r}"
+        response = self._unary(what, self._kvs.Range, request, timeout, retry=True)
         return [_kv(raw) for raw in response.kvs]
 
     def put(self, key: str, value: bytes, timeout: float, lease: Lease | None = None) -> int:
@@ -191,9 +188,11 @@ class EtcdKV:
         refresh_timeout = min(self.timeout, lease.ttl)
 
         def beat() -> None:
-            while not stop_event.wait(interval):
+            wait, retried = interval, False
+            while not stop_event.wait(wait):
                 try:
                     self._refresh(lease.id, refresh_timeout)
+                    wait, retried = interval, False
                 except LeaseLost:
                     if not stop_event.is_set():
                         log.warning("lease %x expired before its keepalive stopped", lease.id)
@@ -201,6 +200,8 @@ class EtcdKV:
                 except KVError as err:
                     if not stop_event.is_set():
                         log.info("keepalive of lease %x failed, retrying: %s", lease.id, err)
+                    # Once at once (another member may answer), then at the usual beat.
+                    wait, retried = (interval, False) if retried else (_RETRY_PAUSE_S, True)
 
         thread = threading.Thread(target=beat, name=f"keepstep-keepalive-{lease.id:x}", daemon=True)
 
@@ -277,13 +278,23 @@ class EtcdKV:
         if self._closed:
             raise KVError(f"the EtcdKV client of {self.endpoint} is closed")
 
-    def _unary(self, what: str, method: Any, request: Any, timeout: float | None) -> Any:
+    def _unary(
+        self, what: str, method: Any, request: Any, timeout: float | None, retry: bool = False
+    ) -> Any:
+        """One call under one deadline; `retry`: a call safe to repeat is tried again on
+        another member when the one it reached is unavailable, until the deadline."""
         timeout = self.timeout if timeout is None else check_timeout(timeout)
         self._check_open()
-        try:
-            return method(request, timeout=timeout)
-        except grpc.RpcError as err:
-            raise rpc_error(what, err, timeout) from err
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return method(request, timeout=max(left, 0.001))
+            except grpc.RpcError as err:
+                again = retry and err.code() == grpc.StatusCode.UNAVAILABLE
+                if not again or deadline - time.monotonic() <= _RETRY_PAUSE_S or self._closed:
+                    raise rpc_error(what, err, timeout) from err
+            time.sleep(_RETRY_PAUSE_S)
 
     def _txn(self, what: str, compare: Any, put: Any, timeout: float) -> bool:
         request = etcdrpc.TxnRequest(

@@ -7,6 +7,9 @@ own etcd through `EtcdServer.start`; everything else reaches it through
 election timeout (ceil(1.5 x election) seconds): with the defaults (1 s) a 1 s lease would
 silently become 2 s, and failure detection would be slower than keepstep promises.
 
+`etcd_cluster.EtcdCluster` starts several of these as the members of one cluster; the
+flags every member gets are `member_args`.
+
 `find_etcd(env)` picks the binary: $KEEPSTEP_ETCD, else `etcd` on PATH if it is at least
 3.5.13, else the newest build under the cache that `scripts/build-etcd` fills.
 """
@@ -63,47 +66,32 @@ class EtcdServer:
         timeout: float = 20.0,
     ) -> EtcdServer:
         """Start etcd and return once it answers /health; ports 0 pick free ones."""
-        if not _is_executable(Path(binary)):
-            raise ConfigError(f"etcd binary {binary!r} is not an executable file")
+        check_settings(binary, heartbeat_ms, election_ms, timeout)
         for port, what in ((client_port, "client_port"), (peer_port, "peer_port")):
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{what}={port} must be 0 (pick a free port) or 1..65535")
-        if heartbeat_ms < 1 or election_ms < 5 * heartbeat_ms:
-            raise ConfigError(
-                f"heartbeat_ms={heartbeat_ms}, election_ms={election_ms}: etcd needs a "
-                "heartbeat >= 1 ms and an election timeout >= 5 heartbeats"
-            )
-        if not timeout > 0:
-            raise ConfigError(f"timeout={timeout!r} must be > 0 seconds")
         data_dir.mkdir(parents=True, exist_ok=True)
         attempts = _PORT_ATTEMPTS if client_port == 0 or peer_port == 0 else 1
         for attempt in range(attempts):
-            cport = client_port or _free_port(host)
-            pport = peer_port or _free_port(host)
-            client_url, peer_url = f"http://{host}:{cport}", f"http://{host}:{pport}"
-            args = [
-                f"--name={name}",
-                f"--data-dir={data_dir / 'data'}",
-                f"--listen-client-urls={client_url}",
-                f"--advertise-client-urls={client_url}",
-                f"--listen-peer-urls={peer_url}",
-                f"--initial-advertise-peer-urls={peer_url}",
-                f"--initial-cluster={name}={peer_url}",
-                "--initial-cluster-state=new",
-                f"--heartbeat-interval={heartbeat_ms}",
-                f"--election-timeout={election_ms}",
-                # A long-lived local server must not grow without bound; an hour of history
-                # is far more than any watch that reconnects needs.
-                "--auto-compaction-mode=periodic",
-                "--auto-compaction-retention=1h",
-                "--log-level=warn",
-            ]
+            cport = client_port or free_port(host)
+            pport = peer_port or free_port(host)
+            peer_url = f"http://{host}:{pport}"
+            args = member_args(
+                name,
+                data_dir,
+                host,
+                cport,
+                pport,
+                f"{name}={peer_url}",
+                heartbeat_ms=heartbeat_ms,
+                election_ms=election_ms,
+            )
             server = cls(binary, data_dir, args, f"{host}:{cport}")
             try:
                 server._launch(timeout)
                 return server
             except EtcdServerError as err:
-                if attempt + 1 < attempts and "address already in use" in str(err):
+                if attempt + 1 < attempts and port_taken(err):
                     continue  # another process took a port between our probe and etcd's bind
                 raise
         raise AssertionError("unreachable")
@@ -153,6 +141,11 @@ class EtcdServer:
         self.stop()
 
     def _launch(self, timeout: float) -> None:
+        self.spawn()
+        self.wait_healthy(timeout)
+
+    def spawn(self) -> None:
+        """Start the process and return at once (a cluster member cannot be healthy alone)."""
         # ETCD_* variables would configure etcd behind our flags' back.
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
         with open(self.log_path, "ab") as log:
@@ -167,6 +160,12 @@ class EtcdServer:
         self._proc = proc
         # Reap it when this object goes or the interpreter exits, so no etcd outlives a run.
         weakref.finalize(self, _kill_quietly, proc)
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Return once the server answers /health; kill it and raise if it does not."""
+        proc = self._proc
+        if proc is None:
+            raise EtcdServerError("the etcd server was never started")
         try:
             self._wait_healthy(proc, timeout)
         except BaseException:
@@ -203,6 +202,57 @@ class EtcdServer:
         except OSError:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
+
+
+def member_args(
+    name: str,
+    data_dir: Path,
+    host: str,
+    client_port: int,
+    peer_port: int,
+    initial_cluster: str,
+    *,
+    heartbeat_ms: int,
+    election_ms: int,
+) -> list[str]:
+    """The flags of one member of a statically bootstrapped cluster (`initial_cluster`:
+    "name=http://host:peer,..." of every member); its data goes to `data_dir/data`."""
+    client_url, peer_url = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
+    return [
+        f"--name={name}",
+        f"--data-dir={data_dir / 'data'}",
+        f"--listen-client-urls={client_url}",
+        f"--advertise-client-urls={client_url}",
+        f"--listen-peer-urls={peer_url}",
+        f"--initial-advertise-peer-urls={peer_url}",
+        f"--initial-cluster={initial_cluster}",
+        "--initial-cluster-state=new",
+        f"--heartbeat-interval={heartbeat_ms}",
+        f"--election-timeout={election_ms}",
+        # A long-lived local server must not grow without bound; an hour of history
+        # is far more than any watch that reconnects needs.
+        "--auto-compaction-mode=periodic",
+        "--auto-compaction-retention=1h",
+        "--log-level=warn",
+    ]
+
+
+def check_settings(binary: str, heartbeat_ms: int, election_ms: int, timeout: float) -> None:
+    """Raise ConfigError for settings etcd would refuse (or a start that cannot wait)."""
+    if not _is_executable(Path(binary)):
+        raise ConfigError(f"etcd binary {binary!r} is not an executable file")
+    if heartbeat_ms < 1 or election_ms < 5 * heartbeat_ms:
+        raise ConfigError(
+            f"heartbeat_ms={heartbeat_ms}, election_ms={election_ms}: etcd needs a "
+            "heartbeat >= 1 ms and an election timeout >= 5 heartbeats"
+        )
+    if not timeout > 0:
+        raise ConfigError(f"timeout={timeout!r} must be > 0 seconds")
+
+
+def port_taken(err: EtcdServerError) -> bool:
+    """Whether etcd failed because a port we probed as free was taken before it bound."""
+    return "address already in use" in str(err)
 
 
 def find_etcd(env: Mapping[str, str]) -> str:
@@ -265,7 +315,7 @@ def _is_executable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]

@@ -4,9 +4,13 @@ Where it sits: under `keepstep.agent.etcd`, whose `EtcdKV.watch_prefix` makes an
 and hands its `cancel` to the caller. Each watch owns one gRPC stream and one thread that runs
 the callback, in revision order. When the stream breaks (etcd restarted, connection lost) the
 thread reopens it from the revision after the last event it delivered, so nothing is missed
-or repeated. We end the stream ourselves (cancel the call and close our request iterator)
-because etcd keeps a watch stream open after the client half-closes it. `rpc_error`, the
-mapping of gRPC errors to `KVError`s, is here too so that `etcd` can import it without a cycle.
+or repeated; over a cluster's channel the new stream goes to a live member, which serves
+the same revisions. Each stream asks etcd to require a leader, so a member cut off from
+the quorum ends its streams (after a few election timeouts) instead of silently sending
+nothing, and the watch moves to a member that is in it. We end the stream ourselves (cancel
+the call and close our request iterator) because etcd keeps a watch stream open after the
+client half-closes it. `rpc_error`, the mapping of gRPC errors to `KVError`s, is here too
+so that `etcd` can import it without a cycle.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from pyetcd.etcdrpc import kv_pb2
 from keepstep.agent.kv import KVError, KVTimeout, LeaseLost, WatchEvent
 
 __all__ = ["EtcdWatch", "rpc_error"]
+
+# etcd's "require leader" marker (clientv3's WithRequireLeader sends the same).
+_REQUIRE_LEADER = (("hasleader", "true"),)
 
 # The logger of the module this code came from, so logging set up for it still applies.
 log = logging.getLogger("keepstep.agent.etcd")
@@ -121,7 +128,7 @@ class EtcdWatch:
             yield etcdrpc.WatchRequest(create_request=create)
             done.wait()  # our side of the stream stays open until the watch ends
 
-        call = self._stub.Watch(requests())
+        call = self._stub.Watch(requests(), metadata=_REQUIRE_LEADER)
         with self._lock:
             self._call, self._stream_done = call, done
         if self._stop.is_set():  # cancel() ran before it could see this call

@@ -1,6 +1,7 @@
 """`keepstep run`: one job on one machine, each simulated node its own process group.
 
-The launcher starts a private etcd (each agent hosts its own process-group store),
+The launcher starts a private etcd (`--etcd-members 3`: a three-member cluster, which
+survives losing any one member; each agent hosts its own process-group store),
 starts one node agent per node (`keepstep agent`, in a new session so a node can be
 killed or stopped as a whole), injects the scripted faults when the job reaches their
 step, shows a progress line, and writes the run directory: event logs, worker logs,
@@ -30,7 +31,7 @@ from keepstep.agent import protocol
 from keepstep.agent.agent_config import AgentConfig, dump_config
 from keepstep.agent.checkpoint import latest_checkpoint
 from keepstep.agent.etcd import EtcdKV
-from keepstep.agent.etcd_server import EtcdServer
+from keepstep.agent.etcd_cluster import MEMBER_COUNTS, start_etcd
 from keepstep.agent.events import read_events
 from keepstep.agent.faults import FaultKind, FaultSpec, check_faults
 from keepstep.agent.kv import KVError
@@ -65,6 +66,7 @@ class RunConfig:
     resume: str | None = None
     storage_options: Mapping[str, Any] = field(default_factory=dict)
     netns: bool = False  # each node in its own network namespace (root and `ip` needed)
+    etcd_members: int = 1  # 3: a cluster that survives the loss of one member
 
     def __post_init__(self) -> None:
         n_micro = micro_batch_count(self.global_batch, self.micro_batch)
@@ -94,6 +96,11 @@ class RunConfig:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every} must be >= 0")
         if self.checkpoint_every and not self.checkpoint_url:
             raise ConfigError("--checkpoint-every needs --checkpoint URL")
+        if self.etcd_members not in MEMBER_COUNTS:
+            raise ConfigError(
+                f"--etcd-members {self.etcd_members}; allowed: "
+                + ", ".join(map(str, MEMBER_COUNTS))
+            )
         if self.netns and self.nodes + joins > MAX_NODES:
             raise ConfigError(
                 f"--netns gives each node an address of one /24: at most {MAX_NODES} nodes "
@@ -159,8 +166,10 @@ class Launcher:
         cfg = self.cfg
         # Namespaced nodes reach etcd on the bridge; so does the launcher (a local address).
         host = self.networks.plan.bridge_address if self.networks else "127.0.0.1"
-        etcd = EtcdServer.start(cfg.etcd_binary, cfg.run_dir / "etcd", host=host)
-        kv = EtcdKV(etcd.endpoint)
+        etcd = start_etcd(
+            cfg.etcd_binary, cfg.run_dir / "etcd", members=cfg.etcd_members, host=host
+        )
+        kv = EtcdKV(etcd.endpoint)  # "h:p", or every member's "h:p,h:p,h:p" for a cluster
         try:
             self.etcd_endpoint = etcd.endpoint
             for i in range(cfg.nodes):

@@ -1,5 +1,5 @@
 """Each fault kind's scenario, run in local mode: every invariant holds (or the scenario is
-skipped with its reason, or it demonstrates its documented finding).
+skipped with its reason).
 
 The shipped scenario files run as they are; they share one job, so one fault-free
 reference run (cached for the session) serves them all. Run them one at a time on a
@@ -35,6 +35,7 @@ PASSING = [
     "slow-node",
     "corrupt-snapshot",
     "etcd-restart",
+    "kill-etcd",  # one of three etcd members, for good
     "fault-during-recovery",
     "hang-resume",  # its own four-node job: a second reference run
 ]
@@ -83,6 +84,15 @@ def test_scenario_keeps_every_invariant(name: str, tmp_path: Path, reference_cac
         assert sum(r["cause"] == "rejoin" for r in summary["recoveries"]) == 3
     if name == "join-node":
         assert max(summary["world_size_by_step"]) == 4
+    if name == "kill-etcd":  # the leader went, and the worker kill after it was recovered
+        etcd_kill, worker_kill = faults
+        assert etcd_kill["detail"]["leader"] is True, etcd_kill["detail"]
+        assert worker_kill["t"] > etcd_kill["t"]
+        causes = [(r["cause"], r["node"]) for r in summary["recoveries"]]
+        assert ("worker-exit", "n1") in causes, causes
+    if name == "etcd-restart":
+        (fault,) = faults
+        assert fault["detail"]["chosen"] == "the run's only etcd"
 
 
 @pytest.mark.skipif(NETNS_MISSING is None, reason="root with `ip`: the partition runs")
@@ -144,22 +154,3 @@ def test_partitioned_node_is_excluded_then_readmitted_with_every_invariant(
 def test_restart_operator_is_for_cluster_mode(tmp_path: Path, reference_cache: Path) -> None:
     result = run("restart-operator", tmp_path, reference_cache)
     assert result.skipped is not None and "cluster mode" in result.skipped
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_losing_the_only_etcd_is_a_documented_finding(
-    tmp_path: Path, reference_cache: Path
-) -> None:
-    """Kept out of the passing set (see kill-etcd.yaml's known_failure): when this starts
-    to pass, the finding is fixed; move it into PASSING. (hang-during-recovery.yaml, the
-    other finding, depends on a race and is not asserted here.)"""
-    result = run("kill-etcd", tmp_path, reference_cache)
-    assert result.scenario.known_failure
-    (only,) = result.runs
-    verdict = only.verdict.invariants
-    assert not result.passed
-    # The fault the job could not recover from is reported as such ...
-    assert not verdict["every_recovery_recorded"]
-    # ... and the harness still ends every process of the run.
-    assert verdict["no_process_left_behind"]

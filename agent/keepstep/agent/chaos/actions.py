@@ -3,9 +3,10 @@
 Where it sits: `inject.py` decides *when*; this module does *what*, on process ids and
 files of one run: signals to a process or a node's process group, a SIGSTOP/SIGCONT duty
 cycle (a slow node without cgroups), a node's veth taken down (a partition, with
-`keepstep run --netns`), flipping bytes in a worker's snapshot, and bringing a killed etcd
-back with its own command line. Each long-lived action is an object with
-`end()`, so the injector can undo it at its deadline or when the run is over.
+`keepstep run --netns`), flipping bytes in a worker's snapshot, choosing which etcd member
+to kill (`etcd_victim`) and bringing a killed etcd back with its own command line. Each
+long-lived action is an object with `end()`, so the injector can undo it at its deadline
+or when the run is over.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ import os
 import signal
 import subprocess
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 from keepstep.agent import netns
 from keepstep.agent.chaos.cgroups import Cgroup
+from keepstep.agent.etcd_cluster import metrics
 from keepstep.elastic.snapshot import FileBuffer, SnapshotStore
 from keepstep.elastic.snapshot_format import FILE_STRUCT, HEADER, SLOT_STRUCT, SlotState
 
@@ -169,6 +173,43 @@ def _refused(path: Path, slot: int) -> bool:
         return slot not in {info.slot for info in store.infos()}
     finally:
         buffer.close()
+
+
+@dataclass(frozen=True)
+class EtcdMember:
+    """One live etcd process of the run, as its command line and /metrics describe it."""
+
+    pid: int
+    name: str
+    endpoint: str  # "host:port" of its client URL
+    leader: bool | None  # None: it did not answer
+
+
+def etcd_member(pid: int, timeout: float = 1.0) -> EtcdMember:
+    """Describe the etcd with this pid (its flags say its name and client URL)."""
+    argv, _ = etcd_command(pid)
+    flags = dict(a.removeprefix("--").partition("=")[::2] for a in argv[1:] if a.startswith("--"))
+    endpoint = flags.get("listen-client-urls", "").split(",")[0].removeprefix("http://")
+    seen = metrics(endpoint, timeout) if endpoint else None
+    leader = None if seen is None else seen.get("etcd_server_is_leader") == 1.0
+    return EtcdMember(pid, flags.get("name", ""), endpoint, leader)
+
+
+def etcd_victim(members: Sequence[EtcdMember]) -> tuple[EtcdMember, str]:
+    """The member a kill-etcd fault takes, and why. Of several, the leader: its loss is
+    the harder one, since besides the client connections it held (every client balances
+    over all members) it stops every write until the survivors elect a new leader; a
+    follower's loss only moves streams. Mid-election (no member leads) the first by name,
+    so the choice is still the same for the same observation."""
+    if not members:
+        raise ValueError("no live etcd member to kill")
+    if len(members) == 1:
+        return members[0], "the run's only etcd"
+    leaders = [m for m in members if m.leader]
+    if leaders:
+        return leaders[0], f"the leader of {len(members)} live members"
+    first = min(members, key=lambda m: m.name)
+    return first, f"the first by name of {len(members)} live members: none said it leads"
 
 
 def etcd_command(pid: int) -> tuple[list[str], str]:

@@ -8,7 +8,8 @@ run's processes (`actions.py`, `cgroups.py`):
     kill-worker, kill-node, hang-node, drain-node   by time, or during a recovery
     slow-node          a CPU quota in a cgroup, or a SIGSTOP/SIGCONT duty cycle
     corrupt-snapshot   flip bytes in the worker's newest snapshot slot, then kill it
-    kill-etcd          SIGKILL the run's etcd (and start it again after restart_after)
+    kill-etcd          SIGKILL the run's etcd, or of three members the leader (and start
+                       it again after restart_after)
     partition-node     take the node's veth down for `duration` (a `--netns` run only)
 
 A node it hung without a resume time stays stopped until every other node has ended,
@@ -75,6 +76,7 @@ class Injector(threading.Thread):
         self.poll_s = poll_s
         self.records: dict[int, Applied] = {}
         self.etcd_pids: list[int] = []
+        self._etcd_found = False
         self.cgroups: list[cgroups.Cgroup] = []
         self._ongoing: list[tuple[float, actions.Ongoing]] = []  # (end time, action)
         self._hung: dict[str, actions.Held] = {}  # stopped until the others end
@@ -96,8 +98,11 @@ class Injector(threading.Thread):
 
     def _tick(self) -> None:
         self.view.poll()
-        if not self.etcd_pids and self.launcher_pid is not None:
-            self.etcd_pids = children_matching(self.launcher_pid, str(self.run_dir / "etcd"))
+        if not self._etcd_found and self.launcher_pid is not None:
+            # The members of a cluster start one after another: look until training runs.
+            found = children_matching(self.launcher_pid, str(self.run_dir / "etcd"))
+            self.etcd_pids += [pid for pid in found if pid not in self.etcd_pids]
+            self._etcd_found = bool(self.etcd_pids) and self.view.first_commit_t is not None
         now = time.time()
         for index, fault in list(self.pending):
             due = self._due(index, fault, now)
@@ -294,9 +299,10 @@ class Injector(threading.Thread):
         live = [pid for pid in self.etcd_pids if alive(pid)]
         if not live:
             return "the run's etcd is not running"
-        argv, cwd = actions.etcd_command(live[0])
-        actions.send(live[0], signal.SIGKILL)
-        detail["pid"] = live[0]
+        victim, why = actions.etcd_victim([actions.etcd_member(pid) for pid in live])
+        argv, cwd = actions.etcd_command(victim.pid)
+        actions.send(victim.pid, signal.SIGKILL)
+        detail.update(pid=victim.pid, member=victim.name, leader=victim.leader, chosen=why)
         if fault.restart_after is not None:
             self._etcd_restart = (time.time() + fault.restart_after, argv, cwd)
             detail["restart_after_s"] = fault.restart_after

@@ -81,6 +81,8 @@ class LocalTarget:
         if job.checkpoint_every:
             argv += ["--checkpoint", (run_dir / CHECKPOINTS).as_uri()]
             argv += ["--checkpoint-every", str(job.checkpoint_every)]
+        if job.etcd_members != 1:
+            argv += ["--etcd-members", str(job.etcd_members)]
         for spec in plan.native_specs if plan is not None else ():
             argv += ["--fault", spec]
         partitions = plan is not None and any(

@@ -194,8 +194,11 @@ class Job:
     # > 0: durable checkpoints every K steps, whose hashes locate where a run's numbers
     # first left the fault-free run's (the checkpoint holds the whole training state).
     checkpoint_every: int = 0
+    etcd_members: int = 1  # 3: the run's etcd is a cluster that survives losing a member
 
     def __post_init__(self) -> None:
+        if self.etcd_members not in (1, 3):
+            raise ConfigError(f"etcd_members {self.etcd_members}; allowed: 1, 3")
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every {self.checkpoint_every} must be >= 0")
         for name in ("nodes", "global_batch", "micro_batch", "steps", "nproc_per_node"):

@@ -65,6 +65,7 @@ _JOB = (
     "hang_timeout",
     "timeout",
     "checkpoint_every",
+    "etcd_members",
 )
 _FAULT = ("kind", "node", "at", "duration", "method", "cpu", "restart_after", "kill")
 _AT = ("step", "time", "during_recovery_of", "delay")

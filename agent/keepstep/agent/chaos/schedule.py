@@ -144,8 +144,8 @@ def _feasible(
         fits = workers + job.nproc_per_node <= job.n_micro
         return not by_time and fits and when <= job.steps / 5
     if kind is FaultKind.KILL_ETCD:
-        # Membership cannot change and the job cannot end while etcd is down (a finding of
-        # kill-etcd.yaml): by step, the next fault and the end must be well after it.
+        # Membership cannot change and the job cannot end while a job's only etcd is down:
+        # by step, the next fault and the end must be well after it.
         return by_time or (quiet >= _ETCD_QUIET_STEPS and job.steps - when >= _ETCD_QUIET_STEPS)
     if kind is FaultKind.SLOW_NODE:
         return bool(ready)
@@ -159,5 +159,5 @@ def _make(kind: FaultKind, node: int | None, at: Trigger, spec: RandomFaults) ->
     if kind is FaultKind.HANG_NODE and spec.hang_resume_after is not None:
         return Fault(kind, at, node, duration=spec.hang_resume_after)
     if kind is FaultKind.KILL_ETCD:
-        return Fault(kind, at, restart_after=2.0)  # a permanent loss ends the job (a finding)
+        return Fault(kind, at, restart_after=2.0)  # losing a lone etcd for good ends the job
     return Fault(kind, at, node)
