@@ -62,3 +62,10 @@ def test_failure_with_nobody_left_is_refused_with_a_reason() -> None:
     cur = EpochRecord(0, ["n0/0"])
     rec, why = agreement.after_failure(cur, {}, set(), set(), 0, 0.0)
     assert rec is None and why.endswith("no worker left to train")
+
+
+def test_an_epoch_names_workers_this_node_does_not_offer() -> None:
+    record = EpochRecord(4, ["n0/0", "n0/1", "n1/0"])
+    assert agreement.not_offered(record, "n0", ["n0/1"]) == ["n0/0"]
+    assert agreement.not_offered(record, "n0", ["n0/0", "n0/1"]) == []
+    assert agreement.not_offered(record, "n2", []) == []

@@ -57,3 +57,30 @@ def test_a_member_that_computed_other_than_its_plan_is_reported() -> None:
     bad["micro_batches"] = [2]
     s = build_summary([bad], [], steps=1, global_batch=16, micro_batch=4)
     assert s["samples"]["plan_mismatches"] == ["step 0: n1/0 computed [2], planned [1]"]
+
+
+def test_a_rejoin_names_its_node_and_a_join_is_matched_to_its_own_node() -> None:
+    # n3's worker was killed and came back (admitted first); the joined node n4 came later.
+    events = [
+        {"t": 0.0, "kind": "epoch-agreed", "epoch": 0, "members": list(PLAN4)},
+        {"t": 5.0, "kind": "fault-detected", "cause": "worker-exit", "node": "n3", "epoch": 0},
+        {"t": 5.01, "kind": "epoch-agreed", "epoch": 1, "planned": False, "reason": "lost n3/0"},
+        {
+            "t": 8.0,
+            "kind": "epoch-agreed",
+            "epoch": 2,
+            "planned": True,
+            "reason": "admit n3/0",
+            "admitted": ["n3/0"],
+            "removed": [],
+        },
+        # Written before events carried `admitted`: the reason names the member.
+        {"t": 9.0, "kind": "epoch-agreed", "epoch": 3, "planned": True, "reason": "admit n4/0"},
+    ]
+    faults = [
+        {"kind": "kill-worker", "node": "n3", "t": 4.99},
+        {"kind": "join-node", "node": "n4", "t": 6.0},
+    ]
+    s = build_summary(events, faults, steps=0, global_batch=16, micro_batch=4)
+    got = [(r["epoch"], r["cause"], r["node"]) for r in s["recoveries"]]
+    assert got == [(1, "kill-worker", "n3"), (2, "rejoin", "n3"), (3, "join-node", "n4")]

@@ -68,6 +68,9 @@ def recovery_events() -> list[dict[str, Any]]:
         commit(1.6, 1, 4, 2, snapshot_s=0.004),
         commit(1.7, 1, 5, 2, snapshot_s=0.004),
         {"t": T + 1.8, "kind": "worker-exited", "member": "n0/1", "pid": 7, "code": -9},
+        # Died on its way out after its finish was recorded: not a failure.
+        {"t": T + 1.9, "kind": "worker-exited", "member": "n0/0", "pid": 8, "code": -6,
+         "finished": True},
     ]  # fmt: skip
     return ev
 
@@ -114,7 +117,7 @@ def test_events_become_metrics(memory: Any) -> None:
     (mttr,) = p["keepstep.recovery.duration"]
     assert mttr.count == 1 and mttr.sum == pytest.approx(0.6)  # fault_t 0.9 -> commit 1.5
     assert p["keepstep.rolled_back_steps"][0].value == 1
-    assert p["keepstep.worker.failures"][0].value == 1
+    assert p["keepstep.worker.failures"][0].value == 1  # the crash, not the exit after finish
     phases = {dict(q.attributes)["phase"]: q.sum for q in p["keepstep.recovery.phase.duration"]}
     assert phases == pytest.approx(
         {"detect": 0.1, "agree": 0.2, "communicator": 0.05, "restore": 0.03,

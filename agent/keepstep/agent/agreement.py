@@ -95,6 +95,18 @@ def after_failure(
     return EpochRecord(current.epoch + 1, members, reason, done, now), reason
 
 
+def not_offered(record: EpochRecord, node: str, offered: Collection[str]) -> list[str]:
+    """The members of `record` on `node` that this node does not offer as ready.
+
+    An epoch is agreed from probes, and a probe can answer before its agent has learned
+    that a worker died (a loaded machine runs the agent's threads late). Such an epoch
+    names a process that is gone: its rendezvous would wait until a cold replacement has
+    started (seconds). The agent ends it at once instead, so that the survivors agree the
+    next epoch without that member, and the replacement is admitted when it is ready.
+    """
+    return [m for m in record.members if node_of(m) == node and m not in offered]
+
+
 def with_store(record: EpochRecord, nodes: Mapping[str, NodeRecord]) -> EpochRecord:
     """Name the store the epoch rendezvouses on: the one of its first node that has a live
     record (a node of the epoch, so the store is lost only when the epoch is over anyway)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from keepstep.agent import agreement, protocol
 from keepstep.agent.agent_config import AgentConfig
@@ -61,6 +62,28 @@ class Healer:
     def _stamp(self, record: EpochRecord) -> EpochRecord:
         return agreement.with_store(record, self.view.observe().nodes)
 
+    def _agreed(
+        self,
+        record: EpochRecord,
+        reason: str,
+        previous: EpochRecord | None = None,
+        **extra: Any,
+    ) -> None:
+        """The "epoch-agreed" event, written by the agent whose proposal won. After the
+        first epoch it names the members `admitted` (joiners, restarted workers back) and
+        `removed` relative to `previous`."""
+        if previous is not None:
+            extra["admitted"] = sorted(set(record.members) - set(previous.members))
+            extra["removed"] = sorted(set(previous.members) - set(record.members))
+        self.events.write(
+            "epoch-agreed",
+            epoch=record.epoch,
+            members=record.members,
+            reason=reason,
+            **extra,
+            store=record.store,
+        )
+
     # -- admission ----------------------------------------------------------------------
     def admit(self, member: str) -> Message:
         """Block until an epoch includes `member` (announcing it as pending meanwhile)."""
@@ -100,9 +123,7 @@ class Healer:
             return
         record = self._stamp(record)
         if self.kv.create(key(self.cfg.job, "epoch"), protocol.encode(record), self.cfg.op_timeout):
-            self.events.write(
-                "epoch-agreed", epoch=0, members=record.members, reason=reason, store=record.store
-            )
+            self._agreed(record, reason)
 
     def _settle(self, member: str, record: EpochRecord) -> Message:
         """Answer with `record` if it includes the worker (or the node drains); else wait."""
@@ -127,15 +148,7 @@ class Healer:
             if record is not None and self.kv.compare_and_put(
                 key(self.cfg.job, "epoch"), payload, seen.revision, self.cfg.op_timeout
             ):
-                self.events.write(
-                    "epoch-agreed",
-                    epoch=record.epoch,
-                    members=record.members,
-                    reason=reason,
-                    planned=True,
-                    step=done,
-                    store=record.store,
-                )
+                self._agreed(record, reason, cur, planned=True, step=done)
         else:
             got = self.kv.get(decision_key, self.cfg.op_timeout)
             assert got is not None, "a decision key, once created, is never deleted"
@@ -176,15 +189,8 @@ class Healer:
                     seen.revision,
                     self.cfg.op_timeout,
                 ):
-                    self.events.write(
-                        "epoch-agreed",
-                        epoch=record.epoch,
-                        members=record.members,
-                        reason=why,
-                        planned=False,
-                        step=done,
-                        agree_s=time.monotonic() - t0,
-                        store=record.store,
+                    self._agreed(
+                        record, why, cur, planned=False, step=done, agree_s=time.monotonic() - t0
                     )
             new = self.view.wait_epoch_after(epoch, self.cfg.admission_grace)
         return self._settle(member, new)

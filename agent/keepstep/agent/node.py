@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from keepstep.agent import protocol
+from keepstep.agent import agreement, protocol
 from keepstep.agent.agent_config import AgentConfig, snapshot_path, worker_spec
 from keepstep.agent.checkpoint import CheckpointWriter
 from keepstep.agent.durable import DurableCheckpoints, seed_snapshot
@@ -38,7 +38,7 @@ from keepstep.agent.protocol import EpochRecord, NodeRecord, key
 from keepstep.agent.registration import Registration
 from keepstep.agent.spare import SparePool
 from keepstep.agent.stores import StoreClients, StoreHost
-from keepstep.agent.supervisor import Supervisor
+from keepstep.agent.supervisor import ExitAction, Supervisor, after_exit, describe_exit
 from keepstep.agent.telemetry import Telemetry
 from keepstep.agent.view import JobView
 from keepstep.elastic.errors import KeepstepError
@@ -64,6 +64,7 @@ class NodeAgent:
         self.restarts: dict[str, int] = {}
         self.entered: dict[str, dict[str, Any]] = {}  # member -> its last "reconfigured"
         self.done = threading.Event()
+        self.closing = False  # workers stopped by close() are not restarted
         self.failed: str | None = None
         self.store_host = StoreHost(cfg.host, cfg.store_port, timeout=3 * cfg.op_timeout)
         # Aborts must not wait long on a dead or stopped store node.
@@ -178,6 +179,7 @@ class NodeAgent:
         )
 
     def close(self) -> None:
+        self.closing = True
         if self.spares is not None:
             self.spares.close()
         self.supervisor.stop_all(timeout=5.0)
@@ -207,11 +209,27 @@ class NodeAgent:
         change = self.view.apply(event)
         if change.lost_self and not self.done.is_set():
             threading.Thread(target=self._reregister, daemon=True).start()
+        if change.new_epoch is not None and not self.view.job_finished:
+            self._check_members(change.new_epoch)
         cur = self.view.current
         if change.lost_node is not None and cur is not None and not self.view.job_finished:
             node = change.lost_node
             self._abort(cur, "lease-expired", f"node {node} lost its lease (hung or cut off)", node)
         self._update_flag()
+
+    def _check_members(self, epoch: EpochRecord) -> None:
+        """End an epoch that names a worker of this node that is not running and ready
+        (see `agreement.not_offered`): nobody would answer for it in the rendezvous."""
+        gone = agreement.not_offered(epoch, self.cfg.node, self._offered())
+        if gone:
+            reason = f"epoch {epoch.epoch} names {','.join(gone)}, not running on {self.cfg.node}"
+            self._abort(epoch, "worker-exit", reason, self.cfg.node)
+
+    def _offered(self) -> list[str]:
+        """The workers this node offers to an epoch: ready (they said hello) and alive."""
+        with self.lock:
+            members = sorted(self.ready)
+        return [m for m in members if self.supervisor.alive(m)]
 
     def _update_flag(self) -> None:
         flag = self.view.change_pending()
@@ -236,10 +254,7 @@ class NodeAgent:
 
     # -- workers ----------------------------------------------------------------------
     def _status(self) -> dict[str, Any]:
-        with self.lock:
-            members = sorted(self.ready)
-        ready = [m for m in members if self.supervisor.alive(m)]
-        return {"node": self.cfg.node, "ready": ready, "draining": self.draining}
+        return {"node": self.cfg.node, "ready": self._offered(), "draining": self.draining}
 
     def _on_disconnect(self, conn: Connection) -> None:
         with self.lock:
@@ -248,24 +263,40 @@ class NodeAgent:
                     del self.ready[member]
 
     def _on_worker_exit(self, member: str, pid: int, code: int) -> None:
-        self.events.write("worker-exited", member=member, pid=pid, code=code)
         with self.lock:
             self.ready.pop(member, None)
             self.exit_codes[member] = code
+            finished = member in self.finished
+        if self.closing:
+            return
+        self.events.write("worker-exited", member=member, pid=pid, code=code, finished=finished)
         cur = self.view.current
-        if code == 0:
-            self.finished.add(member)
-        else:
-            if cur is not None and member in cur.members:
-                self._abort(
-                    cur, "worker-exit", f"worker {member} exited with {code}", self.cfg.node
-                )
-            count = self.restarts.get(member, 0)
-            if not self.draining and count < self.cfg.max_restarts:
-                self.restarts[member] = count + 1
-                self._spawn(member)
-                return
-            self.failed = f"worker {member} exited with {code} after {count} restarts"
+        decision = after_exit(
+            member,
+            code,
+            finished=finished,
+            in_epoch=cur is not None and member in cur.members,
+            draining=self.draining,
+            restarts=self.restarts.get(member, 0),
+            max_restarts=self.cfg.max_restarts,
+        )
+        if finished and code != 0:
+            self.events.write(
+                "worker-abnormal-exit",
+                member=member,
+                pid=pid,
+                code=code,
+                exit=describe_exit(code),
+                reason=decision.reason,
+            )
+        if decision.abort and cur is not None:
+            self._abort(cur, "worker-exit", f"worker {member} exited with {code}", self.cfg.node)
+        if decision.action is ExitAction.RESTART:
+            self.restarts[member] = self.restarts.get(member, 0) + 1
+            self._spawn(member)
+            return
+        if decision.action is ExitAction.GIVE_UP:
+            self.failed = decision.reason
         if self.supervisor.running() == 0:
             self.done.set()
 
@@ -300,6 +331,9 @@ class NodeAgent:
             self._on_record(op, member, message["record"])
             return None
         if op == "finish":
+            with self.lock:
+                # From here on the worker is done, whatever its exit status turns out to be.
+                self.finished.add(member)
             self.events.write(
                 "finish",
                 member=member,
@@ -357,7 +391,9 @@ def run_agent(cfg: AgentConfig, kv: KVStore, telemetry: Telemetry | None = None)
     finally:
         agent.close()
     codes = agent.exit_codes
-    ok = all(codes.get(m) == 0 for m in agent.members()) and agent.failed is None
+    ok = agent.failed is None and all(
+        codes.get(m) == 0 or m in agent.finished for m in agent.members()
+    )
     if not ok:
         print(f"keepstep agent {cfg.node}: {agent.failed or codes}", file=sys.stderr)
     return 0 if ok else 1

@@ -8,10 +8,13 @@ parameters were trained on: every micro-batch of every step exactly once.
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
+
+from keepstep.agent.protocol import node_of
 
 
 def build_summary(
@@ -83,21 +86,34 @@ def build_summary(
 _PLANNED = {"join-node", "drain-node"}
 
 
+def _changed_nodes(agreed: dict[str, Any], field: str, word: str) -> list[str]:
+    """The nodes whose workers an epoch admitted (`field` "admitted", `word` "admit") or
+    drained ("removed", "drain"): from the event's field, or from its reason ("admit
+    n1/0,n4/0; drain n2/0") in event logs written before the field existed."""
+    members = agreed.get(field)
+    if members is None:
+        found = re.search(rf"\b{word} ([^;]+)", str(agreed.get("reason", "")))
+        members = found.group(1).split(",") if found else []
+    return sorted({node_of(str(m).strip()) for m in members})
+
+
 def _matching_fault(
     agreed: dict[str, Any], faults: Sequence[dict[str, Any]], used: set[int]
 ) -> dict[str, Any] | None:
     """The earliest unused fault, injected before this epoch was agreed, of a kind that
-    explains it: a planned change (admit, drain) or a failure (kill, hang)."""
+    explains it: a planned change (admit, drain) or a failure (kill, hang). A join is
+    matched to the admission of its own node, not to a restarted worker coming back."""
     planned = bool(agreed.get("planned"))
     reason = str(agreed.get("reason", ""))
+    admitted = _changed_nodes(agreed, "admitted", "admit")
     for index, fault in enumerate(faults):
         if index in used or fault["t"] > agreed["t"]:
             continue
         kind = fault["kind"]
-        if planned and (
-            (kind == "join-node" and "admit" in reason)
-            or (kind == "drain-node" and "drain" in reason)
-        ):
+        joined = kind == "join-node" and (
+            fault.get("node") in admitted if fault.get("node") else bool(admitted)
+        )
+        if planned and (joined or (kind == "drain-node" and "drain" in reason)):
             used.add(index)
             return fault
         if not planned and kind not in _PLANNED:
@@ -112,7 +128,8 @@ def _recoveries(
     """One record per epoch after the first: its cause and each phase's duration.
 
     A re-admission without a fault of its own (a restarted worker coming back) has cause
-    "rejoin"; a failure nobody injected keeps the cause its detector recorded.
+    "rejoin" and names the node admitted; a failure nobody injected keeps the cause (and
+    node) its detector recorded.
     """
     agreed: dict[int, dict[str, Any]] = {}
     for e in events:
@@ -139,7 +156,15 @@ def _recoveries(
             cause = detected[0]["cause"]
         else:
             cause = "rejoin" if "admit" in str(a.get("reason", "")) else "planned"
-        node = fault.get("node") if fault else (detected[0]["node"] if detected else None)
+        if fault is not None:
+            node = fault.get("node")
+        elif detected:
+            node = detected[0]["node"]
+        else:  # a worker back after a restart, or a drain nobody injected
+            changed = _changed_nodes(a, "admitted", "admit") or _changed_nodes(
+                a, "removed", "drain"
+            )
+            node = ",".join(changed) or None
         out.append(
             {
                 "cause": cause,

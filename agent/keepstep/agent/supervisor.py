@@ -1,12 +1,14 @@
 """Worker supervision: start a node's training processes, notice when one exits.
 
 The supervisor knows processes, not training: it reports every exit to a callback with
-the exit code and lets the agent decide (restart a crashed worker, finish on success).
-Workers run in the agent's process group, so a node can be killed or stopped as a whole.
+the exit code, and `after_exit` decides what the agent does about it (restart a crashed
+worker, let a finished one go). Workers run in the agent's process group, so a node can
+be killed or stopped as a whole.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import signal
@@ -63,11 +65,11 @@ class Supervisor:
             return {m: p.pid for m, p in self._procs.items()}
 
     def alive(self, member: str) -> bool:
-        """Whether the member's process still runs, asked of the kernel now (the watcher
-        thread may not have reaped a just-killed worker yet)."""
+        """Whether the member's process still runs, asked of the kernel now: on a loaded
+        machine the watcher thread may learn of a kill long after the probes ask."""
         with self._lock:
             proc = self._procs.get(member)
-        return proc is not None and proc.poll() is None
+        return proc is not None and running(proc.pid)
 
     def running(self) -> int:
         with self._lock:
@@ -86,6 +88,87 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 _signal(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
+
+
+def running(pid: int) -> bool:
+    """Whether our child `pid` has not exited, without reaping it.
+
+    Not `Popen.poll()`: it answers None ("running") whenever another thread waits on the
+    process, and the watcher always does, so a killed worker whose watcher had not got
+    the GIL yet was offered to the next epoch as ready.
+    """
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+    except ChildProcessError:
+        return False  # reaped already: it exited
+
+
+class ExitAction(enum.Enum):
+    """What the agent does about a worker that exited."""
+
+    DONE = "done"  # its part in the job is over: it finished, or left the job
+    RESTART = "restart"  # it crashed: start it again (it restores from shared memory)
+    GIVE_UP = "give-up"  # it crashed too often in a row, or while its node drains
+
+
+@dataclass(frozen=True)
+class ExitDecision:
+    action: ExitAction
+    abort: bool  # the epoch it was a member of must end now
+    reason: str
+
+
+def describe_exit(code: int) -> str:
+    """An exit status as people read it: "code 1" or "signal SIGABRT"."""
+    if code >= 0:
+        return f"code {code}"
+    try:
+        return f"signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f"signal {-code}"
+
+
+def after_exit(
+    member: str,
+    code: int,
+    *,
+    finished: bool,
+    in_epoch: bool,
+    draining: bool,
+    restarts: int,
+    max_restarts: int,
+) -> ExitDecision:
+    """Decide about a worker's exit. `finished`: its finish (final step and parameters)
+    was recorded; `in_epoch`: it is a member of the current epoch; `restarts`: crashes in
+    a row so far.
+
+    A finished worker is done whatever its exit status: training is over, and a process
+    can still die on its way out (a c10d call of an abandoned epoch failing while the
+    interpreter shuts down aborts it). Restarting it would add an epoch to a job that has
+    ended. A worker that exits 0 without finishing left the job (drained, or the job
+    ended while it waited to be admitted).
+    """
+    how = describe_exit(code)
+    if finished:
+        note = "" if code == 0 else f", then exited with {how}"
+        return ExitDecision(ExitAction.DONE, False, f"{member} finished{note}")
+    if code == 0:
+        return ExitDecision(ExitAction.DONE, False, f"{member} left the job")
+    if draining:
+        return ExitDecision(
+            ExitAction.GIVE_UP, in_epoch, f"{member} exited with {how} while its node drains"
+        )
+    if restarts >= max_restarts:
+        return ExitDecision(
+            ExitAction.GIVE_UP,
+            in_epoch,
+            f"{member} exited with {how} after {restarts} restarts in a row",
+        )
+    return ExitDecision(
+        ExitAction.RESTART,
+        in_epoch,
+        f"{member} exited with {how}: restart {restarts + 1} of {max_restarts}",
+    )
 
 
 def _signal(pid: int, sig: signal.Signals) -> None:

@@ -23,6 +23,7 @@ Every point carries the resource attributes keepstep.trainjob and keepstep.node.
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 from collections import deque
@@ -46,6 +47,84 @@ RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0
 # Distinct steps the samples/s gauge averages over: smooths one slow step, and still
 # follows a change of world size within a few steps.
 RATE_WINDOW = 8
+
+
+class Kind(enum.Enum):
+    HISTOGRAM = "histogram"
+    GAUGE = "gauge"
+    COUNTER = "counter"
+
+
+class Metric(enum.Enum):
+    """Every instrument: its kind, OTel name, unit, description and histogram buckets."""
+
+    STEP_TIME = (
+        Kind.HISTOGRAM,
+        "keepstep.step.duration",
+        "s",
+        "compute time of one committed step on one worker",
+        STEP_BUCKETS,
+    )
+    SNAPSHOT_TIME = (
+        Kind.HISTOGRAM,
+        "keepstep.snapshot.duration",
+        "s",
+        "time to copy a committed step into the node's snapshot",
+        STEP_BUCKETS,
+    )
+    SAMPLES_RATE = (
+        Kind.GAUGE,
+        "keepstep.samples.rate",
+        "1/s",
+        "job samples per second over the last steps",
+        (),
+    )
+    WORLD_SIZE = (Kind.GAUGE, "keepstep.world_size", "", "members of the epoch", ())
+    STEP = (Kind.GAUGE, "keepstep.step", "", "last committed step", ())
+    RECOVERIES = (
+        Kind.COUNTER,
+        "keepstep.recoveries",
+        "",
+        "membership changes this node agreed",
+        (),
+    )
+    MTTR = (
+        Kind.HISTOGRAM,
+        "keepstep.recovery.duration",
+        "s",
+        "time from a fault (or planned change) to the first commit after it",
+        RECOVERY_BUCKETS,
+    )
+    PHASE_TIME = (
+        Kind.HISTOGRAM,
+        "keepstep.recovery.phase.duration",
+        "s",
+        "duration of each recovery phase",
+        RECOVERY_BUCKETS,
+    )
+    ROLLED_BACK = (
+        Kind.COUNTER,
+        "keepstep.rolled_back_steps",
+        "",
+        "committed steps thrown away by recoveries",
+        (),
+    )
+    WORKER_FAILURES = (
+        Kind.COUNTER,
+        "keepstep.worker.failures",
+        "",
+        "workers that crashed (a nonzero exit before their finish was recorded)",
+        (),
+    )
+
+    def __init__(
+        self, kind: Kind, otel_name: str, unit: str, description: str, buckets: tuple[float, ...]
+    ) -> None:
+        self.kind = kind
+        self.otel_name = otel_name
+        self.unit = unit
+        self.description = description
+        self.buckets = buckets
 
 
 def _ns(seconds: float) -> int:
@@ -82,44 +161,23 @@ class Telemetry:
         self._on_close = list(on_close)
         self._tracer = self._tracers.get_tracer(SCOPE)
         meter = self._meters.get_meter(SCOPE)
-        self._step_time = meter.create_histogram(
-            "keepstep.step.duration",
-            "s",
-            "compute time of one committed step on one worker",
-            explicit_bucket_boundaries_advisory=STEP_BUCKETS,
-        )
-        self._snapshot_time = meter.create_histogram(
-            "keepstep.snapshot.duration",
-            "s",
-            "time to copy a committed step into the node's snapshot",
-            explicit_bucket_boundaries_advisory=STEP_BUCKETS,
-        )
-        self._rate = meter.create_gauge(
-            "keepstep.samples.rate", "1/s", "job samples per second over the last steps"
-        )
-        self._world = meter.create_gauge("keepstep.world_size", "", "members of the epoch")
-        self._step = meter.create_gauge("keepstep.step", "", "last committed step")
-        self._recoveries = meter.create_counter(
-            "keepstep.recoveries", "", "membership changes this node agreed"
-        )
-        self._mttr = meter.create_histogram(
-            "keepstep.recovery.duration",
-            "s",
-            "time from a fault (or planned change) to the first commit after it",
-            explicit_bucket_boundaries_advisory=RECOVERY_BUCKETS,
-        )
-        self._phase_time = meter.create_histogram(
-            "keepstep.recovery.phase.duration",
-            "s",
-            "duration of each recovery phase",
-            explicit_bucket_boundaries_advisory=RECOVERY_BUCKETS,
-        )
-        self._rolled_back = meter.create_counter(
-            "keepstep.rolled_back_steps", "", "committed steps thrown away by recoveries"
-        )
-        self._worker_failures = meter.create_counter(
-            "keepstep.worker.failures", "", "workers that exited with a nonzero code"
-        )
+        self._histograms = {
+            m: meter.create_histogram(
+                m.otel_name, m.unit, m.description, explicit_bucket_boundaries_advisory=m.buckets
+            )
+            for m in Metric
+            if m.kind is Kind.HISTOGRAM
+        }
+        self._gauges = {
+            m: meter.create_gauge(m.otel_name, m.unit, m.description)
+            for m in Metric
+            if m.kind is Kind.GAUGE
+        }
+        self._counters = {
+            m: meter.create_counter(m.otel_name, m.unit, m.description)
+            for m in Metric
+            if m.kind is Kind.COUNTER
+        }
         self._lock = threading.Lock()
         self._tracker = RecoveryTracker()
         self._commits: deque[tuple[float, int]] = deque(maxlen=RATE_WINDOW)
@@ -144,15 +202,15 @@ class Telemetry:
         kind = event.get("kind")
         if kind == "commit":
             self._on_commit(event)
-        elif kind == "worker-exited" and int(event["code"]) != 0:
-            self._worker_failures.add(1)
+        elif kind == "worker-exited" and int(event["code"]) != 0 and not event.get("finished"):
+            self._counters[Metric.WORKER_FAILURES].add(1)
         for recovery in self._tracker.observe(event):
             self._on_recovery(recovery)
 
     def _on_commit(self, event: Mapping[str, Any]) -> None:
-        self._step_time.record(float(event["step_s"]))
+        self._histograms[Metric.STEP_TIME].record(float(event["step_s"]))
         if "snapshot_s" in event:
-            self._snapshot_time.record(float(event["snapshot_s"]))
+            self._histograms[Metric.SNAPSHOT_TIME].record(float(event["snapshot_s"]))
         epoch, step = int(event["epoch"]), int(event["step"])
         key = (epoch, step)
         if self._last is not None and key <= self._last:
@@ -160,20 +218,20 @@ class Telemetry:
         if self._last is not None and epoch != self._last[0]:
             self._commits.clear()  # throughput of the new membership only
         self._last = key
-        self._world.set(int(event["world_size"]))
-        self._step.set(step)
+        self._gauges[Metric.WORLD_SIZE].set(int(event["world_size"]))
+        self._gauges[Metric.STEP].set(step)
         self._commits.append((float(event["t"]), _global_batch(event)))
         if len(self._commits) >= 2:
             span = self._commits[-1][0] - self._commits[0][0]
             samples = sum(n for _, n in list(self._commits)[1:])
             if span > 0:
-                self._rate.set(samples / span)
+                self._gauges[Metric.SAMPLES_RATE].set(samples / span)
 
     def _on_recovery(self, r: RecoveryTrace) -> None:
         attrs: dict[str, str | bool] = {"cause": r.cause, "planned": r.planned}
-        self._recoveries.add(1, attrs)
-        self._mttr.record(r.mttr_s, attrs)
-        self._rolled_back.add(r.rolled_back_steps, attrs)
+        self._counters[Metric.RECOVERIES].add(1, attrs)
+        self._histograms[Metric.MTTR].record(r.mttr_s, attrs)
+        self._counters[Metric.ROLLED_BACK].add(r.rolled_back_steps, attrs)
         span = self._tracer.start_span(
             "keepstep.recovery",
             start_time=_ns(r.start),
@@ -190,7 +248,7 @@ class Telemetry:
         )
         parent = trace.set_span_in_context(span)
         for phase in r.phases:
-            self._phase_time.record(phase.seconds, {"phase": phase.name})
+            self._histograms[Metric.PHASE_TIME].record(phase.seconds, {"phase": phase.name})
             child = self._tracer.start_span(
                 f"keepstep.recovery.{phase.name}",
                 context=parent,

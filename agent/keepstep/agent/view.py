@@ -4,7 +4,8 @@ Everything the agent decides with is read from here: the agreed epoch (and the e
 revision it was written at, for compare-and-set), the workers waiting to be admitted,
 the nodes draining, the live node records, and whether any member finished. `apply`
 folds one watch event in and says whether a member node of the current epoch was lost,
-which is how a hang or a partition is detected without waiting for a collective.
+which is how a hang or a partition is detected without waiting for a collective, and
+whether a new epoch arrived (which the agent checks against its own workers).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class Change:
 
     lost_node: str | None = None  # a node of the current epoch lost its lease
     lost_self: bool = False  # this node's own record vanished (its lease expired)
+    new_epoch: EpochRecord | None = None  # an epoch newer than the current one arrived
 
 
 class JobView:
@@ -69,6 +71,7 @@ class JobView:
                 record = protocol.decode(EpochRecord, event.value)
                 if self.current is None or record.epoch > self.current.epoch:
                     self.current, self.revision = record, event.revision
+                    change = Change(new_epoch=record)
                 elif record.epoch == self.current.epoch:
                     self.revision = max(self.revision, event.revision)
             elif kind == "pending":

@@ -4,6 +4,10 @@
 (KEEPSTEP_CONTROLLER=keepstep.agent.worker_link:controller_from_env). Every decision is
 the agent's; this side only asks over the local link and caches the agent's
 "change pending" flag, which the job reads at every commit.
+
+When the worker's part in the job is over (it finished, or a membership leaves it out)
+it releases its connections to the epochs' stores, so that no thread of it is still in a
+store call when the interpreter exits (see `stores.release_connections`).
 """
 
 from __future__ import annotations
@@ -11,17 +15,18 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Mapping
-from datetime import timedelta
 from typing import Any
 
-from torch._C._distributed_c10d import Store, TCPStore
+from torch._C._distributed_c10d import Store
 
+from keepstep.agent import stores
 from keepstep.agent.link import LinkClient, Message
 from keepstep.elastic.control import CommitRecord, Membership, Reconfiguration
 from keepstep.elastic.errors import PeerLost
 
 ADMISSION_TIMEOUT = 24 * 3600.0  # a joiner may wait for a long time; the agent bounds it
 STORE_CONNECT_TIMEOUT = 3.0  # a healthy store answers in milliseconds
+RELEASE_TIMEOUT = 2.0  # for threads woken from a store call to end, when the worker is done
 
 
 class AgentController:
@@ -50,7 +55,14 @@ class AgentController:
         epoch = int(record["epoch"])
         if record.get("store"):
             self._store_of[epoch] = str(record["store"])
-        return Membership(epoch, tuple(record["members"]), self.member)
+        membership = Membership(epoch, tuple(record["members"]), self.member)
+        if not membership.includes_me:
+            self._release()  # the job goes on without this worker: it leaves now
+        return membership
+
+    def _release(self) -> None:
+        self._stores = {}
+        stores.release_connections(set(self._store_of.values()), RELEASE_TIMEOUT)
 
     def store(self, epoch: int) -> Store:
         address = self._store_of.get(epoch)
@@ -100,23 +112,20 @@ class AgentController:
         self._client.request(
             "finish", self.timeout, member=self.member, done=done, params_sha256=params_sha256
         )
+        self._release()
 
 
 def _connect(epoch: int, address: str, timeout: float) -> Store:
     """A client of the epoch's store. Connecting to a stopped node blocks with no timeout
     (the kernel accepts, nobody answers the handshake), so it runs on a thread of its own
     and a silent store is given up after `STORE_CONNECT_TIMEOUT`: the epoch is over."""
-    host, _, port = address.rpartition(":")
+    stores.parse_address(address)  # a malformed address is a bug: say so here, not later
     box: list[Store] = []
     errors: list[RuntimeError] = []
 
     def connect() -> None:
         try:
-            box.append(
-                TCPStore(
-                    host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=timeout)
-                )
-            )
+            box.append(stores.connect(address, timeout))
         except RuntimeError as error:  # torch's DistNetworkError is a RuntimeError
             errors.append(error)
 
