@@ -182,6 +182,22 @@ def test_close_from_another_thread_ends_a_blocked_collective() -> None:
     b.close()
 
 
+def test_giving_up_after_reading_another_ranks_abort_does_not_wait_for_the_store() -> None:
+    # A rank whose own collective fails in the same slice in which it read another rank's
+    # abort publishes nothing more: it used to wait out the 2 s store timeout for a write
+    # its watch thread, already finished, would never make (a 2 s stall in recoveries).
+    store = HashStore()
+    a, b = _create_on_threads(store, 0, ["a", "b"])
+    abort_epoch(store, 0, "rank 1 (b): allreduce failed: connection reset")
+    assert a.aborted()
+    begin = time.monotonic()
+    reason = a._watch.fire("rank 0 (a): allreduce failed: connection reset")
+    assert reason == "rank 1 (b): allreduce failed: connection reset"  # the first one wins
+    assert time.monotonic() - begin < 1.0  # not the 2 s the store is given to answer
+    a.close()
+    b.close()
+
+
 def test_a_given_up_collective_still_writes_its_tensor_when_the_peer_comes_back() -> None:
     # Why the reducers abandon a buffer after PeerLost (reduce_base.Reducer.abandon_buffer):
     # a's work outlives its PeerLost, and b, stopped rather than dead, completes it later.

@@ -136,6 +136,14 @@ class _AbortWatch:
 
     def _run(self) -> None:
         try:
+            self._serve()
+        finally:
+            # Nothing more will be written: a `fire` still waiting must not wait out its
+            # timeout (the reason it returns is known by now, or its own stands).
+            self._fired.set()
+
+    def _serve(self) -> None:
+        try:
             # A private connection: a poll never queues behind a blocking store call.
             store = self._origin.clone()
         except (RuntimeError, NotImplementedError):
@@ -192,7 +200,9 @@ class _AbortWatch:
     def fire(self, reason: str) -> str:
         """Publish ``reason`` unless another rank was first; return the winning reason."""
         with self._wake:
-            if self.reason is None and self._to_fire is None:
+            if self.reason is not None:
+                return self.reason  # already known (a poll read another rank's): nothing to write
+            if self._to_fire is None:
                 self._to_fire = reason
                 self._wake.notify()
         self._fired.wait(_WATCH_TIMEOUT.total_seconds())
