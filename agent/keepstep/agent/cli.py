@@ -145,7 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train one job locally with simulated nodes")
     run.add_argument("--nodes", type=int, required=True)
     run.add_argument("--nproc-per-node", type=int, default=1)
-    run.add_argument("--min-nodes", type=int)
+    run.add_argument(
+        "--min-nodes",
+        type=int,
+        help="start with this many nodes if not all are ready after 30 s [--nodes]; once "
+        "started, the job trains on whatever nodes survive",
+    )
     run.add_argument("--global-batch", type=int, required=True)
     run.add_argument("--micro-batch", type=int, required=True)
     run.add_argument("--steps", type=int, required=True)

@@ -55,7 +55,13 @@ def register(sub: Any) -> None:
         help="the address peers reach this node on [$KEEPSTEP_HOST]",
     )
     agent.add_argument("--nodes", type=int, help="nodes the job starts with")
-    agent.add_argument("--min-nodes", type=int, help="fewest nodes the job trains on")
+    agent.add_argument(
+        "--min-nodes",
+        type=int,
+        help="start with this many nodes if not all are ready after 30 s [--nodes]; once "
+        "started, the job trains on whatever nodes survive (the operator fails a TrainJob "
+        "that stays below minNodes)",
+    )
     agent.add_argument("--nproc", type=int, default=1, help="workers on this node")
     agent.add_argument("--global-batch", type=int)
     agent.add_argument("--micro-batch", type=int)
