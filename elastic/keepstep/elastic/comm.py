@@ -26,6 +26,7 @@ gloo::IoException``).
 
 from __future__ import annotations
 
+import atexit
 import enum
 import pickle
 import re
@@ -51,6 +52,7 @@ _SLICE_FIRST_MS = 1
 _SLICE_MAX_MS = 5
 _REAP_POLL_S = 0.05
 _REAP_GRACE_S = 5.0  # beyond the op timeout, after which a reaper drops the group anyway
+_EXIT_WAIT_S = 5.0  # at exit, for reapers inside a group's destructor
 _REASON_MAX_CHARS = 300
 # How long an abort poll waits for the epoch's store. A loaded machine can delay a
 # healthy store by a fraction of a second; a hung store node must not delay a hang's
@@ -242,11 +244,18 @@ def _work_ready(work: Any) -> Callable[[int], bool]:
     return ready
 
 
+# Reapers inside a group's destructor: the interpreter must not exit under them.
+_dropping: set[threading.Thread] = set()
+_dropping_lock = threading.Lock()
+
+
 def _reap(epoch: int, group: Any, work: Any | None, bound_s: float) -> None:
     """Drop ``group`` on a daemon thread once ``work`` is over or ``bound_s`` passed.
 
     It polls with a Python sleep rather than blocking in gloo, so at interpreter exit the
-    thread is simply frozen instead of waking inside a finalizing interpreter.
+    thread is simply frozen instead of waking inside a finalizing interpreter. A reaper
+    already inside the destructor (joining gloo's threads) is waited for at exit: a process
+    that exits under it dies with SIGABRT ("terminate called without an active exception").
     """
     box = [group, work]
 
@@ -254,9 +263,25 @@ def _reap(epoch: int, group: Any, work: Any | None, bound_s: float) -> None:
         deadline = time.monotonic() + bound_s
         while box[1] is not None and not box[1].is_completed() and time.monotonic() < deadline:
             time.sleep(_REAP_POLL_S)
-        box.clear()  # the last references: the group's destructor joins its threads here
+        me = threading.current_thread()
+        with _dropping_lock:
+            _dropping.add(me)
+        try:
+            box.clear()  # the last references: the group's destructor joins its threads here
+        finally:
+            with _dropping_lock:
+                _dropping.discard(me)
 
     threading.Thread(target=run, name=f"keepstep-reap-{epoch}", daemon=True).start()
+
+
+@atexit.register
+def _wait_for_dropping_groups() -> None:
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    with _dropping_lock:
+        busy = list(_dropping)
+    for thread in busy:
+        thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 def _new_gloo_group(store: Store, spec: _Spec) -> Any:
