@@ -10,9 +10,7 @@ polling never starts a kubectl process.
 from __future__ import annotations
 
 import json
-import signal
 import ssl
-import subprocess
 import sys
 import time
 import urllib.request
@@ -22,6 +20,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from keepstep.e2e.chaos_env import OperatorProcess
 from keepstep.e2e.controlplane import ControlPlane
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,34 +114,12 @@ def apply_crd(cp: ControlPlane) -> None:
     assert done.returncode == 0, done.stderr
 
 
-class Operator:
+class Operator(OperatorProcess):
     """`python -m keepstep.operator` for one namespace, as a process of the test."""
 
     def __init__(
         self, cp: ControlPlane, etcd: str, namespace: str, log: Path, flags: Sequence[str] = ()
     ) -> None:
-        self.log = log
-        self.argv = [sys.executable, "-m", "keepstep.operator", "--etcd", etcd]
-        self.argv += ["--kubeconfig", str(cp.kubeconfig), "--namespace", namespace, *flags]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        assert self.proc is None or self.proc.poll() is not None, "the operator runs already"
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM (kopf shuts down cleanly), SIGKILL after `timeout`; the exit code."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                return proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        return proc.wait(5.0)
-
-    def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+        argv = [sys.executable, "-m", "keepstep.operator", "--etcd", etcd]
+        argv += ["--kubeconfig", str(cp.kubeconfig), "--namespace", namespace, *flags]
+        super().__init__(argv, log)
