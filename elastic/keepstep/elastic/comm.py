@@ -27,9 +27,7 @@ gloo::IoException``).
 from __future__ import annotations
 
 import atexit
-import enum
 import pickle
-import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -43,37 +41,22 @@ import torch.distributed as dist
 # The typed names live here; torch.distributed re-exports them only at runtime.
 from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, Store
 
+from keepstep.elastic.comm_abort import (
+    _FRESH_READ_S,
+    _AbortWatch,
+    _check_epoch,
+    _Outcome,
+    _short,
+    abort_epoch,
+    abort_key,
+)
 from keepstep.elastic.errors import ConfigError, PeerLost
 
-# Wait slices: 1 ms, 2 ms, 4 ms, then 5 ms; each slice ends early when the work completes,
-# and each is followed by one poll of the abort key (a store round trip, ~0.1 ms). gloo
-# reads a 0 ms wait as "no timeout", hence whole milliseconds and at least one.
-_SLICE_FIRST_MS = 1
-_SLICE_MAX_MS = 5
+__all__ = ["Communicator", "abort_epoch", "abort_key"]
+
 _REAP_POLL_S = 0.05
 _REAP_GRACE_S = 5.0  # beyond the op timeout, after which a reaper drops the group anyway
 _EXIT_WAIT_S = 5.0  # at exit, for reapers inside a group's destructor
-_REASON_MAX_CHARS = 300
-# How long an abort poll waits for the epoch's store. A loaded machine can delay a
-# healthy store by a fraction of a second; a hung store node must not delay a hang's
-# detection by much more than the agents' own lease timeout.
-_WATCH_TIMEOUT = timedelta(seconds=2)
-# How long a caller that asks "aborted?" waits for a fresh read before taking the last one.
-_FRESH_READ_S = 0.05
-
-
-def abort_key(epoch: int) -> str:
-    """The store key whose presence means epoch ``epoch`` is over; its value is the reason."""
-    return f"keepstep/abort/{epoch}"
-
-
-def abort_epoch(store: Store, epoch: int, reason: str) -> None:
-    """Make every collective of ``epoch`` give up, on every rank, within a poll interval.
-
-    The first reason written wins: later ones are usually echoes of the first failure.
-    """
-    _check_epoch(epoch)
-    store.compare_set(abort_key(epoch), "", reason or "aborted")
 
 
 @dataclass(frozen=True)
@@ -104,133 +87,6 @@ class _Spec:
     @property
     def rank(self) -> int:
         return self.members.index(self.me)
-
-
-class _Outcome(enum.Enum):
-    DONE = "done"  # finished, successfully or not
-    ABORTED = "aborted"
-    CLOSED = "closed"
-    TIMED_OUT = "timed out"
-
-
-class _AbortWatch:
-    """Polls and writes the abort key of one epoch from a thread of its own.
-
-    The store lives on a node of the epoch, and a store call to a stopped node blocks
-    without any timeout (the kernel still accepts the bytes). So no store call ever runs
-    on the caller's thread: ``poll`` asks the watch thread for a fresh read and returns
-    what is known; a read unanswered for ``_WATCH_TIMEOUT`` means the store's node died or
-    hangs, and the epoch cannot be trusted any more, which is an abort.
-    """
-
-    def __init__(self, store: Store, epoch: int) -> None:
-        self._origin = store
-        self._epoch = epoch
-        self._key = abort_key(epoch)
-        self.reason: str | None = None
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._asked_at: float | None = None  # a read was requested and is not answered
-        self._to_fire: str | None = None
-        self._fired = threading.Event()
-        self._stopped = False
-        threading.Thread(target=self._run, name=f"keepstep-abort-{epoch}", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            self._serve()
-        finally:
-            # Nothing more will be written: a `fire` still waiting must not wait out its
-            # timeout (the reason it returns is known by now, or its own stands).
-            self._fired.set()
-
-    def _serve(self) -> None:
-        try:
-            # A private connection: a poll never queues behind a blocking store call.
-            store = self._origin.clone()
-        except (RuntimeError, NotImplementedError):
-            store = self._origin
-        while True:
-            with self._wake:
-                while not self._stopped and self._asked_at is None and self._to_fire is None:
-                    self._wake.wait()
-                if self._stopped:
-                    return
-                to_fire = self._to_fire
-            try:
-                if to_fire is not None:
-                    won = store.compare_set(self._key, "", to_fire).decode(errors="replace")
-                    self._settle(won)
-                    self._fired.set()
-                elif store.check([self._key]):
-                    self._settle(store.get(self._key).decode(errors="replace"))
-            except RuntimeError as error:  # torch's DistStoreError is a RuntimeError
-                self._settle(f"the epoch's store failed: {_short(error)}")
-                self._fired.set()
-                return
-            with self._wake:
-                self._asked_at = None
-                self._wake.notify_all()
-                if self.reason is not None:
-                    return
-
-    def _settle(self, reason: str) -> None:
-        with self._lock:
-            if self.reason is None:
-                self.reason = reason
-
-    def poll(self, wait: float = 0.0) -> str | None:
-        """The abort reason if one is known. Asks for a fresh read and waits at most
-        ``wait`` seconds for it (a healthy store answers in well under a millisecond)."""
-        with self._wake:
-            if self.reason is None:
-                now = time.monotonic()
-                if self._asked_at is None:
-                    self._asked_at = now
-                    self._wake.notify_all()
-                elif now - self._asked_at > _WATCH_TIMEOUT.total_seconds():
-                    self.reason = (
-                        f"the epoch's store did not answer within "
-                        f"{_WATCH_TIMEOUT.total_seconds():.0f} s (its node died or hangs)"
-                    )
-                if wait > 0:
-                    self._wake.wait_for(
-                        lambda: self._asked_at is None or self.reason is not None, wait
-                    )
-            return self.reason
-
-    def fire(self, reason: str) -> str:
-        """Publish ``reason`` unless another rank was first; return the winning reason."""
-        with self._wake:
-            if self.reason is not None:
-                return self.reason  # already known (a poll read another rank's): nothing to write
-            if self._to_fire is None:
-                self._to_fire = reason
-                self._wake.notify()
-        self._fired.wait(_WATCH_TIMEOUT.total_seconds())
-        self._settle(reason)  # unanswered: the store is gone, our own reason stands
-        return cast(str, self.reason)
-
-    def close(self) -> None:
-        with self._wake:
-            self._stopped = True
-            self._wake.notify()
-
-    def wait(
-        self, ready: Callable[[int], bool], deadline: float, closed: threading.Event
-    ) -> _Outcome:
-        """Wait until ``ready(slice_ms)`` (which may block up to ``slice_ms``) says done."""
-        slice_ms = _SLICE_FIRST_MS
-        while True:
-            if ready(slice_ms):
-                return _Outcome.DONE
-            if closed.is_set():
-                return _Outcome.CLOSED
-            if self.poll() is not None:
-                return _Outcome.ABORTED
-            if time.monotonic() >= deadline:
-                return _Outcome.TIMED_OUT
-            slice_ms = min(slice_ms * 2, _SLICE_MAX_MS)
 
 
 def _work_ready(work: Any) -> Callable[[int], bool]:
@@ -503,18 +359,6 @@ def _left(deadline: float) -> timedelta:
     # At least a millisecond: a spent deadline should time the next round out, not be
     # refused as an invalid timeout.
     return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-
-
-def _short(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    # gloo prefixes its messages with "[/path/of/its/source.cc:561] ": noise in a reason.
-    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(err).__name__
-    return text[:_REASON_MAX_CHARS]
-
-
-def _check_epoch(epoch: int) -> None:
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
 
 
 def _check_timeout(timeout: timedelta) -> None:
