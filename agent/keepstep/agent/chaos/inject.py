@@ -327,6 +327,13 @@ class Injector(threading.Thread):
             for stopped in self._hung.values():
                 stopped.kill()
             self._hung.clear()
+            # Every group made, whatever became of its fault (an end that failed, a
+            # fallback after the group was made): what is still there after this is a leak.
+            for group in self.cgroups:
+                try:
+                    group.release()
+                except (OSError, KeepstepError) as error:
+                    log.warning("chaos: could not remove cgroup %s: %s", group.path, error)
         for etcd in self._restarted:
             etcd.end()
         for index, fault in self.pending:
