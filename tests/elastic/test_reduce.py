@@ -479,3 +479,25 @@ def test_an_abandoned_buffer_is_replaced_and_never_read_again(mode: ReduceMode) 
     clean.step(1)
     hit.step(1)
     assert_same_bits(clean.grads(), hit.grads())
+
+
+@pytest.mark.parametrize("mode", list(ReduceMode))
+def test_the_callers_last_element_is_summed_and_never_read(mode: ReduceMode) -> None:
+    # Step counts the members announcing a planned change in the buffer's last element.
+    grouping = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    plain, marked = Ranks(grouping, 0, mode), Ranks(grouping, 0, mode)
+    for r, reducer in enumerate(marked.reducers):
+        reducer.begin_step()
+        ids = grouping[r]
+        for mb in random.Random(r).sample(ids, len(ids)):  # Ranks.step's order (fast mode)
+            reducer.add_micro_batch(grads_for(0, mb))
+        assert reducer.buffer()[-1] == 0  # begin_step zeroed it
+        reducer.buffer()[-1] = r + 1
+    reduced = combine([rd.buffer() for rd in marked.reducers], 0)
+    assert reduced[-1] == 1 + 2 + 3
+    outcomes = [
+        rd.finish(reduced.clone(), N_MICRO, p)
+        for rd, p in zip(marked.reducers, marked.params, strict=True)
+    ]
+    assert outcomes == plain.step(0) == [ReduceDone()] * 3
+    assert_same_bits(plain.grads(), marked.grads())

@@ -65,7 +65,15 @@ class Reducer(Protocol):
 
     def begin_step(self) -> None: ...
     def add_micro_batch(self, grads: Sequence[torch.Tensor | None]) -> None: ...
-    def buffer(self) -> torch.Tensor: ...
+    def buffer(self) -> torch.Tensor:
+        """The step's sum, to be all-reduced (SUM) in place and handed to `finish`.
+
+        Its last element is the caller's: `begin_step` zeroes it, the all-reduce sums it
+        with the rest, and the reducer never reads it. `Step` counts the members that
+        announce a planned change there, so that news needs no collective of its own.
+        """
+        ...
+
     def abandon_buffer(self) -> None:
         """Take a fresh buffer: the current one went to a collective that was given up.
 

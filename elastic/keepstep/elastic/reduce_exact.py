@@ -40,9 +40,9 @@ micro-batch gradients, never on who computed them.
 
 Buffer layout (int64): [data (all tensors, float32-computed first) | overflowing micro-
 batches | non-finite micro-batches | per tensor: non-finite count, quantized peak sum,
-micro-batches that gave a gradient]. A tensor no micro-batch gave a gradient keeps
-`.grad = None`, as plain PyTorch would leave it. Nothing syncs with the host per
-micro-batch; `finish` reads the tail once.
+micro-batches that gave a gradient | the caller's element (see `Reducer.buffer`)]. A tensor
+no micro-batch gave a gradient keeps `.grad = None`, as plain PyTorch would leave it.
+Nothing syncs with the host per micro-batch; `finish` reads the tail once.
 """
 
 from __future__ import annotations
@@ -150,8 +150,8 @@ class ExactReducer:
     def abandon_buffer(self) -> None:
         # Tail: overflowing, non-finite micro-batches; per tensor: non-finite, peak, given.
         n, n_t = self._n, len(self._layout.specs)
-        self._acc = torch.zeros(n + 2 + 3 * n_t, dtype=torch.int64, device=self._layout.device)
-        self._tail = self._acc[n:]
+        self._acc = torch.zeros(n + 3 + 3 * n_t, dtype=torch.int64, device=self._layout.device)
+        self._tail = self._acc[n:-1]
 
     def begin_step(self) -> None:
         self._acc.zero_()
@@ -214,7 +214,7 @@ class ExactReducer:
     ) -> ReduceOutcome:
         n, n_t = self._n, len(self._qviews)
         self._layout.check_finish(reduced, self._acc, n_micro, params)
-        tail = reduced[n:].tolist()
+        tail = reduced[n:-1].tolist()
         if tail[1] > 0:
             bad = [c > 0 for c in tail[2 : 2 + n_t]]
             reason = nonfinite_reason(f"{tail[1]} of {n_micro} micro-batches have", bad)

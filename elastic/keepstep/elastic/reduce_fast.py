@@ -35,7 +35,8 @@ class FastReducer:
         self.mode = ReduceMode.FAST
         self._layout = layout = ParamLayout(params, n_micro)
         self._n = n = sum(layout.numels)
-        self._out = torch.empty(n + len(layout.specs), device=layout.device)
+        # Tail: micro-batches that gave each tensor a gradient, then the caller's element.
+        self._out = torch.empty(n + len(layout.specs) + 1, device=layout.device)
         self._oviews = self._split(self._out)
         self._acc, self._views = self._out, self._oviews
         self.abandon_buffer()
@@ -48,7 +49,7 @@ class FastReducer:
         return views
 
     def abandon_buffer(self) -> None:
-        self._acc = torch.zeros_like(self._out)  # tail: micro-batches that gave a gradient
+        self._acc = torch.zeros_like(self._out)
         self._views = self._split(self._acc)
 
     def begin_step(self) -> None:
@@ -58,7 +59,7 @@ class FastReducer:
         given = self._layout.present(grads)
         if given:
             torch._foreach_add_([self._views[i] for i, _ in given], [g for _, g in given])
-        self._acc[self._n :].add_(self._layout.mask(given, torch.float32))
+        self._acc[self._n : -1].add_(self._layout.mask(given, torch.float32))
 
     def buffer(self) -> torch.Tensor:
         return self._acc
@@ -74,7 +75,7 @@ class FastReducer:
         bad = [bool(v.numel()) and not next(finite) for v in self._oviews]
         if any(bad):
             return ReduceNonFinite(nonfinite_reason("the reduced sum has", bad))
-        self._layout.set_grads(params, self._oviews, reduced[self._n :].tolist())
+        self._layout.set_grads(params, self._oviews, reduced[self._n : -1].tolist())
         return ReduceDone()
 
     def retry_max_buffer(self) -> torch.Tensor:

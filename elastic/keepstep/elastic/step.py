@@ -76,7 +76,7 @@ class Step:
         """Yield this member's micro-batches, each inside its own keyed RNG scope."""
         job = self.job
         for mb_id in self.micro_batch_ids:
-            if job.comm is not None and job.comm.aborted():
+            if job.comm is not None and job.comm.aborted(wait=False):
                 # The epoch is already lost: stop computing, the commit will report it.
                 return
             indices = job.order.indices(self.index, mb_id)
@@ -126,16 +126,14 @@ class Step:
             return self._fail(PeerLost(comm.epoch, "epoch aborted during compute"))
         timeout = job.collective_timeout
         buffer = job.reducer.buffer()
+        # Planned changes ride on every step's sum (the buffer's last element is ours): all
+        # members learn of one in the same step.
+        buffer[-1] = 1 if job.controller.change_pending() else 0
         try:
             comm.allreduce(buffer, dist.ReduceOp.SUM, timeout)
         except PeerLost as error:
             return self._fail(error)
-        # Planned changes ride on every step: all members learn of one in the same step.
-        flag = torch.tensor([1 if job.controller.change_pending() else 0], dtype=torch.int64)
-        try:
-            comm.allreduce(flag, dist.ReduceOp.SUM, timeout)
-        except PeerLost as error:
-            return self._fail(error)
+        announced = bool(buffer[-1].item())
         outcome = job.reducer.finish(buffer, job.config.n_micro, job.params)
         if isinstance(outcome, ReduceOverflow):
             peak = job.reducer.retry_max_buffer()
@@ -150,7 +148,7 @@ class Step:
             raise NonFiniteGradient(f"step {self.index}: {outcome.reason}")
         assert isinstance(outcome, ReduceDone)
         job.apply_and_snapshot()
-        job.announced = bool(flag.item())
+        job.announced = announced
         self.outcome = StepOutcome.COMMITTED
         job.controller.on_commit(
             CommitRecord(
