@@ -78,6 +78,21 @@ def test_single_member_still_honours_abort() -> None:
         comm.barrier()
 
 
+def test_a_check_without_waiting_sees_an_abort_soon() -> None:
+    store = HashStore()
+    comm = Communicator.create(store, 0, ["solo"], "solo")
+    assert not comm.aborted(wait=False)
+    abort_epoch(store, 0, "agent: node drained")
+    # Each check answers from the last read and asks for a fresh one in the background.
+    deadline = time.monotonic() + 5.0
+    seen = False
+    while not seen and time.monotonic() < deadline:
+        seen = comm.aborted(wait=False)
+        time.sleep(0.001)
+    assert seen
+    comm.close()
+
+
 def test_abort_keeps_the_first_reason_and_is_per_epoch() -> None:
     store = HashStore()
     abort_epoch(store, 1, "rank 2 died")

@@ -282,9 +282,15 @@ class Communicator:
         opts = dist.BarrierOptions()
         self._collective("barrier", opts, lambda g, o: g.barrier(o), timeout)
 
-    def aborted(self) -> bool:
-        """True once this epoch was given up here or aborted anywhere (one store read)."""
-        return self._lost is not None or self._watch.poll(_FRESH_READ_S) is not None
+    def aborted(self, wait: bool = True) -> bool:
+        """True once this epoch was given up here or aborted anywhere.
+
+        With ``wait`` it waits briefly for a fresh read of the abort key; without, it answers
+        from the last read at once and asks for a fresh one in the background (for checks on
+        the training path, where one stale answer only delays the stop by one check).
+        """
+        fresh = _FRESH_READ_S if wait else 0.0
+        return self._lost is not None or self._watch.poll(fresh) is not None
 
     def close(self) -> None:
         """Release the group without waiting on it; idempotent, callable from any thread."""
