@@ -9,8 +9,9 @@ joining node receives a peer's slot through ``export`` / ``import_``.
 
 This module holds the store: which slot to write, growing the slots, verifying and loading.
 The memory itself is a ``SnapshotBuffer`` (snapshot_buffer.py); the bytes in it, their
-headers, checksum and the copy job are snapshot_format.py. Both modules' public names are
-re-exported here, so callers import from this module only.
+headers and checksum are snapshot_format.py; the per-step plan and copy job are
+snapshot_write.py. The names callers need are re-exported here, so they import from this
+module only.
 
 A buffer has one writer (the worker) and any number of readers; a store is used from one
 thread (plus its own copy thread).
@@ -37,16 +38,14 @@ from keepstep.elastic.snapshot_format import (
     SLOT_MAGIC,
     SLOT_STRUCT,
     VERSION,
-    CopyJob,
     SlotHeader,
     SlotState,
     decode_payload,
     finish_slot,
     payload_checksum,
-    plan_payload,
     read_index,
-    slot_offset,
 )
+from keepstep.elastic.snapshot_write import CopyJob, PayloadPlanner, SlotViews, check_tensors
 
 __all__ = [
     "ALIGN",
@@ -92,7 +91,7 @@ class Snapshot:
 
     def __post_init__(self) -> None:
         _check_step(self.step)
-        _check_tensors(self.tensors)
+        check_tensors(self.tensors)
         if not isinstance(self.meta, bytes):
             raise ConfigError(f"meta: must be bytes, got {type(self.meta).__name__}")
 
@@ -110,6 +109,10 @@ class SnapshotStore:
         self._inflight: Future[None] | None = None
         self._inflight_slot = 0
         self._known_good: dict[int, int] = {}  # slot -> generation verified or written here
+        # Kept between commits: the last layout's index and entries, and per slot the
+        # destination tensors over the buffer (see SlotViews for when they are dropped).
+        self._planner = PayloadPlanner()
+        self._views = (SlotViews(), SlotViews())
         self._format()
 
     # -- writing ---------------------------------------------------------------------------
@@ -122,22 +125,12 @@ class SnapshotStore:
         The caller must not modify the tensors until ``wait`` returns.
         """
         _check_step(step)
-        _check_tensors(tensors)
         if not isinstance(meta, bytes):
             raise ConfigError(f"meta: must be bytes, got {type(meta).__name__}")
+        plan = self._planner.plan(tensors, meta)  # validates the tensors of a new layout
         self.wait(timeout)
-        items = list(tensors.items())
-        head, entries, nbytes = plan_payload(items, meta)
-        slot = self._prepare(step, nbytes)
-        job = CopyJob(
-            self._buffer,
-            slot_offset(self._buffer, slot),
-            step,
-            nbytes,
-            head,
-            entries,
-            [t for _, t in items],
-        )
+        slot, at = self._prepare(step, plan.nbytes)
+        job = CopyJob(self._buffer, at, step, plan, list(tensors.values()), self._views[slot])
         self._known_good.pop(slot, None)
         self._inflight_slot = slot
         if self._pool is None:
@@ -182,9 +175,10 @@ class SnapshotStore:
             raise SnapshotCorrupt(f"received snapshot of step {step}: checksum mismatch")
         read_index(step, payload)  # refuse a payload we could not load later
         self.wait(timeout)
-        slot = self._prepare(step, nbytes)
+        slot, at = self._prepare(step, nbytes)
         self._known_good.pop(slot, None)
-        view, at = self._buffer.view(), slot_offset(self._buffer, slot)
+        self._views[slot].clear()  # written here, not by a copy: its padding is not ours
+        view = self._buffer.view()
         view[at + HEADER : at + HEADER + nbytes] = payload
         finish_slot(view, at, crc)
         self._known_good[slot] = self._header(slot).generation
@@ -225,6 +219,8 @@ class SnapshotStore:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+            for views in self._views:  # release their export, so the buffer can close
+                views.clear()
 
     def __enter__(self) -> Self:
         return self
@@ -267,14 +263,16 @@ class SnapshotStore:
             return SlotHeader(slot, SlotState.EMPTY, 0, 0, 0, 0)
         return SlotHeader(slot, SlotState(state), step, nbytes, crc, gen)
 
-    def _headers(self) -> list[SlotHeader]:
-        view = self._buffer.view()
+    def _headers(self, view: memoryview | None = None) -> list[SlotHeader]:
+        view = self._buffer.view() if view is None else view
         return [self._header(0, view), self._header(1, view)]
 
-    def _candidates(self, step: int | None) -> list[SlotHeader]:
+    def _candidates(
+        self, step: int | None, headers: list[SlotHeader] | None = None
+    ) -> list[SlotHeader]:
         valid = [
             h
-            for h in self._headers()
+            for h in (self._headers() if headers is None else headers)
             if h.state is SlotState.VALID and (step is None or h.step == step)
         ]
         return sorted(valid, key=lambda h: h.generation, reverse=True)
@@ -328,9 +326,9 @@ class SnapshotStore:
             raise SnapshotCorrupt(f"no intact snapshot of {which}: " + "; ".join(errors))
         raise SnapshotMissing(f"no snapshot of {which} in the buffer")
 
-    def _target(self) -> int:
+    def _target(self, headers: list[SlotHeader]) -> int:
         """The slot to overwrite: not the newest intact one (checked once per generation)."""
-        for h in self._candidates(None):
+        for h in self._candidates(None, headers):
             if self._known_good.get(h.slot) != h.generation:
                 try:
                     self._read(h, copy=False)
@@ -340,21 +338,27 @@ class SnapshotStore:
             return 1 - h.slot
         return 0
 
-    def _prepare(self, step: int, nbytes: int) -> int:
-        """Pick the slot, grow the buffer if needed, and mark the slot WRITING."""
-        slot = self._target()
-        gen = 1 + max(h.generation for h in self._headers())
+    def _prepare(self, step: int, nbytes: int) -> tuple[int, int]:
+        """Pick the slot, grow the buffer if needed, and mark the slot WRITING; the slot and
+        its offset."""
         view = self._buffer.view()
-        if HEADER + nbytes > self._slot_size(view):
+        headers = self._headers(view)
+        slot = self._target(headers)
+        gen = 1 + max(h.generation for h in headers)
+        slot_size = self._slot_size(view)
+        if HEADER + nbytes > slot_size:
             slot = self._grow(slot, HEADER + nbytes)
             view = self._buffer.view()
-        at = slot_offset(self._buffer, slot)
+            slot_size = self._slot_size(view)
+        at = HEADER + slot * slot_size
         SLOT_STRUCT.pack_into(view, at, SLOT_MAGIC, SlotState.WRITING, 0, step, nbytes, 0, gen)
-        return slot
+        return slot, at
 
     def _grow(self, target: int, need: int) -> int:
         """Give both slots room for ``need`` bytes; keeps the newest snapshot, returns the
         slot to write."""
+        for views in self._views:  # slot 1 moves, slot 0 may be overwritten below
+            views.clear()
         view = self._buffer.view()
         old = self._slot_size(view)
         new = -(-(need + need // 8) // _GROW_PAGE) * _GROW_PAGE  # headroom for meta growth
@@ -389,18 +393,3 @@ def _check_step(step: int) -> None:
 def _check_timeout(timeout: float) -> None:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise ConfigError(f"timeout={timeout!r}: must be a number of seconds > 0")
-
-
-def _check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
-    if not isinstance(tensors, Mapping):
-        raise ConfigError(f"tensors: must be a mapping of name to tensor, got {type(tensors)}")
-    for name, t in tensors.items():
-        if not isinstance(name, str) or not name:
-            raise ConfigError(f"tensor name {name!r}: must be a non-empty str")
-        if not isinstance(t, torch.Tensor):
-            raise ConfigError(f"tensors[{name!r}]: must be a torch.Tensor, got {type(t).__name__}")
-        if t.layout is not torch.strided or t.is_quantized or t.is_meta:
-            raise ConfigError(
-                f"tensors[{name!r}]: only dense tensors with data can be "
-                f"snapshotted (layout {t.layout}, device {t.device})"
-            )

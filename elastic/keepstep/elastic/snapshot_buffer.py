@@ -21,7 +21,13 @@ SHM_DIR = Path("/dev/shm")
 
 
 class SnapshotBuffer(Protocol):
-    """The memory a store writes into; views are taken per operation, never kept."""
+    """The memory a store writes into.
+
+    A store keeps tensors over a view between commits (snapshot_write.SlotViews) and drops
+    them before it resizes the buffer or closes; while they live, the object behind the
+    view must keep its memory where it is: grow by replacing the object (a new array, a new
+    mapping), never by moving it in place. ``view().obj`` tells the store which one it has.
+    """
 
     def view(self) -> memoryview: ...
 

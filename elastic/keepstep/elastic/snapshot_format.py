@@ -1,9 +1,9 @@
-"""The on-buffer snapshot format: file and slot headers, slot states, the tensor index, the
-checksum and the copy job that fills a slot.
+"""The on-buffer snapshot format: file and slot headers, slot states, the tensor index and
+the checksum; reading a payload back.
 
 Where it sits: between ``SnapshotStore`` (snapshot.py), which decides which slot to write
-and when, and the raw memory of a ``SnapshotBuffer`` (snapshot_buffer.py). Everything that
-knows a byte offset lives here; the store only calls these helpers.
+and when, and the raw memory of a ``SnapshotBuffer`` (snapshot_buffer.py). What a byte offset means
+lives here; how a step's tensors get there is snapshot_write.py.
 
 Layout (little endian; every offset below is a multiple of 64)::
 
@@ -20,6 +20,7 @@ the state VALID (``finish_slot``), so a crash mid-write leaves the other slot lo
 checksum is a chained CRC-32 (the fastest of zlib/hashlib measured here, see
 bench/snapshot_cost.py) of the payload, the step and the payload length; the generation
 only orders the two slots.
+
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 from keepstep.elastic.errors import SnapshotCorrupt
-from keepstep.elastic.snapshot_buffer import SnapshotBuffer
 
 ALIGN = 64
 FILE_STRUCT = struct.Struct("<8sIIQ")  # magic, version, reserved, slot size
@@ -41,11 +41,12 @@ FILE_STRUCT = struct.Struct("<8sIIQ")  # magic, version, reserved, slot size
 SLOT_STRUCT = struct.Struct("<8sIIqQQQ")
 _STATE_AT = 8  # byte offset of the state field inside a slot header
 _SIGNED = struct.Struct("<qQ")  # step and payload length, folded into the checksum
-_LENGTHS = struct.Struct("<QQ")  # index length, meta length at the start of a payload
+LENGTHS = struct.Struct("<QQ")  # index length, meta length at the start of a payload
 FILE_MAGIC = b"KSTEPSNP"
 SLOT_MAGIC = b"KSSLOT\x00\x01"
 VERSION = 1
 HEADER = 64  # size of the file header and of each slot header
+ZEROS = bytes(ALIGN)
 
 
 class SlotState(enum.IntEnum):
@@ -77,41 +78,6 @@ class TensorEntry:
     nbytes: int
 
 
-class CopyJob:
-    """One copy of tensors into a slot already marked WRITING; runs on the copy thread."""
-
-    def __init__(
-        self,
-        buffer: SnapshotBuffer,
-        at: int,
-        step: int,
-        nbytes: int,
-        head: bytes,
-        entries: list[TensorEntry],
-        tensors: list[torch.Tensor],
-    ) -> None:
-        self.buffer, self.at, self.step, self.nbytes = buffer, at, step, nbytes
-        self.head, self.entries, self.tensors = head, entries, tensors
-
-    def run(self) -> None:
-        view = self.buffer.view()
-        base = self.at + HEADER
-        view[base : base + len(self.head)] = self.head
-        crc = zlib.crc32(view[base : base + len(self.head)])
-        with torch.no_grad():
-            for e, t in zip(self.entries, self.tensors, strict=True):
-                start = base + e.offset
-                if e.nbytes:
-                    dst = torch.frombuffer(view, dtype=e.dtype, count=t.numel(), offset=start)
-                    dst.view(e.shape).copy_(t)
-                    del dst
-                end = base + align(e.offset + e.nbytes)
-                view[start + e.nbytes : end] = bytes(end - start - e.nbytes)
-                crc = zlib.crc32(view[start:end], crc)
-        crc = zlib.crc32(_SIGNED.pack(self.step, self.nbytes), crc)
-        finish_slot(view, self.at, crc)
-
-
 def finish_slot(view: memoryview, at: int, crc: int) -> None:
     """Write the checksum, then flip the state to VALID: the last write of a slot."""
     magic, _, _, step, nbytes, _, gen = SLOT_STRUCT.unpack_from(view, at)
@@ -119,39 +85,14 @@ def finish_slot(view: memoryview, at: int, crc: int) -> None:
     struct.pack_into("<I", view, at + _STATE_AT, SlotState.VALID)
 
 
-def plan_payload(
-    items: list[tuple[str, torch.Tensor]], meta: bytes
-) -> tuple[bytes, list[TensorEntry], int]:
-    """The payload head (lengths, index, meta, padding), the tensor entries and the length."""
-    entries, offset = [], 0
-    for name, t in items:
-        entries.append(
-            TensorEntry(name, t.dtype, tuple(t.shape), offset, t.numel() * t.element_size())
-        )
-        offset = align(offset + entries[-1].nbytes)
-    index = json.dumps(
-        [
-            [e.name, str(e.dtype).removeprefix("torch."), e.shape, e.offset, e.nbytes]
-            for e in entries
-        ],
-        separators=(",", ":"),
-    ).encode()
-    head = _LENGTHS.pack(len(index), len(meta)) + index + meta
-    head += bytes(align(len(head)) - len(head))
-    entries = [
-        TensorEntry(e.name, e.dtype, e.shape, e.offset + len(head), e.nbytes) for e in entries
-    ]
-    return head, entries, len(head) + offset
-
-
 def read_index(step: int, payload: memoryview) -> tuple[list[TensorEntry], bytes]:
     """The tensor entries (offsets from the payload start) and meta; SnapshotCorrupt if the
     index does not describe this payload."""
     try:
-        n_index, n_meta = _LENGTHS.unpack_from(payload, 0)
-        index = json.loads(bytes(payload[_LENGTHS.size : _LENGTHS.size + n_index]))
-        meta = bytes(payload[_LENGTHS.size + n_index : _LENGTHS.size + n_index + n_meta])
-        data_at = align(_LENGTHS.size + n_index + n_meta)
+        n_index, n_meta = LENGTHS.unpack_from(payload, 0)
+        index = json.loads(bytes(payload[LENGTHS.size : LENGTHS.size + n_index]))
+        meta = bytes(payload[LENGTHS.size + n_index : LENGTHS.size + n_index + n_meta])
+        data_at = align(LENGTHS.size + n_index + n_meta)
         entries: list[TensorEntry] = []
         for name, dtype_name, shape, offset, nbytes in index:
             dtype = getattr(torch, str(dtype_name), None)
@@ -189,11 +130,6 @@ def decode_payload(step: int, payload: memoryview) -> tuple[dict[str, torch.Tens
 
 def payload_checksum(payload: memoryview, step: int) -> int:
     return zlib.crc32(_SIGNED.pack(step, len(payload)), zlib.crc32(payload))
-
-
-def slot_offset(buffer: SnapshotBuffer, slot: int) -> int:
-    # The slot size is not checked here: SnapshotStore._prepare checked it before the write.
-    return HEADER + slot * int(FILE_STRUCT.unpack_from(buffer.view(), 0)[3])
 
 
 def align(n: int) -> int:
