@@ -151,10 +151,11 @@ class Job:
     def _snapshot(self) -> None:
         state = capture(self.done, self.model, self.optimizer, self.reducer.state_dict())
         # Buffers can change in the next forward while the copy runs; parameters and
-        # optimizer slots only change in the next optimizer.step, after wait().
-        param_ids = {id(p) for p in self.model.parameters()}
+        # optimizer slots only change in the next optimizer.step, after wait(). (The state
+        # dict holds detached aliases of the parameters: their memory tells them apart.)
+        params = {p.data_ptr() for p in self.model.parameters()}
         tensors = {
-            k: (v if id(v) in param_ids or not k.startswith("model/") else v.detach().clone())
+            k: (v if not k.startswith("model/") or v.data_ptr() in params else v.detach().clone())
             for k, v in state.tensors.items()
         }
         self.snapshots.commit(self.done, tensors, state.meta)
