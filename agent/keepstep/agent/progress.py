@@ -17,9 +17,9 @@ from keepstep.agent.kv import KVError, KVStore
 
 log = logging.getLogger(__name__)
 
-# Every put is a raft write in etcd and wakes each agent's watch of the job: at one put per
-# step (steps of ~0.1 s) that was ~6% of a two-core machine's CPU taken from training. A
-# step-scheduled fault is injected within ~2 steps of its step at this rate.
+# Every put is a raft write in etcd and wakes each agent's watch of the job: one put per
+# commit per node takes CPU from the training on a small machine. The launcher still
+# injects a step-scheduled fault within a few steps of its step at this rate.
 MIN_INTERVAL_S = 0.2
 
 
