@@ -17,6 +17,7 @@ from keepstep.operator.actions import (
     EnsureService,
     PatchStatus,
 )
+from keepstep.operator.decide import decide
 from keepstep.operator.model import AgentView, Job, PodPhase, PodView
 from keepstep.operator.settings import DecideConfig
 
@@ -143,3 +144,25 @@ class Cluster:
 
     def pod_list(self) -> list[PodView]:
         return sorted(self.pods.values(), key=lambda p: p.index)
+
+
+def run(
+    j: Job, pods: list[PodView], ag: AgentView | None, now: float = T0, service_exists: bool = True
+) -> Decision:
+    return decide(j, pods, ag, now, config=CONFIG, service_exists=service_exists)
+
+
+def settle(cluster: Cluster, now: float = T0, rounds: int = 3) -> Decision:
+    """Reconcile until nothing changes; returns the last (empty) decision."""
+    for _ in range(rounds):
+        d = run(
+            cluster.job, cluster.pod_list(), cluster.agents, now, service_exists=cluster.service
+        )
+        if not d.actions:
+            return d
+        cluster.apply(d)
+    raise AssertionError(f"still acting after {rounds} rounds: {d.reason}")
+
+
+def names(actions: list[Any]) -> list[str]:
+    return [a.name for a in actions]
