@@ -49,30 +49,6 @@ KWOK_LEASE_S = 120  # renewed every 30 s: 1000 nodes cost ~33 Lease updates per 
 NODE_GRACE_S = 60  # the controller-manager's node-monitor grace, above kwok's renewals
 
 
-def trainjob(name: str, nodes: int) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "keepstep.dev/v1alpha1",
-            "kind": "TrainJob",
-            "metadata": {"name": name},
-            "spec": {
-                "trainer": {
-                    "image": "keepstep:dev",
-                    "command": ["python", "examples/mlp.py"],
-                    "numNodes": nodes,
-                    "numSteps": 100,
-                },
-                "elasticPolicy": {
-                    "minNodes": 1,
-                    "maxNodes": nodes,
-                    "globalBatchSize": nodes,
-                    "microBatchSize": 1,
-                },
-            },
-        }
-    )
-
-
 class Api:
     """Counting reads with the admin's token: metadata-only lists and field selectors keep
     polling 1000 pods cheap for the API server that is being measured."""
@@ -176,6 +152,8 @@ def play_agents(etcd: str, job_key: str, pods: list[str], step: int) -> float:
 
 
 def end_to_end(cp: Any, etcd: str, nodes: int, resync: float, log: Path) -> dict[str, Any]:
+    from keepstep.e2e.kwok_nodes import kwok_trainjob
+
     ns = "bench-process"
     cp.kubectl("create", "namespace", ns, check=True)
     cp.wait_for_service_account(ns)
@@ -188,11 +166,11 @@ def end_to_end(cp: Any, etcd: str, nodes: int, resync: float, log: Path) -> dict
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
     try:
         # A one-node job first, so the measurement below excludes the operator's start-up.
-        cp.kubectl("create", "-n", ns, "-f", "-", input=trainjob("warmup", 1), check=True)
+        cp.kubectl("create", "-n", ns, "-f", "-", input=kwok_trainjob("warmup", 1), check=True)
         wait_for("the operator to start", lambda: api.pods("warmup"), 120, 0.5)
         t0 = time.monotonic()
         # From before `kubectl create` (its own start-up included).
-        cp.kubectl("create", "-n", ns, "-f", "-", input=trainjob("scale", nodes), check=True)
+        cp.kubectl("create", "-n", ns, "-f", "-", input=kwok_trainjob("scale", nodes), check=True)
         figures: dict[str, Any] = {"nodes": nodes, **milestones(api, "scale", nodes, t0)}
         pending = api.status("scale")
         figures["status_before_agents"] = {
@@ -253,6 +231,7 @@ def end_to_end(cp: Any, etcd: str, nodes: int, resync: float, log: Path) -> dict
 
 def in_process(cp: Any, etcd: str, nodes: int) -> dict[str, Any]:
     from keepstep.agent.etcd import EtcdKV
+    from keepstep.e2e.kwok_nodes import kwok_trainjob
     from keepstep.operator.agents import AgentStore
     from keepstep.operator.connection import load_connection
     from keepstep.operator.kube import Kube
@@ -262,7 +241,7 @@ def in_process(cp: Any, etcd: str, nodes: int) -> dict[str, Any]:
     ns = "bench-inproc"
     cp.kubectl("create", "namespace", ns, check=True)
     cp.wait_for_service_account(ns)
-    cp.kubectl("create", "-n", ns, "-f", "-", input=trainjob("scale", nodes), check=True)
+    cp.kubectl("create", "-n", ns, "-f", "-", input=kwok_trainjob("scale", nodes), check=True)
     kube = Kube(load_connection(str(cp.kubeconfig)), timeout=30.0, parallelism=16)
     kv = EtcdKV(etcd, timeout=5.0)
     reconciler = Reconciler(kube, AgentStore(kv, 5.0), DecideConfig(etcd))

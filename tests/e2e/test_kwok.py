@@ -22,7 +22,7 @@ from keepstep.agent import protocol
 from keepstep.agent.etcd import EtcdKV
 from keepstep.e2e.controlplane import ControlPlane
 from keepstep.e2e.kwok import Kwok, KwokConfig
-from keepstep.e2e.kwok_nodes import KwokNodes
+from keepstep.e2e.kwok_nodes import KwokNodes, kwok_trainjob
 
 from .helpers import Operator, api_delete, job_pods, job_status, wait_for
 
@@ -52,30 +52,6 @@ def kwok_nodes(control_plane: ControlPlane, tmp_path: Path) -> Iterator[KwokNode
             nodes.close()
             kwok.stop()
     assert not kwok.running()
-
-
-def trainjob(name: str, nodes: int) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "keepstep.dev/v1alpha1",
-            "kind": "TrainJob",
-            "metadata": {"name": name},
-            "spec": {
-                "trainer": {
-                    "image": "keepstep:dev",
-                    "command": ["python", "examples/mlp.py"],
-                    "numNodes": nodes,
-                    "numSteps": 100,
-                },
-                "elasticPolicy": {
-                    "minNodes": 1,
-                    "maxNodes": nodes,
-                    "globalBatchSize": nodes,
-                    "microBatchSize": 1,
-                },
-            },
-        }
-    )
 
 
 def running_on(pods: dict[str, Any], names: set[str]) -> dict[str, str]:
@@ -116,7 +92,9 @@ def test_a_job_on_kwok_nodes_gets_every_pod_bound_running_and_a_true_status(
             status = json.dumps(job_status(cp, namespace, name))
             return f"status: {status}\noperator log tail:\n{operator.tail()}"
 
-        cp.kubectl("create", "-n", namespace, "-f", "-", input=trainjob(name, NODES), check=True)
+        cp.kubectl(
+            "create", "-n", namespace, "-f", "-", input=kwok_trainjob(name, NODES), check=True
+        )
         wait_for(
             f"{NODES} pods bound and Running on the kwok nodes",
             lambda: len(running_on(job_pods(cp, namespace, name), ours)) == NODES,

@@ -30,6 +30,32 @@ SET_LABEL = "keepstep.dev/kwok"
 _NOT_READY_TAINTS = ("node.kubernetes.io/not-ready", "node.kubernetes.io/unreachable")
 
 
+def kwok_trainjob(name: str, nodes: int) -> str:
+    """A TrainJob manifest (JSON) for pods that kwok plays: nothing ever runs its image, so
+    only the numbers matter (``nodes`` pods, minNodes 1)."""
+    return json.dumps(
+        {
+            "apiVersion": "keepstep.dev/v1alpha1",
+            "kind": "TrainJob",
+            "metadata": {"name": name},
+            "spec": {
+                "trainer": {
+                    "image": "keepstep:dev",
+                    "command": ["python", "examples/mlp.py"],
+                    "numNodes": nodes,
+                    "numSteps": 100,
+                },
+                "elasticPolicy": {
+                    "minNodes": 1,
+                    "maxNodes": nodes,
+                    "globalBatchSize": nodes,
+                    "microBatchSize": 1,
+                },
+            },
+        }
+    )
+
+
 class KwokNodesError(RuntimeError):
     """A Node could not be created or removed, or did not become schedulable in time."""
 
