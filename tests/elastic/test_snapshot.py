@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from snapshot_samples import sample_tensors
 
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.snapshot import (
@@ -22,19 +23,6 @@ from keepstep.elastic.snapshot import (
 )
 
 HEADER = 64
-
-
-def _tensors(seed: int, n: int = 100) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "w": torch.randn(n, 7, generator=g),
-        "w_t": torch.randn(7, 5, generator=g).t(),  # not contiguous
-        "half": torch.randn(3, generator=g).to(torch.bfloat16),
-        "count": torch.tensor(seed, dtype=torch.int64),  # 0-dim
-        "mask": torch.rand(5, generator=g) > 0.5,
-        "empty": torch.zeros(0, 3),
-        "z": torch.randn(2, dtype=torch.complex64, generator=g),
-    }
 
 
 def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -81,7 +69,7 @@ class GatedBuffer(MemoryBuffer):
 
 def test_round_trip_keeps_bits_dtypes_shapes_and_meta(buffer: SnapshotBuffer) -> None:
     with SnapshotStore(buffer) as store:
-        want = _tensors(1)
+        want = sample_tensors(1)
         store.commit(1, want, b"meta-1")
         store.wait()
         snap = store.load()
@@ -92,42 +80,42 @@ def test_round_trip_keeps_bits_dtypes_shapes_and_meta(buffer: SnapshotBuffer) ->
 
 def test_each_slot_loads_its_own_step_and_newest_is_default() -> None:
     store = SnapshotStore(MemoryBuffer(), background=False)
-    store.commit(1, _tensors(1), b"one")
-    store.commit(2, _tensors(2), b"two")
+    store.commit(1, sample_tensors(1), b"one")
+    store.commit(2, sample_tensors(2), b"two")
     assert [(i.step, i.slot) for i in store.infos()] == [(2, 1), (1, 0)]
-    _assert_same(store.load(1).tensors, _tensors(1))
-    _assert_same(store.load(2).tensors, _tensors(2))
+    _assert_same(store.load(1).tensors, sample_tensors(1))
+    _assert_same(store.load(2).tensors, sample_tensors(2))
     assert store.load().step == 2 and store.load(1).meta == b"one"
     with pytest.raises(SnapshotMissing, match="step 7"):
         store.load(7)
     # the third commit replaces the older slot, never the newest
-    store.commit(3, _tensors(3), b"three")
+    store.commit(3, sample_tensors(3), b"three")
     assert [(i.step, i.slot) for i in store.infos()] == [(3, 0), (2, 1)]
 
 
 def test_newest_means_last_written_not_highest_step() -> None:
     store = SnapshotStore(MemoryBuffer(), background=False)
-    store.commit(5, _tensors(5), b"")
-    store.commit(6, _tensors(6), b"")
-    store.commit(5, _tensors(50), b"rolled back")  # a rollback re-commits an earlier step
+    store.commit(5, sample_tensors(5), b"")
+    store.commit(6, sample_tensors(6), b"")
+    store.commit(5, sample_tensors(50), b"rolled back")  # a rollback re-commits an earlier step
     assert store.load().meta == b"rolled back"
     assert [i.step for i in store.infos()] == [5, 6]
-    _assert_same(store.load(5).tensors, _tensors(50))
+    _assert_same(store.load(5).tensors, sample_tensors(50))
 
 
 @pytest.mark.parametrize("where", ["payload", "tensor bytes", "header step"])
 def test_corrupt_newest_slot_is_never_loaded(where: str) -> None:
     buffer = MemoryBuffer()
     store = SnapshotStore(buffer, background=False)
-    store.commit(1, _tensors(1), b"one")
-    store.commit(2, _tensors(2), b"two")
+    store.commit(1, sample_tensors(1), b"one")
+    store.commit(2, sample_tensors(2), b"two")
     at = _slot_at(buffer, 1)
     offset = {"payload": 2 * HEADER, "tensor bytes": HEADER + 600, "header step": 16}[where]
     _flip(buffer, at + offset)
     assert [i.step for i in store.infos()] == [1]
     snap = store.load()
     assert snap.step == 1
-    _assert_same(snap.tensors, _tensors(1))
+    _assert_same(snap.tensors, sample_tensors(1))
     if where != "header step":  # a flipped step no longer names step 2
         with pytest.raises(SnapshotCorrupt, match="checksum"):
             store.load(2)
@@ -136,7 +124,7 @@ def test_corrupt_newest_slot_is_never_loaded(where: str) -> None:
     # A store that did not write the newest slot checks it before keeping it: the next
     # commit (here by a restarted worker) overwrites the corrupt slot, not the intact one.
     restarted = SnapshotStore(buffer, background=False)
-    restarted.commit(3, _tensors(3), b"three")
+    restarted.commit(3, sample_tensors(3), b"three")
     assert [(i.step, i.slot) for i in restarted.infos()] == [(3, 1), (1, 0)]
 
 
@@ -144,11 +132,11 @@ def test_crash_mid_write_leaves_the_older_slot_loadable() -> None:
     buffer = GatedBuffer()
     store = SnapshotStore(buffer)
     buffer.gate.set()
-    store.commit(1, _tensors(1), b"one")
-    store.commit(2, _tensors(2), b"two")
+    store.commit(1, sample_tensors(1), b"one")
+    store.commit(2, sample_tensors(2), b"two")
     store.wait()
     buffer.gate.clear()
-    store.commit(3, _tensors(3), b"three")
+    store.commit(3, sample_tensors(3), b"three")
     assert buffer.entered.wait(30)
     # The writer "dies" here: its slot is marked WRITING and half overwritten.
     at = _slot_at(buffer, 0)
@@ -157,12 +145,12 @@ def test_crash_mid_write_leaves_the_older_slot_loadable() -> None:
     del view
     survivor = SnapshotStore(buffer)  # e.g. the restarted worker, on the same memory
     assert [i.step for i in survivor.infos()] == [2]
-    _assert_same(survivor.load().tensors, _tensors(2))
+    _assert_same(survivor.load().tensors, sample_tensors(2))
     with pytest.raises(SnapshotMissing):
         survivor.load(3)
     buffer.gate.set()
     store.close()
-    _assert_same(survivor.load().tensors, _tensors(3))
+    _assert_same(survivor.load().tensors, sample_tensors(3))
     survivor.close()
 
 
@@ -185,7 +173,7 @@ def test_commit_returns_before_the_background_copy_ends() -> None:
 def test_a_failed_copy_is_raised_once_and_never_loaded() -> None:
     buffer = GatedBuffer(fail=True)
     store = SnapshotStore(buffer)
-    store.commit(1, _tensors(1), b"")
+    store.commit(1, sample_tensors(1), b"")
     buffer.gate.set()
     with pytest.raises(OSError, match="simulated"):
         store.wait()
@@ -198,8 +186,8 @@ def test_a_failed_copy_is_raised_once_and_never_loaded() -> None:
 
 def test_export_import_round_trip(tmp_path: Path) -> None:
     source = SnapshotStore(MemoryBuffer(), background=False)
-    source.commit(4, _tensors(4), b"four")
-    source.commit(5, _tensors(5), b"five")
+    source.commit(4, sample_tensors(4), b"four")
+    source.commit(5, sample_tensors(5), b"five")
     blob = source.export(4)
     target_buffer = FileBuffer.create("joiner", 0, directory=tmp_path)
     with SnapshotStore(target_buffer) as target:
@@ -209,7 +197,7 @@ def test_export_import_round_trip(tmp_path: Path) -> None:
         )
         snap = target.load()
         assert snap.step == 4 and snap.meta == b"four"
-        _assert_same(snap.tensors, _tensors(4))
+        _assert_same(snap.tensors, sample_tensors(4))
         assert target.export(4) == blob  # the payload is a pure function of the state
     target_buffer.close()
 
@@ -217,7 +205,7 @@ def test_export_import_round_trip(tmp_path: Path) -> None:
 @pytest.mark.parametrize("at", [HEADER + 100, 16, len(b"KSSLOT")])
 def test_import_refuses_a_damaged_blob(at: int) -> None:
     source = SnapshotStore(MemoryBuffer(), background=False)
-    source.commit(4, _tensors(4), b"four")
+    source.commit(4, sample_tensors(4), b"four")
     blob = bytearray(source.export(4))
     blob[at] ^= 0x10
     target = SnapshotStore(MemoryBuffer(), background=False)
@@ -234,17 +222,17 @@ def test_growth_keeps_the_newest_snapshot(small_commits: int) -> None:
     buffer = MemoryBuffer(4096)
     store = SnapshotStore(buffer)
     for step in range(small_commits):
-        store.commit(step, _tensors(step, n=10), b"small")
+        store.commit(step, sample_tensors(step, n=10), b"small")
     store.wait()
     newest = small_commits - 1
-    big = _tensors(99, n=20_000)
+    big = sample_tensors(99, n=20_000)
     store.commit(small_commits, big, b"big")
     store.wait()
     assert buffer.size > 2 * 20_000 * 7 * 4
     assert [i.step for i in store.infos()] == [small_commits, newest]
-    _assert_same(store.load(newest).tensors, _tensors(newest, n=10))
+    _assert_same(store.load(newest).tensors, sample_tensors(newest, n=10))
     _assert_same(store.load().tensors, big)
-    store.commit(small_commits + 1, _tensors(7, n=20_000), b"")  # fits now: no growth
+    store.commit(small_commits + 1, sample_tensors(7, n=20_000), b"")  # fits now: no growth
     store.wait()
     assert [i.step for i in store.infos()] == [small_commits + 1, small_commits]
     store.close()
@@ -289,7 +277,7 @@ def _child(path: str, step: int, seed: int) -> None:
     buffer = FileBuffer.open(path)
     store = SnapshotStore(buffer)
     snap = store.load()
-    want = _tensors(seed)
+    want = sample_tensors(seed)
     if (
         snap.step != step
         or snap.meta != b"parent"
@@ -304,8 +292,8 @@ def _child(path: str, step: int, seed: int) -> None:
 def test_another_process_loads_what_this_one_wrote_and_may_crash(tmp_path: Path) -> None:
     buffer = FileBuffer.create("shared", 0, directory=tmp_path)
     store = SnapshotStore(buffer)
-    store.commit(1, _tensors(0), b"older")
-    store.commit(2, _tensors(2), b"parent")
+    store.commit(1, sample_tensors(0), b"older")
+    store.commit(2, sample_tensors(2), b"parent")
     store.close()
     ctx = multiprocessing.get_context("spawn")
     child = ctx.Process(target=_child, args=(str(buffer.path), 2, 2))
@@ -314,7 +302,7 @@ def test_another_process_loads_what_this_one_wrote_and_may_crash(tmp_path: Path)
     assert child.exitcode == 0
     # the child wrote over the older slot; whether or not its copy ended, step 2 is intact
     reader = SnapshotStore(FileBuffer.open(buffer.path))
-    _assert_same(reader.load(2).tensors, _tensors(2))
+    _assert_same(reader.load(2).tensors, sample_tensors(2))
     newest = reader.load()
     assert newest.step in (2, 3)
     if newest.step == 3:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from snapshot_samples import sample_tensors
 
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.snapshot import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
-from keepstep.elastic.snapshot_write import PayloadPlanner, plan_payload
+from keepstep.elastic.snapshot_write import PayloadPlanner
 
 HEADER = 64
 Tensors = dict[str, torch.Tensor]
@@ -66,19 +67,6 @@ def _check(store: SnapshotStore, step: int, tensors: Tensors, meta: bytes) -> No
         assert torch.equal(got, t), name
 
 
-def _tensors(seed: int, n: int = 100) -> Tensors:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "w": torch.randn(n, 7, generator=g),
-        "w_t": torch.randn(7, 5, generator=g).t(),  # not contiguous
-        "half": torch.randn(3, generator=g).to(torch.bfloat16),
-        "count": torch.tensor(seed, dtype=torch.int64),  # 0-dim
-        "mask": torch.rand(5, generator=g) > 0.5,
-        "empty": torch.zeros(0, 3),
-        "z": torch.randn(2, dtype=torch.complex64, generator=g),
-    }
-
-
 def _other_layout(seed: int) -> Tensors:
     """Same names mostly, other shapes and dtypes: every offset after the first moves."""
     g = torch.Generator().manual_seed(seed)
@@ -113,19 +101,20 @@ def test_slot_bytes_and_checksum_are_those_of_the_format(
     store = SnapshotStore(buffer, background=background)
     metas = [bytes(range(n)) for n in (0, 5, 40, 41, 130, 3, 3, 200)]
     for step, meta in enumerate(metas):
-        store.commit(step, _tensors(step), meta)
+        store.commit(step, sample_tensors(step), meta)
         store.wait()
-        _check(store, step, _tensors(step), meta)
+        _check(store, step, sample_tensors(step), meta)
         if step:  # the other slot was not disturbed
-            _check(store, step - 1, _tensors(step - 1), metas[step - 1])
+            _check(store, step - 1, sample_tensors(step - 1), metas[step - 1])
     store.close()
     buffer.close()
 
 
 def test_a_changed_layout_gets_a_new_plan_and_zeroed_padding(buffer: SnapshotBuffer) -> None:
     store = SnapshotStore(buffer)
-    layouts: list[Callable[[int], Tensors]] = [_tensors, _tensors, _other_layout, _tensors]
-    layouts += [_other_layout, _other_layout, lambda s: dict(reversed(_tensors(s).items()))]
+    same = sample_tensors
+    layouts: list[Callable[[int], Tensors]] = [same, same, _other_layout, same]
+    layouts += [_other_layout, _other_layout, lambda s: dict(reversed(sample_tensors(s).items()))]
     for step, make in enumerate(layouts):
         store.commit(step, make(step), b"meta")
         store.wait()
@@ -138,10 +127,10 @@ def test_a_changed_layout_gets_a_new_plan_and_zeroed_padding(buffer: SnapshotBuf
 
 def test_growth_does_not_write_through_stale_views(buffer: SnapshotBuffer) -> None:
     store = SnapshotStore(buffer, background=False)
-    small = [_tensors(s, n=10) for s in range(6)]
+    small = [sample_tensors(s, n=10) for s in range(6)]
     store.commit(0, small[0], b"")
     store.commit(1, small[1], b"")  # both slots now have views over the first mapping
-    big = _tensors(9, n=30_000)
+    big = sample_tensors(9, n=30_000)
     store.commit(2, big, b"big")  # grows the buffer: slot 1 moves
     for step in (3, 4, 5):
         store.commit(step, small[step], b"")
@@ -158,30 +147,30 @@ def test_a_buffer_grown_behind_the_store_is_seen(buffer: SnapshotBuffer) -> None
     # A MemoryBuffer grows by replacing its array: views over the old one would write into
     # memory nobody reads any more.
     store = SnapshotStore(buffer, background=False)
-    store.commit(1, _tensors(1), b"a")
-    store.commit(2, _tensors(2), b"b")
+    store.commit(1, sample_tensors(1), b"a")
+    store.commit(2, sample_tensors(2), b"b")
     buffer.resize(buffer.size + 8192)
-    store.commit(3, _tensors(3), b"c")
-    store.commit(4, _tensors(4), b"d")
+    store.commit(3, sample_tensors(3), b"c")
+    store.commit(4, sample_tensors(4), b"d")
     reader = _reopen(buffer)
-    _check(reader, 3, _tensors(3), b"c")
-    _check(reader, 4, _tensors(4), b"d")
+    _check(reader, 3, sample_tensors(3), b"c")
+    _check(reader, 4, sample_tensors(4), b"d")
     store.close()
     buffer.close()
 
 
 def test_an_imported_slot_is_not_reused_as_if_the_store_wrote_it() -> None:
     source = SnapshotStore(MemoryBuffer(), background=False)
-    noise = {"r": torch.randn(960)}  # covers all of the slot that _tensors(n=100) uses
+    noise = {"r": torch.randn(960)}  # covers all of the slot that sample_tensors(n=100) uses
     source.commit(10, noise, b"noise")
     store = SnapshotStore(MemoryBuffer(), background=False)
-    store.commit(1, _tensors(1), b"")  # slot 0
-    store.commit(2, _tensors(2), b"")  # slot 1
+    store.commit(1, sample_tensors(1), b"")  # slot 0
+    store.commit(2, sample_tensors(2), b"")  # slot 1
     assert store.import_(source.export(10)).slot == 0
     _check(store, 10, noise, b"noise")
-    store.commit(3, _tensors(3), b"")  # slot 1
-    store.commit(4, _tensors(4), b"")  # slot 0 again, over the imported bytes
-    _check(store, 4, _tensors(4), b"")
+    store.commit(3, sample_tensors(3), b"")  # slot 1
+    store.commit(4, sample_tensors(4), b"")  # slot 0 again, over the imported bytes
+    _check(store, 4, sample_tensors(4), b"")
 
 
 def test_many_commits_load_exactly_what_was_committed(tmp_path: Path) -> None:
@@ -189,7 +178,7 @@ def test_many_commits_load_exactly_what_was_committed(tmp_path: Path) -> None:
     # changes twice (a tensor appears, then the meta grows).
     buffer = FileBuffer.create("train", 0, directory=tmp_path)
     store = SnapshotStore(buffer)
-    live = _tensors(0, n=50)
+    live = sample_tensors(0, n=50)
     held: dict[int, tuple[Tensors, bytes]] = {}
     for step in range(1, 31):
         with torch.no_grad():
@@ -232,21 +221,26 @@ def test_tensors_are_still_validated_when_the_layout_repeats() -> None:
 
 def test_the_planner_reuses_a_layout_and_agrees_with_planning_from_scratch() -> None:
     planner = PayloadPlanner()
-    first = planner.plan(_tensors(1), b"x" * 10)
-    same = planner.plan(_tensors(2), b"y" * 12)  # other values and meta, same head length
+    first = planner.plan(sample_tensors(1), b"x" * 10)
+    same = planner.plan(sample_tensors(2), b"y" * 12)  # other values and meta, same head length
     assert same.entries is first.entries
-    moved = planner.plan(_tensors(2), b"y" * 100)  # the head grows past a multiple of 64
+    moved = planner.plan(sample_tensors(2), b"y" * 100)  # the head grows past a multiple of 64
     assert moved.entries is not first.entries
     other = planner.plan(_other_layout(1), b"y" * 100)
     for plan, tensors, meta in [
-        (first, _tensors(1), b"x" * 10),
-        (same, _tensors(2), b"y" * 12),
-        (moved, _tensors(2), b"y" * 100),
+        (first, sample_tensors(1), b"x" * 10),
+        (same, sample_tensors(2), b"y" * 12),
+        (moved, sample_tensors(2), b"y" * 100),
         (other, _other_layout(1), b"y" * 100),
     ]:
-        head, entries, nbytes = plan_payload(list(tensors.items()), meta)
-        assert (plan.head_len, list(plan.entries), plan.nbytes) == (len(head), entries, nbytes)
-        assert head[16:].startswith(plan.index + plan.meta)
+        fresh = PayloadPlanner().plan(tensors, meta)
+        entries = list(fresh.entries)
+        assert (plan.head_len, list(plan.entries), plan.nbytes) == (
+            fresh.head_len,
+            entries,
+            fresh.nbytes,
+        )
+        assert plan.index + plan.meta == fresh.index + fresh.meta
         filled = [i for i, e in enumerate(entries) if e.nbytes]
         assert list(plan.filled or range(len(entries))) == filled
 
@@ -254,8 +248,8 @@ def test_the_planner_reuses_a_layout_and_agrees_with_planning_from_scratch() -> 
 def test_closing_the_store_lets_the_buffer_unmap(tmp_path: Path) -> None:
     buffer = FileBuffer.create("unmap", 0, directory=tmp_path)
     store = SnapshotStore(buffer)
-    store.commit(1, _tensors(1), b"")
-    store.commit(2, _tensors(2), b"")
+    store.commit(1, sample_tensors(1), b"")
+    store.commit(2, sample_tensors(2), b"")
     store.wait()
     view = buffer.view()
     mapping = view.obj

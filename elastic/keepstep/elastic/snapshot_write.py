@@ -64,7 +64,8 @@ class PayloadPlan:
 
 
 class PayloadPlanner:
-    """``plan_payload`` for a store that commits the same tensors every step.
+    """Where a store's payload bytes go, for a store that commits the same tensors every
+    step (a new planner plans from scratch).
 
     The index and the entries are built (and the tensors validated) only when the names,
     dtypes, shapes or layouts differ from the last commit's; otherwise only the head is
@@ -167,16 +168,6 @@ class CopyJob:
         finish_slot(view, self.at, crc)
 
 
-def plan_payload(
-    items: list[tuple[str, torch.Tensor]], meta: bytes
-) -> tuple[bytes, list[TensorEntry], int]:
-    """The payload head (lengths, index, meta, padding), the tensor entries and the length,
-    planned from scratch (``PayloadPlanner`` remembers the last layout)."""
-    rel, index, data = _layout(items)
-    head = _head(index, meta)
-    return head, list(_shifted(rel, len(head))), len(head) + data
-
-
 def check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
     """ConfigError unless ``tensors`` maps non-empty names to dense tensors with data."""
     if not isinstance(tensors, Mapping):
@@ -224,11 +215,6 @@ def _layout(
         separators=(",", ":"),
     ).encode()
     return tuple(entries), index, offset
-
-
-def _head(index: bytes, meta: bytes) -> bytes:
-    n = LENGTHS.size + len(index) + len(meta)
-    return b"".join((LENGTHS.pack(len(index), len(meta)), index, meta, ZEROS[: align(n) - n]))
 
 
 def _head_len(index: bytes, meta: bytes) -> int:
