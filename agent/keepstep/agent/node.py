@@ -340,6 +340,7 @@ class NodeAgent:
                 done=message["done"],
                 params_sha256=message["params_sha256"],
             )
+            self.progress.flush()
             done = protocol.DoneRecord(member, int(message["done"]), str(message["params_sha256"]))
             self.kv.put(
                 key(self.cfg.job, "done", member.replace("/", "-")),

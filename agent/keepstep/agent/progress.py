@@ -32,6 +32,8 @@ class ProgressPublisher:
         self._stop = threading.Event()
         self._times: list[tuple[float, int]] = []
         self.latest: protocol.ProgressRecord | None = None
+        self._written: protocol.ProgressRecord | None = None  # guarded by _write_lock
+        self._write_lock = threading.Lock()
         self._fault: tuple[float, int] | None = None  # (when, epoch) of an open recovery
         self._last_mttr: float | None = None
 
@@ -47,6 +49,12 @@ class ProgressPublisher:
 
     def stop(self) -> None:
         self._stop.set()
+
+    def flush(self) -> None:
+        """Write the newest figures now if the background thread has not yet: a worker's
+        last commit must be in etcd before its finish is, or the job ends with its status
+        a step short."""
+        self._write()
 
     def record(self, commit: dict[str, Any]) -> float | None:
         """Note a commit; samples/s is measured over the last 20 commits. Returns the MTTR
@@ -77,11 +85,18 @@ class ProgressPublisher:
             if not self._due.wait(0.5):
                 continue
             self._due.clear()
+            self._write()
+            self._stop.wait(MIN_INTERVAL_S)
+
+    def _write(self) -> None:
+        with self._write_lock:
             with self._lock:
                 record = self.latest
-            if record is not None:
-                try:
-                    self.kv.put(self.key, protocol.encode(record), self.timeout)
-                except KVError as error:
-                    log.warning("progress not published: %s", error)
-            self._stop.wait(MIN_INTERVAL_S)
+            if record is None or record is self._written:
+                return
+            try:
+                self.kv.put(self.key, protocol.encode(record), self.timeout)
+            except KVError as error:
+                log.warning("progress not published: %s", error)
+                return
+            self._written = record
