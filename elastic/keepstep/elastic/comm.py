@@ -26,7 +26,6 @@ gloo::IoException``).
 
 from __future__ import annotations
 
-import atexit
 import pickle
 import threading
 import time
@@ -50,13 +49,12 @@ from keepstep.elastic.comm_abort import (
     abort_epoch,
     abort_key,
 )
+from keepstep.elastic.comm_reap import reap
 from keepstep.elastic.errors import ConfigError, PeerLost
 
 __all__ = ["Communicator", "abort_epoch", "abort_key"]
 
-_REAP_POLL_S = 0.05
 _REAP_GRACE_S = 5.0  # beyond the op timeout, after which a reaper drops the group anyway
-_EXIT_WAIT_S = 5.0  # at exit, for reapers inside a group's destructor
 
 
 @dataclass(frozen=True)
@@ -98,46 +96,6 @@ def _work_ready(work: Any) -> Callable[[int], bool]:
         return bool(work.is_completed())
 
     return ready
-
-
-# Reapers inside a group's destructor: the interpreter must not exit under them.
-_dropping: set[threading.Thread] = set()
-_dropping_lock = threading.Lock()
-
-
-def _reap(epoch: int, group: Any, work: Any | None, bound_s: float) -> None:
-    """Drop ``group`` on a daemon thread once ``work`` is over or ``bound_s`` passed.
-
-    It polls with a Python sleep rather than blocking in gloo, so at interpreter exit the
-    thread is simply frozen instead of waking inside a finalizing interpreter. A reaper
-    already inside the destructor (joining gloo's threads) is waited for at exit: a process
-    that exits under it dies with SIGABRT ("terminate called without an active exception").
-    """
-    box = [group, work]
-
-    def run() -> None:
-        deadline = time.monotonic() + bound_s
-        while box[1] is not None and not box[1].is_completed() and time.monotonic() < deadline:
-            time.sleep(_REAP_POLL_S)
-        me = threading.current_thread()
-        with _dropping_lock:
-            _dropping.add(me)
-        try:
-            box.clear()  # the last references: the group's destructor joins its threads here
-        finally:
-            with _dropping_lock:
-                _dropping.discard(me)
-
-    threading.Thread(target=run, name=f"keepstep-reap-{epoch}", daemon=True).start()
-
-
-@atexit.register
-def _wait_for_dropping_groups() -> None:
-    deadline = time.monotonic() + _EXIT_WAIT_S
-    with _dropping_lock:
-        busy = list(_dropping)
-    for thread in busy:
-        thread.join(max(deadline - time.monotonic(), 0.0))
 
 
 def _new_gloo_group(store: Store, spec: _Spec) -> Any:
@@ -232,7 +190,7 @@ class Communicator:
         # Aborted before or while we built: fail now, not at the first collective.
         if watch.poll(_FRESH_READ_S) is not None:
             if group is not None:
-                _reap(epoch, group, None, 0.0)
+                reap(epoch, group, None, 0.0)
             raise PeerLost(epoch, cast(str, watch.reason))
         return cls(spec, watch, group, time.perf_counter() - start)
 
@@ -303,7 +261,7 @@ class Communicator:
     def _retire(self, work: Any | None) -> None:
         group, self._group = self._group, None
         if group is not None:
-            _reap(self.epoch, group, work, self._timeout.total_seconds() + _REAP_GRACE_S)
+            reap(self.epoch, group, work, self._timeout.total_seconds() + _REAP_GRACE_S)
 
     def _op_timeout(self, timeout: timedelta | None) -> timedelta:
         if timeout is None:

@@ -8,6 +8,7 @@ same key (`abort_epoch`) when they learn of a lost member first. comm.py re-expo
 
 from __future__ import annotations
 
+import atexit
 import enum
 import re
 import threading
@@ -26,6 +27,7 @@ from keepstep.elastic.errors import ConfigError
 _SLICE_FIRST_MS = 1
 _SLICE_MAX_MS = 5
 _REASON_MAX_CHARS = 300
+_EXIT_WAIT_S = 2.0  # at exit, for store calls under way (a healthy store answers in ~0.1 ms)
 # How long an abort poll waits for the epoch's store. A loaded machine can delay a
 # healthy store by a fraction of a second; a hung store node must not delay a hang's
 # detection by much more than the agents' own lease timeout.
@@ -46,6 +48,42 @@ def abort_epoch(store: Store, epoch: int, reason: str) -> None:
     """
     _check_epoch(epoch)
     store.compare_set(abort_key(epoch), "", reason or "aborted")
+
+
+class _StoreCalls:
+    """Watch threads inside a store call, which runs without the GIL.
+
+    A daemon thread that comes back from C++ after the interpreter began to finalize is
+    ended with a forced unwind, which kills the process with SIGABRT ("terminate called
+    without an active exception") after its work was done. So at exit no new call starts,
+    and the calls under way are given a moment to return.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = 0
+        self._exiting = False
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._exiting:
+                return False
+            self._busy += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._busy -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._exiting = True
+            self._cond.wait_for(lambda: self._busy == 0, _EXIT_WAIT_S)
+
+
+_store_calls = _StoreCalls()
+atexit.register(_store_calls.close)
 
 
 class _Outcome(enum.Enum):
@@ -87,11 +125,15 @@ class _AbortWatch:
             self._fired.set()
 
     def _serve(self) -> None:
+        if not _store_calls.enter():
+            return
         try:
             # A private connection: a poll never queues behind a blocking store call.
             store = self._origin.clone()
         except (RuntimeError, NotImplementedError):
             store = self._origin
+        finally:
+            _store_calls.leave()
         while True:
             with self._wake:
                 while not self._stopped and self._asked_at is None and self._to_fire is None:
@@ -99,6 +141,8 @@ class _AbortWatch:
                 if self._stopped:
                     return
                 to_fire = self._to_fire
+            if not _store_calls.enter():
+                return
             try:
                 if to_fire is not None:
                     won = store.compare_set(self._key, "", to_fire).decode(errors="replace")
@@ -110,6 +154,8 @@ class _AbortWatch:
                 self._settle(f"the epoch's store failed: {_short(error)}")
                 self._fired.set()
                 return
+            finally:
+                _store_calls.leave()
             with self._wake:
                 self._asked_at = None
                 self._wake.notify_all()
