@@ -1,0 +1,87 @@
+"""The abort watch: how often it reads the epoch's store, and that it still sees an abort."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+from torch._C._distributed_c10d import HashStore, Store
+
+from keepstep.elastic import comm_abort
+from keepstep.elastic.comm_abort import _AbortWatch, abort_epoch
+
+
+class CountingStore(Store):
+    """A HashStore that counts the abort-key reads made through it."""
+
+    def __init__(self, inner: HashStore) -> None:
+        super().__init__()
+        self.inner = inner
+        self.reads = 0
+        self._lock = threading.Lock()
+
+    def clone(self) -> CountingStore:
+        return self  # one counter for every connection
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            self.reads += 1
+        return bool(self.inner.check(keys))
+
+    def get(self, key: str) -> bytes:
+        return bytes(self.inner.get(key))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return bytes(self.inner.compare_set(key, expected, desired))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.inner.set_timeout(timeout)
+
+
+def test_looks_between_wait_slices_read_the_store_at_most_every_interval() -> None:
+    store = CountingStore(HashStore())
+    watch = _AbortWatch(store, 0)
+    try:
+        start = time.monotonic()
+        looks = 0
+        while time.monotonic() - start < 0.3:
+            assert watch.poll() is None
+            looks += 1
+            time.sleep(0.0005)
+        elapsed = time.monotonic() - start
+        bound = elapsed / comm_abort._POLL_INTERVAL_S + 2
+        assert looks > 5 * bound  # the caller looked far more often than the store was read
+        assert 1 <= store.reads <= bound, (store.reads, bound)
+    finally:
+        watch.close()
+
+
+def test_a_waiting_poll_always_reads_afresh() -> None:
+    store = CountingStore(HashStore())
+    watch = _AbortWatch(store, 0)
+    try:
+        for _ in range(5):
+            assert watch.poll(wait=1.0) is None
+        assert store.reads == 5
+        abort_epoch(store.inner, 0, "rank 1 died")
+        assert watch.poll(wait=1.0) == "rank 1 died"
+    finally:
+        watch.close()
+
+
+def test_an_abort_is_seen_within_about_one_interval() -> None:
+    store = CountingStore(HashStore())
+    watch = _AbortWatch(store, 0)
+    try:
+        assert watch.poll(wait=1.0) is None
+        abort_epoch(store.inner, 0, "agent: node lost")
+        written = time.monotonic()
+        while watch.poll() is None:
+            assert time.monotonic() - written < 2.0
+            time.sleep(0.001)
+        # An interval plus the store's round trip and the thread wake-ups (slack for a
+        # loaded machine).
+        assert time.monotonic() - written < comm_abort._POLL_INTERVAL_S + 0.5
+    finally:
+        watch.close()
