@@ -2,8 +2,9 @@
 
 Prints, from one run on this machine: the commit call (what the training loop waits for),
 the background copy + checksum, its GB/s next to a plain Tensor.copy_ into a reused
-mapping of the same size, load (copy out + verify), CRC-32 against hashlib's digests, and a
-forward/backward with and without a snapshot copy running beside it.
+mapping of the same size, load (copy out + verify), XXH3 (the checksum) against CRC-32
+and hashlib's digests, and a forward/backward with and without a snapshot copy running
+beside it.
 
     scripts/env python bench/snapshot_cost.py [--params 10e6] [--repeats 5] [--dir /dev/shm]
 """
@@ -19,6 +20,7 @@ import zlib
 from collections.abc import Callable
 
 import torch
+import xxhash
 
 from keepstep.elastic.snapshot import FileBuffer, SnapshotStore
 from keepstep.elastic.state import capture
@@ -130,6 +132,7 @@ def main() -> None:
 
         data = memoryview(bytearray(os.urandom(1 << 20)) * (nbytes >> 20))
         digests: list[tuple[str, Callable[[memoryview], object]]] = [
+            ("xxhash.xxh3_64 (used)", xxhash.xxh3_64_intdigest),
             ("zlib.crc32", zlib.crc32),
             ("zlib.adler32", zlib.adler32),
         ]

@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from snapshot_samples import sample_tensors
 
 from keepstep.elastic.errors import ConfigError
@@ -29,8 +29,8 @@ def _align(n: int) -> int:
 
 def _reference(step: int, tensors: Tensors, meta: bytes) -> tuple[bytes, int]:
     """The payload and checksum as the format defines them, built here the slow way: a
-    JSON index, each tensor at a 64-aligned offset with zero padding, and a CRC-32 chained
-    over the head, each entry with its padding, then the packed (step, payload length)."""
+    JSON index, each tensor at a 64-aligned offset with zero padding, and one XXH3-64 of the
+    packed (step, payload length) followed by the whole payload."""
     index: list[object] = []
     extents, offset = [], 0
     for name, t in tensors.items():
@@ -42,14 +42,13 @@ def _reference(step: int, tensors: Tensors, meta: bytes) -> tuple[bytes, int]:
     head = struct.pack("<QQ", len(raw_index), len(meta)) + raw_index + meta
     head += bytes(_align(len(head)) - len(head))
     data = bytearray(offset)
-    crc = zlib.crc32(head)
     for (at, nbytes), t in zip(extents, tensors.values(), strict=True):
         if nbytes:
             flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
             data[at : at + nbytes] = flat.numpy().tobytes()
-        crc = zlib.crc32(data[at : _align(at + nbytes)], crc)
-    crc = zlib.crc32(struct.pack("<qQ", step, len(head) + offset), crc)
-    return head + bytes(data), crc
+    payload = head + bytes(data)
+    signed = struct.pack("<qQ", step, len(payload))
+    return payload, xxhash.xxh3_64_intdigest(signed + payload)
 
 
 def _check(store: SnapshotStore, step: int, tensors: Tensors, meta: bytes) -> None:

@@ -79,7 +79,7 @@ class SnapshotInfo:
         _check_step(self.step)
         if self.slot not in (0, 1):
             raise ConfigError(f"slot={self.slot!r}: must be 0 or 1")
-        if self.nbytes < 0 or not 0 <= self.checksum < 2**32:
+        if self.nbytes < 0 or not 0 <= self.checksum < 2**64:
             raise ConfigError(f"nbytes={self.nbytes}, checksum={self.checksum}: out of range")
 
 

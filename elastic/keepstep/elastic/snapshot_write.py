@@ -4,7 +4,7 @@ Where it sits: between ``SnapshotStore`` (snapshot.py), which picks the slot and
 these on every commit, and the format (snapshot_format.py), which says where each byte
 goes. Every step writes the same layout again, so the per-step work is kept small: a
 ``PayloadPlanner`` builds the index and entries once per layout, a ``SlotViews`` keeps each
-slot's destination tensors, and a ``CopyJob`` makes one batched copy and one CRC-32 pass
+slot's destination tensors, and a ``CopyJob`` makes one batched copy and one checksum pass
 over the payload (the same value as chaining it entry by entry).
 """
 
