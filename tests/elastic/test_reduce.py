@@ -2,8 +2,9 @@
 micro-batches onto ranks and any combine order; fast mode's deviation is measured.
 
 Ranks are simulated in one process: each rank is a Reducer fed its micro-batches, and the
-all-reduce is an explicit sum of their buffers in a chosen order (int64 addition is exact,
-so only the reducer can make the results differ).
+all-reduce is an explicit sum of their buffers in a chosen order (the exact reducer's
+buffers hold integers that float64 adds exactly, so only the reducer can make the results
+differ).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
+from fractions import Fraction
 
 import pytest
 import torch
@@ -395,7 +397,7 @@ def test_each_micro_batch_rounds_half_to_even_at_the_agreed_exponent() -> None:
     params = [torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float32)]
     reducer = exact(make_reducer(ReduceMode.EXACT, params, 2, initial_max=2.0**16))
     k = reducer.limit_bits - 16  # the first step covers |g| <= initial_max exactly
-    assert reducer.limit_bits == 61 and reducer.exponents == (k, k)
+    assert reducer.limit_bits == 52 and reducer.exponents == (k, k)
     unit = 2.0**-k
     units = [0.3, 0.5, 1.5, -2.5, 3.75, 1e6 + 0.5]
     grads = [
@@ -417,7 +419,7 @@ def test_each_micro_batch_rounds_half_to_even_at_the_agreed_exponent() -> None:
 def test_overflow_is_decided_exactly_at_the_limit() -> None:
     params = [torch.zeros(3, dtype=torch.float64)]
     reducer = exact(make_reducer(ReduceMode.EXACT, params, 1, initial_max=2.0**16))
-    at_limit = torch.tensor([2.0**16, -(2.0**16), 1.0], dtype=torch.float64)  # q = +-2**62
+    at_limit = torch.tensor([2.0**16, -(2.0**16), 1.0], dtype=torch.float64)  # q = +-2**53
     reducer.begin_step()
     reducer.add_micro_batch([at_limit])
     assert isinstance(reducer.finish(reducer.buffer(), 1, params), ReduceDone)
@@ -428,6 +430,33 @@ def test_overflow_is_decided_exactly_at_the_limit() -> None:
     reducer.add_micro_batch([at_limit * (1 + 2.0**-52)])  # one float64 ulp past the limit
     assert reducer.finish(reducer.buffer(), 1, params) == ReduceOverflow(micro_batches=1)
     assert reducer.retry_max_buffer().tolist() == [2.0**16 * (1 + 2.0**-52)]
+
+
+def test_sums_at_the_limit_stay_exact_integers_in_any_order() -> None:
+    """The buffer holds integers in float64: n_micro quantized values at the limit must
+    still add exactly (an odd partial sum past 2**53 would round)."""
+    n_micro = 4
+    params = [torch.zeros(1, dtype=torch.float64)]
+    probe = exact(make_reducer(ReduceMode.EXACT, params, n_micro, initial_max=1.0))
+    k = probe.limit_bits  # initial_max 1.0: q = g * 2**limit_bits
+    assert probe.limit_bits == 51 and probe.exponents == (k,)
+    numerators = [2**k - 1, 2**k - 3, 2**k - 5, -(2**k - 7)]
+    grads = [torch.tensor([q * 2.0**-k], dtype=torch.float64) for q in numerators]
+    want = Fraction(sum(numerators), n_micro * 2**k)
+    results = set()
+    for grouping in ([[0, 1, 2, 3]], [[0, 1], [2, 3]], [[3], [1, 0, 2]], [[0], [1], [2], [3]]):
+        for how in range(4):
+            buffers = []
+            for mbs in grouping:
+                reducer = exact(make_reducer(ReduceMode.EXACT, params, n_micro, initial_max=1.0))
+                reducer.begin_step()
+                for mb in mbs:
+                    reducer.add_micro_batch([grads[mb]])
+                buffers.append(reducer.buffer())
+            assert isinstance(reducer.finish(combine(buffers, how), n_micro, params), ReduceDone)
+            assert params[0].grad is not None
+            results.add(params[0].grad.item())
+    assert results == {float(want)}
 
 
 def test_fused_kernels_give_the_same_bits() -> None:
