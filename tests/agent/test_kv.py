@@ -236,6 +236,37 @@ def test_watch_delivers_puts_and_deletes_in_order_until_cancel(backend: Backend)
     assert len(seen.seen()) == len(expected)
 
 
+def test_a_watch_below_a_key_sees_only_the_keys_before_it(backend: Backend) -> None:
+    kv, p = backend.kv, backend.prefix
+    kv.put(p + "a/old", b"0", T)
+    kv.put(p + "z/old", b"0", T)
+    first = kv.get(p + "a/old", T)
+    assert first is not None
+    seen = Recorder()
+    cancel = kv.watch_prefix(p, seen, start_revision=first.mod_revision, below=p + "m")
+    for k in ("a/1", "m/2", "lz/3", "z/4", "m", "l"):
+        kv.put(p + k, b"1", T)
+    kv.delete(p + "a/1", T)
+    expected = [
+        ("put", p + "a/old", b"0"),  # replayed history is filtered the same way
+        ("put", p + "a/1", b"1"),
+        ("put", p + "lz/3", b"1"),
+        ("put", p + "l", b"1"),
+        ("delete", p + "a/1", None),
+    ]
+    assert backend.eventually(lambda: len(seen.seen()) >= len(expected), within=5.0)
+    marker = Recorder()
+    stop_marker = kv.watch_prefix(p + "marker", marker)
+    kv.put(p + "marker", b"m", T)  # once seen, every earlier write was delivered
+    assert backend.eventually(lambda: len(marker.seen()) == 1, within=5.0)
+    assert seen.seen() == expected
+    cancel()
+    stop_marker()
+    for below in (p, "/elsewhere/x", p[:-1]):
+        with pytest.raises(ConfigError, match="below="):
+            kv.watch_prefix(p, seen, below=below)
+
+
 def test_watch_from_a_past_revision_replays_history(backend: Backend) -> None:
     kv, p = backend.kv, backend.prefix
     first = kv.put(p + "h/1", b"a", T)

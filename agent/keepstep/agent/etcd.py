@@ -47,6 +47,7 @@ from keepstep.agent.kv import (
     Lease,
     LeaseLost,
     WatchEvent,
+    check_below,
     check_keepalive,
     check_start_revision,
     check_timeout,
@@ -242,9 +243,13 @@ class EtcdKV:
         prefix: str,
         callback: Callable[[WatchEvent], None],
         start_revision: int | None = None,
+        below: str | None = None,
     ) -> Callable[[], None]:
         check_start_revision(start_revision)
+        check_below(prefix, below)
         key, end = _range(prefix)
+        if below is not None:
+            end = below.encode()
         watch = EtcdWatch(self._watch_stub, prefix, key, end, callback, start_revision)
 
         def cancel() -> None:

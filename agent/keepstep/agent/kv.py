@@ -123,15 +123,22 @@ class KVStore(Protocol):
         prefix: str,
         callback: Callable[[WatchEvent], None],
         start_revision: int | None = None,
+        below: str | None = None,
     ) -> Callable[[], None]:
         """Call `callback` with every change under `prefix`, in revision order, from
         `start_revision` (None: from now on) until the returned cancel(). When this returns
-        the watch is in place: any later write is seen. A callback that raises is logged."""
+        the watch is in place: any later write is seen. A callback that raises is logged.
+        With `below`, only keys that sort before it (a key range; etcd sends nothing else)."""
         ...
 
     def close(self) -> None:
         """Cancel this client's watches and keepalives; later calls raise KVError."""
         ...
+
+
+def check_below(prefix: str, below: str | None) -> None:
+    if below is not None and not (below.startswith(prefix) and below > prefix):
+        raise ConfigError(f"below={below!r} must be a key under prefix={prefix!r}")
 
 
 def check_timeout(timeout: float) -> float:

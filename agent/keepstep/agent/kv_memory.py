@@ -33,6 +33,7 @@ from keepstep.agent.kv import (
     Lease,
     LeaseLost,
     WatchEvent,
+    check_below,
     check_keepalive,
     check_start_revision,
     check_timeout,
@@ -67,7 +68,11 @@ class _Watch:
     callback: Callable[[WatchEvent], None]
     min_revision: int
     next_index: int  # the first history entry this watch has not been given
+    below: str | None = None
     cancelled: bool = False
+
+    def covers(self, key: str) -> bool:
+        return key.startswith(self.prefix) and (self.below is None or key < self.below)
 
 
 class _Store:
@@ -125,7 +130,7 @@ class _Store:
 
     def publish(self, event: WatchEvent) -> None:
         self.history.append(event)
-        targets = tuple(w for w in self.watches if event.key.startswith(w.prefix))
+        targets = tuple(w for w in self.watches if w.covers(event.key))
         if targets:
             self.queue.append((len(self.history) - 1, targets))
 
@@ -133,7 +138,7 @@ class _Store:
         # Ahead of anything queued: a watch must see older events first. Queued copies of
         # the same events are then skipped by the next_index check in deliver().
         for index in range(len(self.history) - 1, watch.next_index - 1, -1):
-            if self.history[index].key.startswith(watch.prefix):
+            if watch.covers(self.history[index].key):
                 self.queue.appendleft((index, (watch,)))
 
     def deliver(self, timeout: float) -> None:
@@ -306,14 +311,16 @@ class MemoryKV:
         prefix: str,
         callback: Callable[[WatchEvent], None],
         start_revision: int | None = None,
+        below: str | None = None,
     ) -> Callable[[], None]:
         check_start_revision(start_revision)
+        check_below(prefix, below)
         with self._call(1.0) as s:
             start = len(s.history)
             if start_revision is not None:
                 while start > 0 and s.history[start - 1].revision >= start_revision:
                     start -= 1
-            watch = _Watch(self, prefix, callback, start_revision or 0, start)
+            watch = _Watch(self, prefix, callback, start_revision or 0, start, below)
             s.watches.append(watch)
             s.replay(watch)
 

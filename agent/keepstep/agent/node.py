@@ -115,7 +115,9 @@ class NodeAgent:
 
     def start(self) -> None:
         job = self.cfg.job
-        self._cancel_watch = self.kv.watch_prefix(protocol.job_prefix(job), self._apply)
+        self._cancel_watch = self.kv.watch_prefix(
+            protocol.job_prefix(job), self._apply, below=protocol.watched_below(job)
+        )
         for kv in self.kv.get_prefix(protocol.job_prefix(job), self.cfg.op_timeout):
             self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
         self.registration.register()

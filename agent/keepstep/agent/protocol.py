@@ -38,6 +38,17 @@ def prefix(job: str, kind: str) -> str:
     return f"{job_prefix(job)}{kind}/"
 
 
+# The kinds an agent acts on (view.py). They sort before "progress", so an agent watches
+# only the keys below `watched_below`: progress (a put per node several times a second)
+# and recovery records would otherwise wake every agent of the job for nothing.
+WATCHED_KINDS = ("done", "epoch", "leaving", "nodes", "pending")
+
+
+def watched_below(job: str) -> str:
+    """Where the keys an agent watches end (exclusive); see WATCHED_KINDS."""
+    return key(job, "progress")
+
+
 def member_id(node: str, local_rank: int) -> str:
     """A worker's member id: its node and local rank (sorts by node, then rank)."""
     return f"{node}/{local_rank}"

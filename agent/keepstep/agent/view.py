@@ -1,4 +1,4 @@
-"""The agent's view of its job in etcd, kept current by one prefix watch.
+"""The agent's view of its job in etcd, kept current by one watch of its membership keys.
 
 Everything the agent decides with is read from here: the agreed epoch (and the etcd
 revision it was written at, for compare-and-set), the workers waiting to be admitted,
@@ -66,6 +66,8 @@ class JobView:
         rel = event.key[len(protocol.job_prefix(self.job)) :]
         kind, _, name = rel.partition("/")
         change = Change()
+        if kind not in protocol.WATCHED_KINDS:  # only these are watched (protocol.py)
+            return change
         with self.changed:
             if kind == "epoch" and event.kind == "put" and event.value is not None:
                 record = protocol.decode(EpochRecord, event.value)
