@@ -238,16 +238,20 @@ class Launcher:
                     protocol.decode(ProgressRecord, item.value)
                     for item in kv.get_prefix(protocol.prefix(self.job, "progress"), 2.0)
                 ]
+                step = max((p.step for p in progress), default=0)
+                # The node records (the workers' pids) only when a fault is due.
+                due = bool(self.pending) and self.pending[0].step <= step
                 nodes = {
                     item.key.rpartition("/")[2]: protocol.decode(NodeRecord, item.value)
-                    for item in kv.get_prefix(protocol.prefix(self.job, "nodes"), 2.0)
+                    for item in (
+                        kv.get_prefix(protocol.prefix(self.job, "nodes"), 2.0) if due else ()
+                    )
                 }
             except KVError:
-                progress, nodes = [], {}
-            step = max((p.step for p in progress), default=0)
+                progress, nodes, step = [], {}, 0
             self._inject(step, nodes)
             self._show(step, progress)
-            # Two etcd reads a round: every 0.1 s keeps step-scheduled faults within a step
+            # One etcd read a round: every 0.1 s keeps step-scheduled faults within a step
             # or two of their step without taking CPU from the training it watches.
             time.sleep(0.1)
         self._show(self.cfg.steps, [], final=True)
