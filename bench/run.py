@@ -58,6 +58,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _portable(argv: list[str]) -> list[str]:
+    """The arguments as the report shows them: a path outside the repository (a scratch
+    folder of the machine it ran on) by its file name only."""
+    repo = Path(__file__).resolve().parent.parent
+    out = []
+    for arg in argv:
+        path = Path(arg)
+        outside = path.is_absolute() and not path.resolve().is_relative_to(repo)
+        out.append(path.name if outside else arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
     try:
@@ -79,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"bench/run: error: {error}", file=sys.stderr)
         return 2
-    command = "bench/run " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "bench/run " + shlex.join(_portable(sys.argv[1:] if argv is None else argv))
     if args.from_workdir:
         return reanalyze(Path(args.from_workdir), args)
     machine = describe_machine()
