@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 
+import pytest
 from torch._C._distributed_c10d import HashStore, Store
 
 from keepstep.elastic import comm_abort
@@ -39,49 +41,50 @@ class CountingStore(Store):
         self.inner.set_timeout(timeout)
 
 
-def test_looks_between_wait_slices_read_the_store_at_most_every_interval() -> None:
+@pytest.fixture
+def watched() -> Iterator[tuple[CountingStore, _AbortWatch]]:
+    """A counting store and the abort watch of its epoch 0, closed after the test."""
     store = CountingStore(HashStore())
     watch = _AbortWatch(store, 0)
-    try:
-        start = time.monotonic()
-        looks = 0
-        while time.monotonic() - start < 0.3:
-            assert watch.poll() is None
-            looks += 1
-            time.sleep(0.0005)
-        elapsed = time.monotonic() - start
-        bound = elapsed / comm_abort._POLL_INTERVAL_S + 2
-        assert looks > 5 * bound  # the caller looked far more often than the store was read
-        assert 1 <= store.reads <= bound, (store.reads, bound)
-    finally:
-        watch.close()
+    yield store, watch
+    watch.close()
 
 
-def test_a_waiting_poll_always_reads_afresh() -> None:
-    store = CountingStore(HashStore())
-    watch = _AbortWatch(store, 0)
-    try:
-        for _ in range(5):
-            assert watch.poll(wait=1.0) is None
-        assert store.reads == 5
-        abort_epoch(store.inner, 0, "rank 1 died")
-        assert watch.poll(wait=1.0) == "rank 1 died"
-    finally:
-        watch.close()
+def test_looks_between_wait_slices_read_the_store_at_most_every_interval(
+    watched: tuple[CountingStore, _AbortWatch],
+) -> None:
+    store, watch = watched
+    start = time.monotonic()
+    looks = 0
+    while time.monotonic() - start < 0.3:
+        assert watch.poll() is None
+        looks += 1
+        time.sleep(0.0005)
+    elapsed = time.monotonic() - start
+    bound = elapsed / comm_abort._POLL_INTERVAL_S + 2
+    assert looks > 5 * bound  # the caller looked far more often than the store was read
+    assert 1 <= store.reads <= bound, (store.reads, bound)
 
 
-def test_an_abort_is_seen_within_about_one_interval() -> None:
-    store = CountingStore(HashStore())
-    watch = _AbortWatch(store, 0)
-    try:
+def test_a_waiting_poll_always_reads_afresh(watched: tuple[CountingStore, _AbortWatch]) -> None:
+    store, watch = watched
+    for _ in range(5):
         assert watch.poll(wait=1.0) is None
-        abort_epoch(store.inner, 0, "agent: node lost")
-        written = time.monotonic()
-        while watch.poll() is None:
-            assert time.monotonic() - written < 2.0
-            time.sleep(0.001)
-        # An interval plus the store's round trip and the thread wake-ups (slack for a
-        # loaded machine).
-        assert time.monotonic() - written < comm_abort._POLL_INTERVAL_S + 0.5
-    finally:
-        watch.close()
+    assert store.reads == 5
+    abort_epoch(store.inner, 0, "rank 1 died")
+    assert watch.poll(wait=1.0) == "rank 1 died"
+
+
+def test_an_abort_is_seen_within_about_one_interval(
+    watched: tuple[CountingStore, _AbortWatch],
+) -> None:
+    store, watch = watched
+    assert watch.poll(wait=1.0) is None
+    abort_epoch(store.inner, 0, "agent: node lost")
+    written = time.monotonic()
+    while watch.poll() is None:
+        assert time.monotonic() - written < 2.0
+        time.sleep(0.001)
+    # An interval plus the store's round trip and the thread wake-ups (slack for a
+    # loaded machine).
+    assert time.monotonic() - written < comm_abort._POLL_INTERVAL_S + 0.5
