@@ -123,7 +123,14 @@ class Ranks:
         self.grouping = grouping
         self.how = how
         self.params = [make_params() for _ in grouping]
-        self.reducers = [make_reducer(mode, p, N_MICRO) for p in self.params]
+        # Exact mode: even ranks use the fused CPU kernels, odd ranks the tensor ops, so
+        # every multi-rank case also checks that the two paths give the same bits.
+        self.reducers = [
+            ExactReducer(p, N_MICRO, kernels=r % 2 == 0)
+            if mode is ReduceMode.EXACT
+            else make_reducer(mode, p, N_MICRO)
+            for r, p in enumerate(self.params)
+        ]
 
     def step(self, step: int, poison: Poison | None = None) -> list[ReduceOutcome]:
         for r, (reducer, ids) in enumerate(zip(self.reducers, self.grouping, strict=True)):

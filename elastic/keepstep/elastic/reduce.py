@@ -15,7 +15,8 @@ below are re-exported from where they live, so callers import from here only:
 
     reduce_base.py   ReduceMode, the outcomes, the Reducer protocol, MAX_N_MICRO, and the
                      parameter checks both modes share
-    reduce_exact.py  ExactReducer: fixed-point int64 sums, order-invariant (the default)
+    reduce_exact.py  ExactReducer: fixed-point integer sums, order-invariant (the default)
+    reduce_kernels.py  its fused one-pass CPU loops (numba), same bits as its tensor ops
     reduce_fast.py   FastReducer: float32 sums like DDP, not order-invariant
 """
 

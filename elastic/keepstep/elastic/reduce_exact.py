@@ -55,8 +55,10 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
+from keepstep.elastic import reduce_kernels
 from keepstep.elastic.errors import ConfigError, StateShapeError
 from keepstep.elastic.reduce_base import (
     ParamLayout,
@@ -84,7 +86,9 @@ class ExactReducer:
     scales.
 
     `fused` picks multi-tensor (foreach) kernels, fewer launches for one more pass; the
-    default uses them off the CPU. Both paths give the same bits.
+    default uses them off the CPU. `kernels` picks the fused one-pass CPU loops
+    (reduce_kernels.py) for float32 and float64 parameters; the default uses them on the
+    CPU when numba is installed. All paths give the same bits.
     """
 
     def __init__(
@@ -94,9 +98,16 @@ class ExactReducer:
         headroom_bits: int = 8,
         initial_max: float = 2.0**16,
         fused: bool | None = None,
+        kernels: bool | None = None,
     ) -> None:
         layout = ParamLayout(params, n_micro)
-        self._fused = layout.device.type != "cpu" if fused is None else fused
+        on_cpu = layout.device.type == "cpu"
+        self._fused = not on_cpu if fused is None else fused
+        if kernels and not (on_cpu and reduce_kernels.available()):
+            raise ConfigError(
+                f"kernels=True needs CPU parameters (these are on {layout.device}) and the "
+                "numba package (pip install numba)"
+            )
         self.limit_bits = 53 - (n_micro - 1).bit_length()
         if isinstance(headroom_bits, bool) or not isinstance(headroom_bits, int):
             raise ConfigError(f"headroom_bits={headroom_bits!r} must be an int")
@@ -123,7 +134,7 @@ class ExactReducer:
         self._f64 = torch.empty(n - self._n32, dtype=torch.float64, device=dev)
         # The float32 block widened for the sum; in `finish`, the averaged gradients.
         self._wide = out = torch.empty(n, dtype=torch.float64, device=dev)
-        self._qviews, self._oviews = [], []
+        self._qviews, self._oviews, self._lo = [], [], []
         at = {torch.float32: 0, torch.float64: 0}
         for i, (shape, _) in enumerate(layout.specs):
             cdt, numel = self._compute[i], numels[i]
@@ -131,8 +142,12 @@ class ExactReducer:
             quant = self._f32 if cdt == torch.float32 else self._f64
             self._qviews.append(quant[at[cdt] : at[cdt] + numel].view(shape))
             self._oviews.append(out[lo : lo + numel].view(shape))
+            self._lo.append(lo)
             at[cdt] += numel
+        use = on_cpu and reduce_kernels.available() if kernels is None else kernels
+        self._kernels = reduce_kernels.CpuKernels(layout.specs, self._lo) if use else None
         self._step_max = torch.zeros(n_t, dtype=torch.float64, device=dev)
+        self._step_max_np = self._step_max.numpy() if on_cpu else None
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
         self._peak = [0.0] * n_t  # mean micro-batch peak |g| of the last committed step
         k0 = self.limit_bits - _ceil_log2(initial_max)
@@ -158,6 +173,7 @@ class ExactReducer:
         n, n_t = self._n, len(self._layout.specs)
         self._acc = torch.zeros(n + 3 + 3 * n_t, dtype=torch.float64, device=self._layout.device)
         self._tail = self._acc[n:-1]
+        self._acc_np = self._acc.numpy() if self._acc.device.type == "cpu" else None
 
     def begin_step(self) -> None:
         self._acc.zero_()
@@ -165,6 +181,9 @@ class ExactReducer:
 
     def add_micro_batch(self, grads: Sequence[torch.Tensor | None]) -> None:
         given = self._layout.present(grads)
+        if self._kernels is not None:
+            self._add_with_kernels(self._kernels, given)
+            return
         live = [(i, g) for i, g in given if g.numel()]
         n_t = len(self._qviews)
         if len(live) == n_t:
@@ -203,6 +222,31 @@ class ExactReducer:
         if n > n32:
             self._acc[n32:n].add_(self._f64.round_())
 
+    def _add_with_kernels(
+        self, kernels: reduce_kernels.CpuKernels, given: list[tuple[int, torch.Tensor]]
+    ) -> None:
+        n_t = len(self._qviews)
+        peaks, mask = np.zeros(n_t), np.zeros(n_t)
+        assert self._acc_np is not None and self._step_max_np is not None
+        data = self._acc_np[: self._n]
+        rest = []
+        for i, g in given:
+            mask[i] = 1.0
+            if kernels.handles(i):
+                peaks[i] = kernels.quantize_add(i, g, self._scales[i], data)
+            elif g.numel():
+                rest.append((i, g))
+        if rest:  # bfloat16, float16: widened to float32 first, as in the tensor path
+            found = abs_max([g for _, g in rest], fused=False).tolist()
+            for (i, g), peak in zip(rest, found, strict=True):
+                peaks[i] = peak
+                v = self._qviews[i]
+                v.copy_(g).mul_(self._scales[i]).round_()
+                self._acc[self._lo[i] : self._lo[i] + v.numel()].add_(v.reshape(-1))
+        n = self._n
+        tail = self._acc_np[n:-1]
+        kernels.count(peaks, self._scale_vec.numpy(), self._limit, mask, tail, self._step_max_np)
+
     def _count(self, peaks: torch.Tensor, given: torch.Tensor) -> None:
         """Add this micro-batch's flags, quantized peaks and presence to the tail."""
         scaled = peaks * self._scale_vec
@@ -229,14 +273,42 @@ class ExactReducer:
             return ReduceNonFinite(reason)
         if tail[0] > 0:
             return ReduceOverflow(micro_batches=tail[0])
-        self._wide.copy_(reduced[:n])
         # n_micro * 2**k is exact, and dividing by it equals (sum / n_micro) * 2**-k exactly.
-        torch._foreach_div_(self._oviews, [n_micro * s for s in self._scales])
-        self._layout.set_grads(params, self._oviews, tail[2 + 2 * n_t :])
+        divisors = [n_micro * s for s in self._scales]
+        if self._kernels is not None:
+            self._finish_with_kernels(self._kernels, reduced, divisors, params, tail[2 + 2 * n_t :])
+        else:
+            self._wide.copy_(reduced[:n])
+            torch._foreach_div_(self._oviews, divisors)
+            self._layout.set_grads(params, self._oviews, tail[2 + 2 * n_t :])
         qpeak = tail[2 + n_t : 2 + 2 * n_t]
         self._peak = [q / (n_micro * s) for q, s in zip(qpeak, self._scales, strict=True)]
         self._set_exponents([self._next_exponent(i, p) for i, p in enumerate(self._peak)])
         return ReduceDone()
+
+    def _finish_with_kernels(
+        self,
+        kernels: reduce_kernels.CpuKernels,
+        reduced: torch.Tensor,
+        divisors: Sequence[float],
+        params: Sequence[torch.Tensor],
+        given: Sequence[int],
+    ) -> None:
+        data = reduced.numpy()
+        grads: dict[int, torch.Tensor] = {}
+        for i, count in enumerate(given):
+            if count <= 0:
+                continue  # no micro-batch gave one: .grad stays None
+            out = grads[i] = torch.empty_like(params[i])
+            if kernels.handles(i) and out.is_contiguous():
+                kernels.divide(i, data, divisors[i], out)
+            else:
+                lo = self._lo[i]
+                out.copy_((reduced[lo : lo + out.numel()] / divisors[i]).view(out.shape))
+        for p in params:
+            p.grad = None
+        for i, g in grads.items():
+            params[i].grad = g
 
     def _next_exponent(self, i: int, peak: float) -> int:
         if peak <= 0.0:  # no signal (all zero): fall back to the initial range

@@ -1,0 +1,153 @@
+"""Fused CPU kernels for the exact reduction: one pass over each gradient instead of five.
+
+Where it sits: `ExactReducer` (reduce_exact.py) uses `CpuKernels` for float32 and float64
+parameters on the CPU when numba is importable; everything else (accelerators, bfloat16 and
+float16, no numba) takes the tensor-op path beside it. Both paths do the same exact
+arithmetic, so they give the same bits and may be mixed across ranks and tensors
+(tests/elastic/test_reduce_kernels.py checks that, including non-finite and overflowing
+gradients).
+
+Why: per micro-batch the tensor-op path makes separate passes to find max |g|, multiply by
+2**k, round, widen to float64 and add, plus a few dozen small ops per tensor; on a CPU that
+is memory traffic and dispatch, ~3x the time of one loop that reads g once and updates the
+float64 sum in place. numba (a maintained LLVM JIT with wheels for every platform torch
+ships) compiles these loops without a C++ toolchain in the training image; compiled code is
+cached on disk, and `CpuKernels` compiles at construction, so a joining worker pays it
+before it joins, not inside a step.
+
+The arithmetic, per element x of a gradient whose tensor scale is s = 2**k:
+    acc += round_half_even(x * s)     in x's dtype (float32 or float64), then widened
+and per tensor peak = max |x| (nan if any x is nan, else inf if any is inf), exactly what
+`reduce_base.abs_max` gives. `finish` writes grad = (sum / d) rounded to the grad's dtype,
+d = n_micro * s, as the tensor path's float64 division and cast do.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.float64)
+
+
+def available() -> bool:
+    """True when numba can be imported (the fused kernels can run)."""
+    return importlib.util.find_spec("numba") is not None
+
+
+@functools.cache
+def _compile() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    import numba  # imported here: the rest of the library never needs it
+
+    jit = numba.njit(nogil=True, cache=True)
+
+    @jit
+    def quantize_add(grad: Any, scale: Any, acc: Any) -> Any:
+        g = grad.reshape(grad.size)  # a view: the caller passes C-contiguous arrays
+        hi = np.zeros(1, g.dtype)[0]
+        probe = hi
+        for i in range(g.size):
+            x = g[i]
+            hi = max(hi, abs(x))
+            probe += x - x  # stays 0 unless some x is inf or nan
+            acc[i] += np.rint(x * scale)
+        if probe == 0:
+            return hi
+        return np.nan if np.isnan(g).any() else np.inf
+
+    @jit
+    def count(peaks: Any, scales: Any, limit: float, given: Any, tail: Any, step_max: Any) -> None:
+        n_t = peaks.size
+        bad = over = False
+        for t in range(n_t):
+            p = peaks[t]
+            if not np.isfinite(p):
+                bad = True
+            elif p * scales[t] > limit:
+                over = True
+        tail[0] += 1.0 if over and not bad else 0.0
+        tail[1] += 1.0 if bad else 0.0
+        for t in range(n_t):
+            p = peaks[t]
+            finite = np.isfinite(p)
+            tail[2 + t] += 0.0 if finite else 1.0
+            tail[2 + n_t + t] += np.rint(min(p * scales[t], limit)) if finite else 0.0
+            tail[2 + 2 * n_t + t] += given[t]
+            m = step_max[t]
+            step_max[t] = p if (p != p or p > m) and m == m else m
+
+    @jit
+    def divide(src: Any, d: float, dst: Any) -> None:
+        out = dst.reshape(dst.size)
+        for i in range(src.size):
+            out[i] = src[i] / d
+
+    return quantize_add, count, divide
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    """A C-contiguous numpy view of `t` (a copy when `t` is not contiguous)."""
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return (t.detach() if t.requires_grad else t).numpy()
+
+
+class CpuKernels:
+    """The fused loops for one reducer, over numpy views of its float64 buffer.
+
+    `handles(i)` says whether tensor i goes through the kernels (float32 and float64); the
+    reducer does the others with tensor ops. `offsets[i]` is where tensor i's integers
+    start in the buffer's data region.
+    """
+
+    def __init__(
+        self, specs: Sequence[tuple[torch.Size, torch.dtype]], offsets: Sequence[int]
+    ) -> None:
+        self._quantize_add, self._count, self._divide = _compile()
+        self._mine = [d in KERNEL_DTYPES for _, d in specs]
+        self._offsets = list(offsets)
+        # Compile (or load from numba's cache) every variant the steps will call, now.
+        for ndim, dtype in {(len(s), d) for s, d in specs if d in KERNEL_DTYPES}:
+            one = torch.ones((1,) * ndim, dtype=dtype).numpy()
+            acc = np.zeros(1)
+            self._quantize_add(one, one.dtype.type(1.0), acc)
+            self._divide(acc, 1.0, one)
+        self._count(np.zeros(1), np.ones(1), 1.0, np.ones(1), np.zeros(5), np.zeros(1))
+
+    def handles(self, i: int) -> bool:
+        return self._mine[i]
+
+    def quantize_add(self, i: int, grad: torch.Tensor, scale: float, data: np.ndarray) -> float:
+        """data[tensor i] += round(grad * scale) in grad's dtype; returns max |grad|
+        (nan if any element is nan, else inf if any is inf)."""
+        g = _array(grad)
+        if g.size == 0:
+            return 0.0
+        lo = self._offsets[i]
+        return float(self._quantize_add(g, g.dtype.type(scale), data[lo : lo + g.size]))
+
+    def count(
+        self,
+        peaks: np.ndarray,
+        scales: np.ndarray,
+        limit: float,
+        given: np.ndarray,
+        tail: np.ndarray,
+        step_max: np.ndarray,
+    ) -> None:
+        """Add the micro-batch's flags, quantized peaks and presence to the tail and fold
+        its peaks into the step's running max (nan kept), as the tensor-op path does."""
+        self._count(peaks, scales, limit, given, tail, step_max)
+
+    def divide(self, i: int, data: np.ndarray, d: float, out: torch.Tensor) -> None:
+        """out = data[tensor i] / d: float64 division, then rounded to out's dtype. `out`
+        must be contiguous (it is written through a view)."""
+        if not out.is_contiguous():
+            raise ValueError("divide needs a contiguous output tensor")
+        lo = self._offsets[i]
+        self._divide(data[lo : lo + out.numel()], d, out.numpy())
