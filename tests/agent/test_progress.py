@@ -6,7 +6,7 @@ import time
 
 from keepstep.agent import protocol
 from keepstep.agent.kv_memory import MemoryKV
-from keepstep.agent.progress import MIN_INTERVAL_S, ProgressPublisher
+from keepstep.agent.progress import FOLLOWER_INTERVAL_S, MIN_INTERVAL_S, ProgressPublisher
 
 KEY = "/keepstep/job/progress/n0"
 
@@ -67,3 +67,25 @@ def test_a_commit_in_a_later_epoch_closes_the_recovery() -> None:
     assert kv_ is not None
     record = protocol.decode(protocol.ProgressRecord, kv_.value)
     assert (record.step, record.epoch, record.last_mttr_s) == (2, 1, mttr)
+
+
+def test_a_follower_publishes_seldom_until_its_node_leads() -> None:
+    kv = MemoryKV()
+    pub = ProgressPublisher(kv, KEY, "n0", global_batch=48, timeout=1.0)
+    pub.start()
+    try:
+        pub.record(commit(0), leads=False)
+        wait_for(kv, 1)
+        for step in range(1, 4):
+            pub.record(commit(step), leads=False)
+        # A leader would have written step 4 by now (MIN_INTERVAL_S); a follower waits
+        # out FOLLOWER_INTERVAL_S.
+        time.sleep(MIN_INTERVAL_S * 3)
+        assert published_step(kv) == 1
+        # Its node leads the next epoch: it publishes at the leader's rate at once.
+        started = time.monotonic()
+        pub.record(commit(4, epoch=1), leads=True)
+        wait_for(kv, 5)
+        assert time.monotonic() - started < FOLLOWER_INTERVAL_S - MIN_INTERVAL_S * 3
+    finally:
+        pub.stop()

@@ -358,13 +358,14 @@ class NodeAgent:
             # A worker that trains again is healthy: only crashes in a row count against
             # max_restarts (a crash loop), not crashes spread over a long job.
             self.restarts.pop(member, None)
-            mttr = self.progress.record(record)
+            cur = self.view.current
+            first = cur.members[0] if cur is not None else None
+            mttr = self.progress.record(record, leads=first in self.members())
             entered = self.entered.get(member)
             if mttr is not None and entered is not None and entered["epoch"] == record["epoch"]:
                 self._publish_recovery(member, {**entered, "mttr_s": mttr})
-            cur = self.view.current
             # One writer per job: the first worker of the epoch's first node.
-            if self.durable is not None and cur is not None and cur.members[0] == member:
+            if self.durable is not None and first == member:
                 self.durable.after_commit(self.snapshot_path(member), int(record["step"]) + 1)
         elif int(record["epoch"]) > 0:
             # What this member measured entering the epoch, for the operator's status; the

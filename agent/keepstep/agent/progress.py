@@ -17,10 +17,13 @@ from keepstep.agent.kv import KVError, KVStore
 
 log = logging.getLogger(__name__)
 
-# Every put is a raft write in etcd and wakes each agent's watch of the job: one put per
-# commit per node takes CPU from the training on a small machine. The launcher still
-# injects a step-scheduled fault within a few steps of its step at this rate.
+# Every put is a raft write in etcd: one put per commit per node takes CPU from the
+# training on a small machine. The node leading the epoch (its first member) publishes at
+# most every MIN_INTERVAL_S: readers take the job's step and rate from the newest record,
+# so the launcher still injects a step-scheduled fault within a few steps of its step.
+# The others, whose records only bound the oldest snapshot, publish every FOLLOWER_INTERVAL_S.
 MIN_INTERVAL_S = 0.2
+FOLLOWER_INTERVAL_S = 2.0
 
 
 class ProgressPublisher:
@@ -36,6 +39,7 @@ class ProgressPublisher:
         self._write_lock = threading.Lock()
         self._fault: tuple[float, int] | None = None  # (when, epoch) of an open recovery
         self._last_mttr: float | None = None
+        self._leads = True  # whether this node hosts the first member of the newest epoch
 
     def fault(self, epoch: int) -> None:
         """A fault was detected in `epoch`: the next commit in a later epoch ends its MTTR
@@ -56,9 +60,9 @@ class ProgressPublisher:
         a step short."""
         self._write()
 
-    def record(self, commit: dict[str, Any]) -> float | None:
-        """Note a commit; samples/s is measured over the last 20 commits. Returns the MTTR
-        of the recovery this commit ends, if it ends one."""
+    def record(self, commit: dict[str, Any], leads: bool = True) -> float | None:
+        """Note a commit (`leads`: this node hosts the epoch's first member); samples/s is over
+        the last 20 commits. Returns the MTTR of the recovery this commit ends, if any."""
         closed: float | None = None
         now, step = time.time(), int(commit["step"])
         with self._lock:
@@ -68,6 +72,7 @@ class ProgressPublisher:
             if self._fault is not None and int(commit["epoch"]) > self._fault[1]:
                 self._last_mttr, self._fault = now - self._fault[0], None
                 closed = self._last_mttr
+            self._leads = leads
             self.latest = protocol.ProgressRecord(
                 self.node,
                 step + 1,
@@ -87,6 +92,12 @@ class ProgressPublisher:
             self._due.clear()
             self._write()
             self._stop.wait(MIN_INTERVAL_S)
+            if not self._leads:
+                # A follower waits out the rest of its longer interval, unless it becomes
+                # the leader (a new epoch) or stops.
+                deadline = time.monotonic() + FOLLOWER_INTERVAL_S - MIN_INTERVAL_S
+                while not (self._leads or self._stop.is_set()) and time.monotonic() < deadline:
+                    self._stop.wait(min(MIN_INTERVAL_S, deadline - time.monotonic()))
 
     def _write(self) -> None:
         with self._write_lock:

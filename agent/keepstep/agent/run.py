@@ -305,8 +305,10 @@ class Launcher:
         if not final and now - self.last_line < every:
             return
         self.last_line = now
-        world = max((p.world_size for p in progress), default=0)
-        rate = max((p.samples_per_s for p in progress), default=0.0)
+        # The newest record (the epoch leader's, published most often) speaks for the job.
+        newest = max(progress, key=lambda p: (p.epoch, p.step), default=None)
+        world = newest.world_size if newest is not None else 0
+        rate = newest.samples_per_s if newest is not None else 0.0
         line = f"step {step}/{self.cfg.steps} | world {world} | {rate:.0f} samples/s"
         if self.faults_log:
             line += f" | faults {len(self.faults_log)}"
