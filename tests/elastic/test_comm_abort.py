@@ -88,3 +88,29 @@ def test_an_abort_is_seen_within_about_one_interval(
     # An interval plus the store's round trip and the thread wake-ups (slack for a
     # loaded machine).
     assert time.monotonic() - written < comm_abort._POLL_INTERVAL_S + 0.5
+
+
+def test_waits_sleep_long_between_reads_and_come_back_soon_for_an_answer(
+    watched: tuple[CountingStore, _AbortWatch],
+) -> None:
+    store, watch = watched
+    slices: list[int] = []
+
+    def never_done(slice_ms: int) -> bool:
+        slices.append(slice_ms)
+        time.sleep(slice_ms / 1000)
+        return False
+
+    outcome = watch.wait(never_done, time.monotonic() + 0.5, threading.Event())
+    assert outcome is comm_abort._Outcome.TIMED_OUT
+    long, short = comm_abort._SLICE_LONG_MS, comm_abort._SLICE_SHORT_MS
+    assert set(slices) == {short, long}
+    # Most of the wait is spent in long slices: a few dozen slices run out in 0.5 s, not
+    # hundreds. A short one follows each read asked for.
+    assert slices.count(long) >= 0.4 * 500 / long - 2 and len(slices) < 3 * 500 / long
+    assert 1 <= store.reads <= slices.count(short) + 1
+    # An abort written meanwhile is still found within about one interval and a read.
+    abort_epoch(store.inner, 0, "rank 2 hangs")
+    begun = time.monotonic()
+    assert watch.wait(never_done, begun + 2.0, threading.Event()) is comm_abort._Outcome.ABORTED
+    assert time.monotonic() - begun < comm_abort._POLL_INTERVAL_S + long / 1000 + 0.5
