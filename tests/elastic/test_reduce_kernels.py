@@ -142,3 +142,17 @@ def test_kernels_without_numba_are_refused_by_name(monkeypatch: pytest.MonkeyPat
     r = ExactReducer(make_params(), N_MICRO)  # the default falls back to tensor ops
     r.begin_step()
     r.add_micro_batch(grads(0))
+
+
+def test_a_step_without_micro_batches_sends_zeros_after_one_with_them() -> None:
+    """A rank left idle by a new plan must not send the last step's sums again."""
+    params = make_params()
+    fused, plain = (ExactReducer(params, N_MICRO, kernels=k) for k in (True, False))
+    for r in (fused, plain):
+        r.begin_step()
+        for mb in range(N_MICRO):
+            r.add_micro_batch(grads(mb))
+        assert isinstance(r.finish(r.buffer(), N_MICRO, params), ReduceDone)
+        r.begin_step()  # the next step brings no micro-batch to this rank
+    assert not fused.buffer().any()
+    assert torch.equal(bits(fused.buffer()), bits(plain.buffer()))

@@ -174,9 +174,15 @@ class ExactReducer:
         self._acc = torch.zeros(n + 3 + 3 * n_t, dtype=torch.float64, device=self._layout.device)
         self._tail = self._acc[n:-1]
         self._acc_np = self._acc.numpy() if self._acc.device.type == "cpu" else None
+        self._unwritten = False  # kernels only: the data region is stale until written
 
     def begin_step(self) -> None:
-        self._acc.zero_()
+        if self._kernels is not None:
+            # The first micro-batch writes the data region instead of adding to it.
+            self._acc[self._n :].zero_()
+            self._unwritten = True
+        else:
+            self._acc.zero_()
         self._step_max.zero_()
 
     def add_micro_batch(self, grads: Sequence[torch.Tensor | None]) -> None:
@@ -229,13 +235,20 @@ class ExactReducer:
         peaks, mask = np.zeros(n_t), np.zeros(n_t)
         assert self._acc_np is not None and self._step_max_np is not None
         data = self._acc_np[: self._n]
+        first, self._unwritten = self._unwritten, False
+        if first and len(given) < n_t:
+            data.fill(0.0)  # absent gradients count as zeros
+            first = False
         rest = []
         for i, g in given:
             mask[i] = 1.0
             if kernels.handles(i):
-                peaks[i] = kernels.quantize_add(i, g, self._scales[i], data)
+                peaks[i] = kernels.quantize_add(i, g, self._scales[i], data, first)
             elif g.numel():
                 rest.append((i, g))
+        if first and rest:  # not written by a kernel: start from zero
+            for i, g in rest:
+                data[self._lo[i] : self._lo[i] + g.numel()] = 0.0
         if rest:  # bfloat16, float16: widened to float32 first, as in the tensor path
             found = abs_max([g for _, g in rest], fused=False).tolist()
             for (i, g), peak in zip(rest, found, strict=True):
@@ -259,6 +272,9 @@ class ExactReducer:
         self._tail.add_(torch.cat([flags, nonfinite.to(torch.float64), qpeak, given]))
 
     def buffer(self) -> torch.Tensor:
+        if self._unwritten:  # no micro-batch this step: the data region is all zeros
+            self._acc[: self._n].zero_()
+            self._unwritten = False
         return self._acc
 
     def finish(

@@ -17,7 +17,8 @@ before it joins, not inside a step.
 
 The arithmetic, per element x of a gradient whose tensor scale is s = 2**k:
     acc += round_half_even(x * s)     in x's dtype (float32 or float64), then widened
-and per tensor peak = max |x| (nan if any x is nan, else inf if any is inf), exactly what
+(the step's first micro-batch assigns instead, so the buffer need not be zeroed first) and
+per tensor peak = max |x| (nan if any x is nan, else inf if any is inf), exactly what
 `reduce_base.abs_max` gives. `finish` writes grad = (sum / d) rounded to the grad's dtype,
 d = n_micro * s, as the tensor path's float64 division and cast do.
 """
@@ -41,24 +42,45 @@ def available() -> bool:
 
 
 @functools.cache
-def _compile() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+def _compile() -> tuple[dict[Any, Callable[..., Any]], Callable[..., Any], Callable[..., Any]]:
     import numba  # imported here: the rest of the library never needs it
 
     jit = numba.njit(nogil=True, cache=True)
 
+    # max |x| is taken over the bit patterns with the sign bit cleared: for non-negative
+    # floats the integer order is the float order, every nan pattern is above inf's, and an
+    # integer max vectorizes where a float max (with nan rules) does not. The result read
+    # back as a float is max |x|, inf, or a nan, as `reduce_base.abs_max` gives.
     @jit
-    def quantize_add(grad: Any, scale: Any, acc: Any) -> Any:
+    def quantize_add32(grad: Any, scale: Any, acc: Any, first: bool) -> Any:
         g = grad.reshape(grad.size)  # a view: the caller passes C-contiguous arrays
-        hi = np.zeros(1, g.dtype)[0]
-        probe = hi
+        bits = g.view(np.uint32)
+        hi = np.uint32(0)
         for i in range(g.size):
-            x = g[i]
-            hi = max(hi, abs(x))
-            probe += x - x  # stays 0 unless some x is inf or nan
-            acc[i] += np.rint(x * scale)
-        if probe == 0:
-            return hi
-        return np.nan if np.isnan(g).any() else np.inf
+            hi = max(hi, bits[i] & np.uint32(0x7FFFFFFF))
+            q = np.rint(g[i] * scale)
+            acc[i] = q if first else acc[i] + q  # the step's first: no need to zero acc
+        out = np.empty(1, np.uint32)
+        out[0] = hi
+        return out.view(np.float32)[0]
+
+    @jit
+    def quantize_add64(grad: Any, scale: Any, acc: Any, first: bool) -> Any:
+        g = grad.reshape(grad.size)
+        bits = g.view(np.uint64)
+        hi = np.uint64(0)
+        for i in range(g.size):
+            hi = max(hi, bits[i] & np.uint64(0x7FFFFFFFFFFFFFFF))
+            q = np.rint(g[i] * scale)
+            acc[i] = q if first else acc[i] + q  # the step's first: no need to zero acc
+        out = np.empty(1, np.uint64)
+        out[0] = hi
+        return out.view(np.float64)[0]
+
+    quantize_add: dict[Any, Callable[..., Any]] = {
+        np.dtype(np.float32): quantize_add32,
+        np.dtype(np.float64): quantize_add64,
+    }
 
     @jit
     def count(peaks: Any, scales: Any, limit: float, given: Any, tail: Any, step_max: Any) -> None:
@@ -115,21 +137,25 @@ class CpuKernels:
         for ndim, dtype in {(len(s), d) for s, d in specs if d in KERNEL_DTYPES}:
             one = torch.ones((1,) * ndim, dtype=dtype).numpy()
             acc = np.zeros(1)
-            self._quantize_add(one, one.dtype.type(1.0), acc)
+            for first in (False, True):
+                self._quantize_add[one.dtype](one, one.dtype.type(1.0), acc, first)
             self._divide(acc, 1.0, one)
         self._count(np.zeros(1), np.ones(1), 1.0, np.ones(1), np.zeros(5), np.zeros(1))
 
     def handles(self, i: int) -> bool:
         return self._mine[i]
 
-    def quantize_add(self, i: int, grad: torch.Tensor, scale: float, data: np.ndarray) -> float:
-        """data[tensor i] += round(grad * scale) in grad's dtype; returns max |grad|
-        (nan if any element is nan, else inf if any is inf)."""
+    def quantize_add(
+        self, i: int, grad: torch.Tensor, scale: float, data: np.ndarray, first: bool
+    ) -> float:
+        """data[tensor i] += round(grad * scale) in grad's dtype (with `first`, = instead of
+        +=); returns max |grad| (nan if any element is nan, else inf if any is inf)."""
         g = _array(grad)
         if g.size == 0:
             return 0.0
         lo = self._offsets[i]
-        return float(self._quantize_add(g, g.dtype.type(scale), data[lo : lo + g.size]))
+        kernel = self._quantize_add[g.dtype]
+        return float(kernel(g, g.dtype.type(scale), data[lo : lo + g.size], first))
 
     def count(
         self,
