@@ -139,8 +139,17 @@ def _connect(epoch: int, address: str, timeout: float) -> Store:
 
 
 def _plain(record: Any) -> dict[str, Any]:
-    data: dict[str, Any] = dataclasses.asdict(record)
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+    """A record's fields for the link's JSON: tuples as lists, a mapping as a dict. Shallow:
+    `dataclasses.asdict` deep-copies every field, on the training path once a step."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(record):
+        value = getattr(record, f.name)
+        if isinstance(value, tuple):
+            value = list(value)
+        elif isinstance(value, Mapping):
+            value = {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
+        out[f.name] = value
+    return out
 
 
 def controller_from_env(env: Mapping[str, str]) -> AgentController:

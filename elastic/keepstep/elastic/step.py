@@ -67,6 +67,7 @@ class Step:
         self.outcome = StepOutcome.OPEN
         self.failure: PeerLost | None = None
         self._done_ids: list[int] = []
+        self._indices: dict[int, list[int]] = {}  # per micro-batch, for the commit record
         self._current: int | None = None
         self._backward_done = False
         self._started = time.perf_counter()
@@ -79,7 +80,7 @@ class Step:
             if job.comm is not None and job.comm.aborted(wait=False):
                 # The epoch is already lost: stop computing, the commit will report it.
                 return
-            indices = job.order.indices(self.index, mb_id)
+            indices = self._indices[mb_id] = job.order.indices(self.index, mb_id)
             data = job.collate([job.dataset[i] for i in indices])
             self._current, self._backward_done = mb_id, False
             with rng_scope(job.config.seed, self.index, mb_id):
@@ -156,9 +157,7 @@ class Step:
                 epoch=comm.epoch,
                 world_size=comm.size,
                 micro_batches=self.micro_batch_ids,
-                samples=tuple(
-                    i for mb in self.micro_batch_ids for i in job.order.indices(self.index, mb)
-                ),
+                samples=tuple(i for mb in self.micro_batch_ids for i in self._indices[mb]),
                 step_s=time.perf_counter() - self._started,
                 assignment=job.assignment,
                 snapshot_s=job.snapshot_s,
