@@ -165,9 +165,11 @@ def config_from_json(data: dict[str, Any]) -> BenchConfig:
 # shared cores, most of it starting processes).
 QUICK = BenchConfig(Workload(), preset="quick")
 # The full run: a larger model, a schedule long enough for a new node to start and be
-# admitted before the end, and two interleaved rounds.
+# admitted before the end (a node starting beside four training workers on two cores takes
+# ~11-13 s to be admitted: at ~0.16 s a step the tail after the join needs ~80 steps), and
+# two interleaved rounds.
 FULL = BenchConfig(
-    Workload(d_model=128, layers=2, heads=2, seq=64, steps=96),
+    Workload(d_model=128, layers=2, heads=2, seq=64, steps=192),
     repeats=2,
     preset="full",
 )
