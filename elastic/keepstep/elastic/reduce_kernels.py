@@ -50,7 +50,8 @@ def _compile() -> tuple[dict[Any, Callable[..., Any]], Callable[..., Any], Calla
     # max |x| is taken over the bit patterns with the sign bit cleared: for non-negative
     # floats the integer order is the float order, every nan pattern is above inf's, and an
     # integer max vectorizes where a float max (with nan rules) does not. The result read
-    # back as a float is max |x|, inf, or a nan, as `reduce_base.abs_max` gives.
+    # back as a float is max |x|, inf, or a nan, as `reduce_base.abs_max` gives. One loop per
+    # width: a single loop typed through a caller's integer buffer ran at half the speed.
     @jit
     def quantize_add32(grad: Any, scale: Any, acc: Any, first: bool) -> Any:
         g = grad.reshape(grad.size)  # a view: the caller passes C-contiguous arrays
