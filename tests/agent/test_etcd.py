@@ -193,6 +193,43 @@ def test_watch_survives_a_server_restart_without_gaps_or_repeats(server: EtcdSer
     assert [e.revision for e in seen] == sorted({e.revision for e in seen})
 
 
+class CountingLeases:
+    """The client's lease stub, counting the keepalive streams it opens."""
+
+    def __init__(self, stub: object) -> None:
+        self._stub = stub
+        self.streams = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stub, name)
+
+    def LeaseKeepAlive(self, *args: object, **kwargs: object) -> object:
+        self.streams += 1
+        return self._stub.LeaseKeepAlive(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+def test_a_keepalive_beats_over_one_stream_and_reopens_it_after_a_restart(
+    server: EtcdServer,
+) -> None:
+    kv = EtcdKV(server.endpoint, timeout=2.0)
+    counting = CountingLeases(kv._leases)
+    kv._leases = counting
+    lease = kv.grant_lease(2, 2.0)
+    kv.put("/alive", b"yes", 2.0, lease=lease)
+    stop = kv.keepalive(lease, 0.1)
+    time.sleep(4.5)  # ~40 beats, over twice the TTL
+    assert kv.get("/alive", 2.0) is not None
+    assert counting.streams == 1
+    server.kill()
+    time.sleep(0.3)
+    server.restart()  # etcd keeps the lease and restarts its TTL; the stream is broken
+    time.sleep(4.5)
+    assert kv.get("/alive", 2.0) is not None  # refreshed over a new stream
+    assert 2 <= counting.streams <= 40  # reopened, not once per beat
+    stop()
+    kv.close()
+
+
 # --------------------------------------------------------------------------- find_etcd
 
 

@@ -23,8 +23,8 @@ on another member from the next revision.
 
 Watches: each `watch_prefix` owns one gRPC stream and one thread that runs the callback,
 in revision order (see `etcd_watch`). Keepalives: one thread per lease, refreshing every
-`interval` seconds; a failed refresh is retried at the next beat, a lost lease ends the
-thread with a warning.
+`interval` seconds over one long-lived stream (`etcd_keepalive`); a failed refresh is
+retried at once and then at the next beat, a lost lease ends the thread with a warning.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from pyetcd import etcdrpc
 from pyetcd.utils import prefix_range_end
 
 from keepstep.agent.etcd_channel import open_channel, parse_endpoint, parse_endpoints
+from keepstep.agent.etcd_keepalive import KeepAliveStream
 from keepstep.agent.etcd_watch import EtcdWatch, rpc_error
 from keepstep.agent.kv import (
     KV,
@@ -188,11 +189,13 @@ class EtcdKV:
         # A refresh that takes longer than the TTL is too late to matter.
         refresh_timeout = min(self.timeout, lease.ttl)
 
+        stream = KeepAliveStream(self._leases, lease.id)
+
         def beat() -> None:
             wait, retried = interval, False
             while not stop_event.wait(wait):
                 try:
-                    self._refresh(lease.id, refresh_timeout)
+                    stream.refresh(refresh_timeout)
                     wait, retried = interval, False
                 except LeaseLost:
                     if not stop_event.is_set():
@@ -208,6 +211,7 @@ class EtcdKV:
 
         def stop() -> None:
             stop_event.set()
+            stream.close()
             with self._lock:
                 self._stoppers.discard(stop)
             if thread is not threading.current_thread():
