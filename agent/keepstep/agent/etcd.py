@@ -40,7 +40,7 @@ from pyetcd import etcdrpc
 from pyetcd.utils import prefix_range_end
 
 from keepstep.agent.etcd_channel import open_channel, parse_endpoint, parse_endpoints
-from keepstep.agent.etcd_keepalive import KeepAliveStream
+from keepstep.agent.etcd_keepalive import KeepAliveStream, lease_answer
 from keepstep.agent.etcd_watch import EtcdWatch, rpc_error
 from keepstep.agent.kv import (
     KV,
@@ -231,8 +231,9 @@ class EtcdKV:
         call = self._leases.LeaseKeepAlive(iter([request]), timeout=timeout)
         try:
             for response in call:
-                if response.TTL <= 0:  # etcd's answer for a lease it no longer has
-                    raise LeaseLost(f"{what}: the lease has expired or was revoked")
+                lost = lease_answer(what, response)
+                if lost is not None:
+                    raise lost
                 return
         except grpc.RpcError as err:
             raise rpc_error(what, err, timeout) from err

@@ -48,17 +48,13 @@ class KeepAliveStream:
         try:
             answer = answers.get(timeout=timeout)
         except queue.Empty:
-            self._drop()
-            raise KVTimeout(f"{self._what}: etcd did not answer within {timeout} s") from None
+            answer = KVTimeout(f"{self._what}: etcd did not answer within {timeout} s")
         if isinstance(answer, grpc.RpcError):
+            answer = rpc_error(self._what, answer, timeout)
+        error = answer if isinstance(answer, KVError) else lease_answer(self._what, answer)
+        if error is not None:
             self._drop()
-            raise rpc_error(self._what, answer, timeout)
-        if isinstance(answer, KVError):
-            self._drop()
-            raise answer
-        if answer.TTL <= 0:  # type: ignore[attr-defined]  # etcd's answer for a lost lease
-            self._drop()
-            raise LeaseLost(f"{self._what}: the lease has expired or was revoked")
+            raise error
 
     def close(self) -> None:
         with self._lock:
@@ -89,6 +85,13 @@ class KeepAliveStream:
         if call is not None:
             requests.put(_END)
             call.cancel()
+
+
+def lease_answer(what: str, response: Any) -> LeaseLost | None:
+    """LeaseLost when a LeaseKeepAlive answer says etcd no longer has the lease (TTL <= 0)."""
+    if response.TTL <= 0:
+        return LeaseLost(f"{what}: the lease has expired or was revoked")
+    return None
 
 
 def _read(call: Any, answers: queue.SimpleQueue[object], what: str) -> None:
