@@ -83,6 +83,22 @@ def test_start_and_stop_leave_no_process_or_port(etcd_binary: str, tmp_path: Pat
     srv.stop()  # stopping twice is harmless
 
 
+def environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().partition("=")[::2] for item in raw if item)
+
+
+def test_the_server_runs_one_go_scheduler_thread_unless_told_otherwise(
+    etcd_binary: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GOMAXPROCS", raising=False)
+    with EtcdServer.start(etcd_binary, tmp_path / "a") as srv:
+        assert environ(srv.pid)["GOMAXPROCS"] == "1"
+    monkeypatch.setenv("GOMAXPROCS", "3")
+    with EtcdServer.start(etcd_binary, tmp_path / "b") as srv:
+        assert environ(srv.pid)["GOMAXPROCS"] == "3"
+
+
 def test_early_exit_raises_with_the_log_tail(tmp_path: Path) -> None:
     fake = script(tmp_path / "etcd", "echo 'etcd: bad flag --frobnicate' >&2; exit 3")
     with pytest.raises(EtcdServerError, match="status 3") as info:

@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from keepstep.agent.events import read_events
+from keepstep.agent.faults import parse_fault
+from keepstep.agent.run import FAST_READ_S, SLOW_READ_S, Launcher, RunConfig
 from keepstep.elastic.local import LocalRun, agreed_sha, run_local
 
 REPO = Path(__file__).resolve().parents[2]
@@ -209,3 +211,28 @@ def test_more_nodes_than_micro_batches_is_refused(tmp_path: Path) -> None:
     proc, _ = keepstep_run(tmp_path, nodes=13, timeout=60)
     assert proc.returncode != 0
     assert "13 workers" in proc.stderr and "only 12 micro-batches" in proc.stderr
+
+
+def test_the_launcher_reads_etcd_often_only_while_a_fault_is_near(tmp_path: Path) -> None:
+    def launcher(*faults: str) -> Launcher:
+        cfg = RunConfig(
+            script=MLP,
+            script_args=(),
+            nodes=2,
+            global_batch=GB,
+            micro_batch=MB,
+            steps=400,
+            run_dir=tmp_path,
+            etcd_binary="etcd",
+            faults=tuple(parse_fault(f) for f in faults),
+        )
+        return Launcher(cfg, sys.stdout)
+
+    assert launcher()._read_interval(10, 5.0) == SLOW_READ_S
+    at_200 = launcher("kill-node:1@step=200", "kill-worker:0@step=300")
+    # At 5 steps a second a slow read may let the job run 5 steps past the fault's step.
+    assert at_200._read_interval(100, 5.0) == SLOW_READ_S
+    assert at_200._read_interval(191, 5.0) == FAST_READ_S
+    assert at_200._read_interval(199, 0.1) == FAST_READ_S  # at least 2 steps ahead
+    assert at_200._read_interval(196, 0.1) == SLOW_READ_S
+    assert at_200._read_interval(0, 0.0) == FAST_READ_S  # before the job's rate is known
