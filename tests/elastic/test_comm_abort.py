@@ -66,6 +66,18 @@ def test_looks_between_wait_slices_read_the_store_at_most_every_interval(
     assert 1 <= store.reads <= bound, (store.reads, bound)
 
 
+def test_looks_between_micro_batches_read_the_store_less_often(
+    watched: tuple[CountingStore, _AbortWatch],
+) -> None:
+    store, watch = watched
+    start = time.monotonic()
+    while time.monotonic() - start < 0.5:
+        assert watch.poll(every=comm_abort._COMPUTE_POLL_INTERVAL_S) is None
+        time.sleep(0.0005)
+    bound = (time.monotonic() - start) / comm_abort._COMPUTE_POLL_INTERVAL_S + 2
+    assert 1 <= store.reads <= bound, (store.reads, bound)
+
+
 def test_a_waiting_poll_always_reads_afresh(watched: tuple[CountingStore, _AbortWatch]) -> None:
     store, watch = watched
     for _ in range(5):

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, Store
 
 from keepstep.elastic.comm_abort import (
+    _COMPUTE_POLL_INTERVAL_S,
     _FRESH_READ_S,
     _AbortWatch,
     _check_epoch,
@@ -247,8 +248,11 @@ class Communicator:
         from the last read at once and asks for a fresh one in the background (for checks on
         the training path, where one stale answer only delays the stop by one check).
         """
-        fresh = _FRESH_READ_S if wait else 0.0
-        return self._lost is not None or self._watch.poll(fresh) is not None
+        if self._lost is not None:
+            return True
+        if wait:
+            return self._watch.poll(_FRESH_READ_S) is not None
+        return self._watch.poll(every=_COMPUTE_POLL_INTERVAL_S) is not None
 
     def close(self) -> None:
         """Release the group without waiting on it; idempotent, callable from any thread."""
