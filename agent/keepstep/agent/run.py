@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -246,7 +246,7 @@ class Launcher:
                 read_at = time.monotonic()
                 step, rate = self._read_progress(kv) or (step, rate)
             time.sleep(FAST_READ_S)
-        self._show(self.cfg.steps, [], final=True)
+        self._show(self.cfg.steps, None, final=True)
 
     def _read_interval(self, step: int, rate: float) -> float:
         """Every etcd read takes CPU from the training it watches: read often only while a
@@ -276,8 +276,9 @@ class Launcher:
         except KVError:
             return None
         self._inject(step, nodes)
-        self._show(step, progress)
+        # The newest record (the epoch leader's, published most often) speaks for the job.
         newest = max(progress, key=lambda p: (p.epoch, p.step), default=None)
+        self._show(step, newest)
         rate = newest.samples_per_s / self.cfg.global_batch if newest is not None else 0.0
         return step, rate
 
@@ -324,14 +325,12 @@ class Launcher:
         self.out.write(f"{prefix}keepstep: {text}\033[K\n" if prefix else f"keepstep: {text}\n")
         self.out.flush()
 
-    def _show(self, step: int, progress: Sequence[ProgressRecord], final: bool = False) -> None:
+    def _show(self, step: int, newest: ProgressRecord | None, final: bool = False) -> None:
         now = time.monotonic()
         every = 0.2 if self.out.isatty() else 5.0
         if not final and now - self.last_line < every:
             return
         self.last_line = now
-        # The newest record (the epoch leader's, published most often) speaks for the job.
-        newest = max(progress, key=lambda p: (p.epoch, p.step), default=None)
         world = newest.world_size if newest is not None else 0
         rate = newest.samples_per_s if newest is not None else 0.0
         line = f"step {step}/{self.cfg.steps} | world {world} | {rate:.0f} samples/s"
