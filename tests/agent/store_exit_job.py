@@ -37,7 +37,7 @@ class StoreNodeExits:
 def main() -> StoreNodeExits:
     host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     address = f"127.0.0.1:{host.port}"
-    abort_epoch(host, 0, "given up")  # the epoch is over before it began
+    abort_epoch(host, 0, "given up", 2)  # the epoch is over before it began
     try:
         Communicator.create(
             stores.connect(address, 30.0), 0, ["a", "b"], "a", timedelta(seconds=30)

@@ -214,7 +214,10 @@ def test_releasing_store_connections_lets_a_done_worker_exit_cleanly(
     )
     assert proc.returncode == code, proc.stdout + proc.stderr[-3000:]
     if release:
-        assert "released 3" in proc.stdout
+        # At least the job's own connection and the one the blocked rendezvous holds (the
+        # abort watch's close theirs as they end).
+        released = int(proc.stdout.split("released ")[1].split()[0])
+        assert released >= 2, proc.stdout
 
 
 @pytest.mark.slow

@@ -69,7 +69,7 @@ def test_single_member_collectives_are_local() -> None:
 def test_single_member_still_honours_abort() -> None:
     store = HashStore()
     comm = Communicator.create(store, 0, ["solo"], "solo")
-    abort_epoch(store, 0, "agent: node drained")
+    abort_epoch(store, 0, "agent: node drained", 1)
     assert comm.aborted()
     with pytest.raises(PeerLost, match="node drained") as info:
         comm.allreduce(torch.zeros(2))
@@ -82,7 +82,7 @@ def test_a_check_without_waiting_sees_an_abort_soon() -> None:
     store = HashStore()
     comm = Communicator.create(store, 0, ["solo"], "solo")
     assert not comm.aborted(wait=False)
-    abort_epoch(store, 0, "agent: node drained")
+    abort_epoch(store, 0, "agent: node drained", 1)
     # Each check answers from the last read and asks for a fresh one in the background.
     deadline = time.monotonic() + 5.0
     seen = False
@@ -95,8 +95,8 @@ def test_a_check_without_waiting_sees_an_abort_soon() -> None:
 
 def test_abort_keeps_the_first_reason_and_is_per_epoch() -> None:
     store = HashStore()
-    abort_epoch(store, 1, "rank 2 died")
-    abort_epoch(store, 1, "echo from rank 0")
+    abort_epoch(store, 1, "rank 2 died", 1)
+    abort_epoch(store, 1, "echo from rank 0", 1)
     assert store.get(abort_key(1)) == b"rank 2 died"
     assert not store.check([abort_key(2)])
     with pytest.raises(PeerLost, match="rank 2 died"):
@@ -176,7 +176,7 @@ def test_create_gives_up_when_a_member_never_joins() -> None:
 
 def test_abort_epoch_interrupts_create() -> None:
     store = HashStore()
-    timer = threading.Timer(0.2, abort_epoch, args=(store, 5, "agent: b is gone"))
+    timer = threading.Timer(0.2, abort_epoch, args=(store, 5, "agent: b is gone", 2))
     timer.start()
     begin = time.monotonic()
     with pytest.raises(PeerLost, match="agent: b is gone"):
@@ -203,7 +203,7 @@ def test_giving_up_after_reading_another_ranks_abort_does_not_wait_for_the_store
     # its watch thread, already finished, would never make (a 2 s stall in recoveries).
     store = HashStore()
     a, b = _create_on_threads(store, 0, ["a", "b"])
-    abort_epoch(store, 0, "rank 1 (b): allreduce failed: connection reset")
+    abort_epoch(store, 0, "rank 1 (b): allreduce failed: connection reset", 2)
     assert a.aborted()
     begin = time.monotonic()
     reason = a._watch.fire("rank 0 (a): allreduce failed: connection reset")
@@ -219,7 +219,7 @@ def test_a_given_up_collective_still_writes_its_tensor_when_the_peer_comes_back(
     store = HashStore()
     a, b = _create_on_threads(store, 0, ["a", "b"])
     ta = torch.tensor([1, 1], dtype=torch.int64)
-    timer = threading.Timer(0.2, abort_epoch, args=(store, 0, "agent: b lost its lease"))
+    timer = threading.Timer(0.2, abort_epoch, args=(store, 0, "agent: b lost its lease", 2))
     timer.start()
     with pytest.raises(PeerLost, match="b lost its lease"):
         a.allreduce(ta, timeout=timedelta(seconds=10))
@@ -448,7 +448,7 @@ def test_abort_epoch_unblocks_waiting_ranks_and_they_exit_cleanly(workers: Any) 
     group.store.wait([f"entered/n{r}" for r in range(3)], timedelta(seconds=60))
     time.sleep(0.3)
     aborted_at = time.time()
-    abort_epoch(group.store, 0, "test: stop epoch 0")
+    abort_epoch(group.store, 0, "test: stop epoch 0", 3)
     begin = time.monotonic()
     results = group.finish(timeout_s=40)
     exit_s = time.monotonic() - begin

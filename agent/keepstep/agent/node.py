@@ -252,7 +252,7 @@ class NodeAgent:
         )
         self.progress.fault(epoch.epoch)
         if epoch.store:
-            self.stores.abort(epoch.store, epoch.epoch, reason)
+            self.stores.abort(epoch.store, epoch.epoch, len(epoch.members), reason)
 
     # -- workers ----------------------------------------------------------------------
     def _status(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Process-group stores: each agent hosts one, each epoch uses its first node's.
 
-Workers rendezvous their gloo group of epoch `e`, and poll that epoch's abort key, on a
+Workers rendezvous their gloo group of epoch `e`, and watch that epoch's abort key, on a
 TCP key-value store. A store in one fixed place would be a single point of failure (and
 on Kubernetes there is no such place), so every agent hosts a store server and the
 epoch record names the one on the epoch's first node. When that node is lost the epoch
@@ -77,8 +77,8 @@ class StoreClients:
     def __init__(self, timeout: float) -> None:
         self.timeout = timeout
 
-    def abort(self, address: str, epoch: int, reason: str) -> None:
-        """Write epoch `epoch`'s abort key, from a thread of its own.
+    def abort(self, address: str, epoch: int, ranks: int, reason: str) -> None:
+        """Write epoch `epoch`'s abort key and wake its `ranks` members, from a thread of its own.
 
         A store call to a stopped node blocks with no timeout at all (the kernel still
         accepts the bytes), and the caller is the agent's etcd watch: it must never wait.
@@ -87,12 +87,15 @@ class StoreClients:
         aborts them too.
         """
         threading.Thread(
-            target=self._abort, args=(address, epoch, reason), name="keepstep-abort", daemon=True
+            target=self._abort,
+            args=(address, epoch, ranks, reason),
+            name="keepstep-abort",
+            daemon=True,
         ).start()
 
-    def _abort(self, address: str, epoch: int, reason: str) -> None:
+    def _abort(self, address: str, epoch: int, ranks: int, reason: str) -> None:
         try:
-            abort_epoch(connect(address, self.timeout), epoch, reason)
+            abort_epoch(connect(address, self.timeout), epoch, reason, ranks)
         except (RuntimeError, KeepstepError) as error:
             log.warning("could not abort epoch %d at %s: %s", epoch, address, error)
 

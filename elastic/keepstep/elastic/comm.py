@@ -9,9 +9,10 @@ touched: each epoch is a private ``ProcessGroupGloo`` on the store prefix
 
 Giving up fast: gloo reports a dead peer only to its direct neighbours; other ranks would
 block until the group timeout. So collectives run asynchronously and the caller waits in
-short slices while polling one store key, ``keepstep/abort/{e}``. A rank that sees a gloo
-error or times out writes that key (the first reason wins), and every other rank sees it
-within a poll interval. The agent or a test aborts an epoch the same way (``abort_epoch``).
+short slices while watching one store key, ``keepstep/abort/{e}``. A rank that sees a gloo
+error or times out writes that key (the first reason wins) and wakes every rank's listener,
+so every other rank sees it at once. The agent or a test aborts an epoch the same way
+(``abort_epoch``).
 
 Tearing down: a given-up group still has gloo threads blocked on the dead peer, and its
 destructor joins them. A daemon reaper thread takes it, waits for the pending work to fail
@@ -43,6 +44,7 @@ from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, Store
 from keepstep.elastic.comm_abort import (
     _COMPUTE_POLL_INTERVAL_S,
     _FRESH_READ_S,
+    _PUSHED_POLL_INTERVAL_S,
     _AbortWatch,
     _check_epoch,
     _Outcome,
@@ -134,14 +136,18 @@ def _build_group(store: Store, spec: _Spec) -> tuple[Any, _AbortWatch]:
 
     threading.Thread(target=build, name=f"keepstep-build-{spec.epoch}", daemon=True).start()
     deadline = time.monotonic() + spec.timeout.total_seconds()
-    watch = _AbortWatch(store, spec.epoch)  # its connection opens while the group connects
+    # Its connections open while the group connects.
+    watch = _AbortWatch(store, spec.epoch, spec.rank, len(spec.members))
     outcome = watch.wait(lambda ms: built.wait(ms / 1000), deadline, threading.Event())
     if outcome is _Outcome.DONE and box:
         return box[0], watch
     if outcome is _Outcome.ABORTED:
-        raise PeerLost(spec.epoch, cast(str, watch.reason))
-    why = f"failed: {_short(errors[0])}" if errors else f"timed out after {spec.timeout}"
-    raise PeerLost(spec.epoch, watch.fire(f"rank {spec.rank}: building the group {why}"))
+        reason = cast(str, watch.reason)
+    else:
+        why = f"failed: {_short(errors[0])}" if errors else f"timed out after {spec.timeout}"
+        reason = watch.fire(f"rank {spec.rank}: building the group {why}")
+    watch.close()  # its threads end and their connections close
+    raise PeerLost(spec.epoch, reason)
 
 
 class Communicator:
@@ -187,11 +193,12 @@ class Communicator:
         if len(spec.members) > 1:
             group, watch = _build_group(store, spec)
         else:
-            group, watch = None, _AbortWatch(store, epoch)
+            group, watch = None, _AbortWatch(store, epoch, 0, 1)
         # Aborted before or while we built: fail now, not at the first collective.
         if watch.poll(_FRESH_READ_S) is not None:
             if group is not None:
                 reap(epoch, group, None, 0.0)
+            watch.close()
             raise PeerLost(epoch, cast(str, watch.reason))
         return cls(spec, watch, group, time.perf_counter() - start)
 
@@ -252,7 +259,8 @@ class Communicator:
             return True
         if wait:
             return self._watch.poll(_FRESH_READ_S) is not None
-        return self._watch.poll(every=_COMPUTE_POLL_INTERVAL_S) is not None
+        every = _PUSHED_POLL_INTERVAL_S if self._watch.pushed else _COMPUTE_POLL_INTERVAL_S
+        return self._watch.poll(every=every) is not None
 
     def close(self) -> None:
         """Release the group without waiting on it; idempotent, callable from any thread."""

@@ -1,9 +1,15 @@
-"""The abort key of a membership epoch, and the thread that watches it for one rank.
+"""The abort key of a membership epoch, and the threads that watch it for one rank.
 
 Where it sits: below comm.py, which runs every collective in short slices and asks an
 `_AbortWatch` between slices whether the epoch was given up anywhere; the agents write the
 same key (`abort_epoch`) when they learn of a lost member first. comm.py re-exports
 `abort_key` and `abort_epoch`.
+
+An abort is pushed, not polled for: whoever writes the abort key then sets one wake key per
+rank, and each rank has a thread blocked in a store wait on its own wake key. Reads of the
+key remain for what a push cannot tell: whether the store still answers at all (a wait
+that has lasted `_PUSH_TRUSTED_S` reads it every `_POLL_INTERVAL_S`), and callers that ask
+for a fresh answer.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 from torch._C._distributed_c10d import Store
 
@@ -39,6 +45,15 @@ _POLL_INTERVAL_S = 0.02
 # _POLL_INTERVAL_S anyway). All reads, with their thread and store wake-ups, took ~1.5% of
 # a 4-node run's CPU on 2 cores, and one read per micro-batch was most of them.
 _COMPUTE_POLL_INTERVAL_S = 0.1
+# While the push listener waits, an abort arrives by itself: a collective's wait reads the
+# key only once it has lasted this long (so a store that went silent is still found), and
+# checks between micro-batches only this often. In steady state a wait at the step's
+# all-reduce is shorter, and no rank reads the store at all.
+_PUSH_TRUSTED_S = 0.25
+_PUSHED_POLL_INTERVAL_S = 1.0
+# The listener's store wait. One that runs out logs c10d warnings, so it is long, and
+# re-armed when it does run out.
+_LISTEN_WAIT = timedelta(days=7)
 _REASON_MAX_CHARS = 300
 _EXIT_WAIT_S = 2.0  # at exit, for store calls under way (a healthy store answers in ~0.1 ms)
 # How long an abort poll waits for the epoch's store. A loaded machine can delay a
@@ -54,13 +69,26 @@ def abort_key(epoch: int) -> str:
     return f"keepstep/abort/{epoch}"
 
 
-def abort_epoch(store: Store, epoch: int, reason: str) -> None:
-    """Make every collective of ``epoch`` give up, on every rank, within a poll interval.
+def wake_key(epoch: int, rank: int) -> str:
+    """The key rank ``rank``'s listener waits on: set after the abort key, or at close."""
+    return f"keepstep/abort/{epoch}/wake/{rank}"
+
+
+def abort_epoch(store: Store, epoch: int, reason: str, ranks: int) -> None:
+    """Make every collective of ``epoch`` (``ranks`` members) give up, on every rank, at once.
 
     The first reason written wins: later ones are usually echoes of the first failure.
     """
     _check_epoch(epoch)
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ConfigError(f"ranks must be an int >= 1 (the epoch's size), got {ranks!r}")
     store.compare_set(abort_key(epoch), "", reason or "aborted")
+    _wake(store, epoch, range(ranks))
+
+
+def _wake(store: Store, epoch: int, ranks: range) -> None:
+    # One round trip for every rank. torch's stubs lack multi_set; every store has it.
+    cast(Any, store).multi_set([wake_key(epoch, r) for r in ranks], ["wake"] * len(ranks))
 
 
 class _StoreCalls:
@@ -89,14 +117,29 @@ class _StoreCalls:
             self._busy -= 1
             self._cond.notify_all()
 
-    def close(self) -> None:
+    def close(self, wait: float = _EXIT_WAIT_S) -> None:
         with self._cond:
             self._exiting = True
-            self._cond.wait_for(lambda: self._busy == 0, _EXIT_WAIT_S)
+            self._cond.wait_for(lambda: self._busy == 0, wait)
 
 
 _store_calls = _StoreCalls()
-atexit.register(_store_calls.close)
+_live: set[_AbortWatch] = set()  # watches whose listener may still be in its store wait
+
+
+def _at_exit() -> None:
+    # Listeners sit in a store call for the whole epoch: let them go first, so none wakes
+    # under a finalizing interpreter, then wait for every other call under way.
+    watches = list(_live)
+    for watch in watches:
+        watch.close()
+    deadline = time.monotonic() + _EXIT_WAIT_S
+    for watch in watches:
+        watch.listened.wait(max(deadline - time.monotonic(), 0.0))
+    _store_calls.close(max(deadline - time.monotonic(), 0.0))
+
+
+atexit.register(_at_exit)
 
 
 class _Outcome(enum.Enum):
@@ -107,18 +150,22 @@ class _Outcome(enum.Enum):
 
 
 class _AbortWatch:
-    """Polls and writes the abort key of one epoch from a thread of its own.
+    """Hears, reads and writes the abort key of one epoch for one rank, from threads of its own.
 
     The store lives on a node of the epoch, and a store call to a stopped node blocks
     without any timeout (the kernel still accepts the bytes). So no store call ever runs
-    on the caller's thread: ``poll`` asks the watch thread for a fresh read and returns
-    what is known; a read unanswered for ``_WATCH_TIMEOUT`` means the store's node died or
-    hangs, and the epoch cannot be trusted any more, which is an abort.
+    on the caller's thread. The listener blocks in a store wait on the rank's wake key and
+    takes the reason when woken; the reader makes the reads and writes asked of it. ``poll``
+    asks for a fresh read and returns what is known; a read unanswered for
+    ``_WATCH_TIMEOUT`` means the store's node died or hangs, and the epoch cannot be trusted
+    any more, which is an abort.
     """
 
-    def __init__(self, store: Store, epoch: int) -> None:
+    def __init__(self, store: Store, epoch: int, rank: int, ranks: int) -> None:
         self._origin = store
         self._epoch = epoch
+        self._rank = rank
+        self._ranks = ranks
         self._key = abort_key(epoch)
         self.reason: str | None = None
         self._lock = threading.Lock()
@@ -128,8 +175,73 @@ class _AbortWatch:
         self._to_fire: str | None = None
         self._fired = threading.Event()
         self._stopped = False
+        self._armed = False  # the listener is in (or about to enter) its store wait
+        self.listened = threading.Event()  # the listener has ended
+        _live.add(self)
         threading.Thread(target=self._run, name=f"keepstep-abort-{epoch}", daemon=True).start()
+        threading.Thread(
+            target=self._listen, name=f"keepstep-abort-wake-{epoch}", daemon=True
+        ).start()
 
+    @property
+    def pushed(self) -> bool:
+        """True while an abort written now would reach this rank without a read."""
+        return self._armed
+
+    def _connection(self) -> Store | None:
+        """A private connection: a call on it never queues behind another thread's."""
+        if not _store_calls.enter():
+            return None
+        try:
+            return self._origin.clone()
+        except (RuntimeError, NotImplementedError):
+            return self._origin
+        finally:
+            _store_calls.leave()
+
+    # -- the listener --------------------------------------------------------------------
+    def _listen(self) -> None:
+        try:
+            store = self._connection()
+            if store is not None:
+                self._await_wake(store)
+        finally:
+            with self._wake:
+                self._armed = False
+                self._wake.notify_all()
+            _live.discard(self)
+            self.listened.set()
+
+    def _await_wake(self, store: Store) -> None:
+        key = wake_key(self._epoch, self._rank)
+        while True:
+            with self._wake:
+                if self._stopped or self.reason is not None:
+                    return
+                self._armed = True
+            if not _store_calls.enter():
+                return
+            began = time.monotonic()
+            try:
+                store.wait([key], _LISTEN_WAIT)
+                if self._stopped:
+                    return  # woken by close()
+                reason = store.get(self._key).decode(errors="replace")
+            except RuntimeError as error:
+                if time.monotonic() - began >= _LISTEN_WAIT.total_seconds():
+                    continue  # the wait ran out: wait again
+                if self._stopped:
+                    return
+                reason = f"the epoch's store failed: {_short(error)}"
+            finally:
+                _store_calls.leave()
+            with self._wake:
+                if self.reason is None:
+                    self.reason = reason
+                self._wake.notify_all()
+            return
+
+    # -- the reader ----------------------------------------------------------------------
     def _run(self) -> None:
         try:
             self._serve()
@@ -139,28 +251,25 @@ class _AbortWatch:
             self._fired.set()
 
     def _serve(self) -> None:
-        if not _store_calls.enter():
+        store = self._connection()
+        if store is None:
             return
-        try:
-            # A private connection: a poll never queues behind a blocking store call.
-            store = self._origin.clone()
-        except (RuntimeError, NotImplementedError):
-            store = self._origin
-        finally:
-            _store_calls.leave()
         while True:
             with self._wake:
                 while not self._stopped and self._asked_at is None and self._to_fire is None:
                     self._wake.wait()
-                if self._stopped:
-                    return
-                to_fire = self._to_fire
+                stopped, to_fire = self._stopped, self._to_fire
             if not _store_calls.enter():
                 return
             try:
+                if stopped:
+                    if not self.listened.is_set():  # let the listener go
+                        _wake(store, self._epoch, range(self._rank, self._rank + 1))
+                    return
                 if to_fire is not None:
                     won = store.compare_set(self._key, "", to_fire).decode(errors="replace")
                     self._settle(won)
+                    _wake(store, self._epoch, range(self._ranks))
                     self._fired.set()
                 elif store.check([self._key]):
                     self._settle(store.get(self._key).decode(errors="replace"))
@@ -174,13 +283,14 @@ class _AbortWatch:
                 self._asked_at = None
                 self._wake.notify_all()
                 if self.reason is not None:
-                    return
+                    return  # the writer of the abort key wakes the listener too
 
     def _settle(self, reason: str) -> None:
         with self._lock:
             if self.reason is None:
                 self.reason = reason
 
+    # -- the caller's side ---------------------------------------------------------------
     def poll(self, wait: float = 0.0, every: float = _POLL_INTERVAL_S) -> str | None:
         """The abort reason if one is known. With ``wait`` it asks for a fresh read and
         waits at most that many seconds for it (a healthy store answers in well under a
@@ -210,7 +320,7 @@ class _AbortWatch:
                 return self.reason  # already known (a poll read another rank's): nothing to write
             if self._to_fire is None:
                 self._to_fire = reason
-                self._wake.notify()
+                self._wake.notify_all()
         self._fired.wait(_WATCH_TIMEOUT.total_seconds())
         self._settle(reason)  # unanswered: the store is gone, our own reason stands
         return cast(str, self.reason)
@@ -218,19 +328,29 @@ class _AbortWatch:
     def close(self) -> None:
         with self._wake:
             self._stopped = True
-            self._wake.notify()
+            self._wake.notify_all()
 
     def wait(
         self, ready: Callable[[int], bool], deadline: float, closed: threading.Event
     ) -> _Outcome:
-        """Wait until ``ready(slice_ms)`` (which may block up to ``slice_ms``) says done."""
+        """Wait until ``ready(slice_ms)`` (which may block up to ``slice_ms``) says done.
+
+        Between slices it takes a pushed abort as it comes; once the wait has lasted
+        ``_PUSH_TRUSTED_S`` (or with no listener) it also reads the key, which finds a store
+        that stopped answering.
+        """
         slice_ms = _SLICE_SHORT_MS
+        trusted_until = time.monotonic() + _PUSH_TRUSTED_S
         while True:
             if ready(slice_ms):
                 return _Outcome.DONE
             if closed.is_set():
                 return _Outcome.CLOSED
-            if self.poll() is not None:
+            if self._armed and time.monotonic() < trusted_until:
+                reason = self.reason
+            else:
+                reason = self.poll()
+            if reason is not None:
                 return _Outcome.ABORTED
             if time.monotonic() >= deadline:
                 return _Outcome.TIMED_OUT
