@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import figures as fig
-from harness.assemble import system_figures, targets
+from harness.assemble import step_time_ratio_by_round, system_figures, targets
 from harness.config import BenchConfig, System
 from harness.ledger import Ledger, build_ledger
 from harness.run_ddp import run_ddp
@@ -187,5 +187,5 @@ def analyze(cfg: BenchConfig, done: list[Done]) -> dict[str, Any]:
         "runs": [d.planned.label for d in done],
         "systems": systems,
         "ratios": fig.ratios(systems),
-        "targets": targets(systems),
+        "targets": targets(systems, step_time_ratio_by_round(cfg, done)),
     }

@@ -166,8 +166,10 @@ def _target_lines(out: dict[str, Any]) -> list[str]:
     lines.append(f"keepstep loses and duplicates no samples: {_num(ks)}; TorchFT does: {_num(ft)}")
     st = t.get("keepstep_step_time_within_10pct_of_ddp") or {}
     ratio = _num(st.get("ratio"), "{:.3f}")
+    rounds = ", ".join(_num(r, "{:.3f}") for r in st.get("ratio_by_round") or [])
     lines.append(
-        f"keepstep steady-state step time within 10% of DDP's: {_num(st.get('met'))} ({ratio}x)"
+        f"keepstep steady-state step time within 10% of DDP's: {_num(st.get('met'))} ({ratio}x;"
+        f" by round {rounds})"
     )
     pd = t.get("keepstep_param_deviation_zero") or {}
     lines.append(

@@ -7,9 +7,11 @@ from typing import Any
 import pytest
 
 from harness import figures
+from harness.assemble import step_time_ratio_by_round
 from harness.bench import plan_runs
 from harness.config import QUICK, BenchConfig, System, Workload, with_overrides
 from harness.ledger import build_ledger
+from harness.runs import Done, Planned, RunResult
 from harness.schedule import FaultKind, make_schedule
 from keepstep.agent.faults import parse_fault
 
@@ -181,6 +183,28 @@ def test_mttr_and_throughput_after_losing_a_node() -> None:
 def test_goodput_counts_samples_trained_once_per_second() -> None:
     led = build_ledger(steady_then_three(100.0), steps=20, n_micro=12, micro_batch=4)
     assert figures.goodput(led) == pytest.approx(48.0)
+
+
+def test_the_step_time_ratio_is_also_taken_within_each_round() -> None:
+    cfg = with_overrides(QUICK, repeats=2, warmup_steps=2)
+
+    def run(system: System, repeat: int, step_s: float, faulty: bool = False) -> Done:
+        records = [
+            {**r, "t": r["t"] * step_s, "t0": r["t0"] * step_s}
+            for r in steady_then_three(t_kill=1000.0)
+        ]
+        led = build_ledger(records, steps=20, n_micro=12, micro_batch=4)
+        return Done(Planned(system, faulty, repeat), RunResult(system, faulty), led)
+
+    done = [
+        run(System.DDP, 0, 1.0),
+        run(System.KEEPSTEP, 0, 1.1),
+        run(System.KEEPSTEP, 0, 1.1, faulty=True),  # no fault in it: all of it is steady
+        run(System.KEEPSTEP, 1, 2.4),
+        run(System.DDP, 1, 2.0),
+    ]
+    assert step_time_ratio_by_round(cfg, done) == pytest.approx([1.1, 1.2])
+    assert step_time_ratio_by_round(cfg, done[:3]) == pytest.approx([1.1, None])
 
 
 def test_ratios_say_which_way_they_go() -> None:

@@ -64,6 +64,8 @@ def test_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
         "keepstep_step_time_within_10pct_of_ddp",
         "keepstep_param_deviation_zero",
     }
+    by_round = report["targets"]["keepstep_step_time_within_10pct_of_ddp"]["ratio_by_round"]
+    assert len(by_round) == report["config"]["repeats"]
     page = docs.read_text()
     assert report["command"] in page
     for plot in ("loss_curves.svg", "throughput.svg"):
