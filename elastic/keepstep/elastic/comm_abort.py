@@ -235,10 +235,7 @@ class _AbortWatch:
                 reason = f"the epoch's store failed: {_short(error)}"
             finally:
                 _store_calls.leave()
-            with self._wake:
-                if self.reason is None:
-                    self.reason = reason
-                self._wake.notify_all()
+            self._settle(reason)
             return
 
     # -- the reader ----------------------------------------------------------------------
@@ -286,9 +283,10 @@ class _AbortWatch:
                     return  # the writer of the abort key wakes the listener too
 
     def _settle(self, reason: str) -> None:
-        with self._lock:
+        with self._wake:
             if self.reason is None:
                 self.reason = reason
+            self._wake.notify_all()  # a poll waiting for a fresh read has its answer
 
     # -- the caller's side ---------------------------------------------------------------
     def poll(self, wait: float = 0.0, every: float = _POLL_INTERVAL_S) -> str | None:
