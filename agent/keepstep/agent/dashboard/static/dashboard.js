@@ -178,7 +178,11 @@ async function refresh() {
     const [view] = await Promise.all([state.run ? drawRun(state.run) : null, drawCluster()]);
     const when = new Date().toLocaleTimeString();
     setText("updated", names.length ? `updated ${when}` : `no runs yet (checked ${when})`);
-    const live = view === null || view.status === "live" || view.status === "starting";
+    // The list was read before the run's view: a run that ended in between is still
+    // listed live, so poll once more rather than leave its label stale.
+    const listed = runs.find((r) => r.run === state.run);
+    const live = view === null || [view.status, listed && listed.status].some(
+      (s) => s === "live" || s === "starting");
     if (live || document.getElementById("cluster").hidden === false) {
       state.timer = setTimeout(refresh, POLL_MS);
     }
