@@ -167,10 +167,11 @@ QUICK = BenchConfig(Workload(), preset="quick")
 # The full run: a larger model, a schedule long enough for a new node to start and be
 # admitted before the end (a node starting beside four training workers on two cores takes
 # ~11-13 s to be admitted: at ~0.16 s a step the tail after the join needs ~80 steps), and
-# two interleaved rounds.
+# three interleaved rounds, so that each median stands on three runs when one of them
+# drifts (the same DDP job has taken 39 s in one round and 49.5 s in the next).
 FULL = BenchConfig(
     Workload(d_model=128, layers=2, heads=2, seq=64, steps=192),
-    repeats=2,
+    repeats=3,
     preset="full",
 )
 
