@@ -22,10 +22,11 @@ from typing import Any
 from keepstep.agent import agreement, protocol
 from keepstep.agent.agent_config import AgentConfig
 from keepstep.agent.events import EventLog
-from keepstep.agent.kv import KVStore, Lease
+from keepstep.agent.kv import KVStore
 from keepstep.agent.link import Message
 from keepstep.agent.probe import probe_all
 from keepstep.agent.protocol import EpochRecord, key, node_of
+from keepstep.agent.registration import Registration
 from keepstep.agent.view import JobView
 from keepstep.elastic.errors import KeepstepError
 
@@ -41,11 +42,11 @@ class Healer:
         kv: KVStore,
         view: JobView,
         events: EventLog,
-        lease: Callable[[], Lease | None],
+        registration: Registration,
         draining: Callable[[], bool],
     ) -> None:
         self.cfg, self.kv, self.view, self.events = cfg, kv, view, events
-        self._lease, self._draining = lease, draining
+        self._registration, self._draining = registration, draining
         self._agree_lock = threading.Lock()
         self._started = time.monotonic()
 
@@ -88,12 +89,9 @@ class Healer:
     def admit(self, member: str) -> Message:
         """Block until an epoch includes `member` (announcing it as pending meanwhile)."""
         pending_key = key(self.cfg.job, "pending", member)
-        self.kv.put(
-            pending_key,
-            protocol.encode(protocol.PendingRecord(member, time.time())),
-            self.cfg.op_timeout,
-            lease=self._lease(),
-        )
+        # Under the node's lease, renewed first if it expired while the node was stopped.
+        pending = protocol.encode(protocol.PendingRecord(member, time.time()))
+        self._registration.put(pending_key, pending)
         view = self.view
         while True:
             with view.changed:

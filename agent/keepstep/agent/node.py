@@ -45,6 +45,9 @@ from keepstep.elastic.errors import KeepstepError
 
 log = logging.getLogger("keepstep.agent")
 
+# How long a node whose lease expired waits between attempts to register again.
+REREGISTER_RETRY_S = 1.0
+
 
 class NodeAgent:
     def __init__(self, cfg: AgentConfig, kv: KVStore, telemetry: Telemetry | None = None) -> None:
@@ -84,7 +87,7 @@ class NodeAgent:
             kv, key(cfg.job, "nodes", cfg.node), cfg.lease_ttl, cfg.op_timeout, self._node_record
         )
         self.healer = Healer(
-            cfg, kv, self.view, self.events, lambda: self.registration.lease, lambda: self.draining
+            cfg, kv, self.view, self.events, self.registration, lambda: self.draining
         )
         self.link = LinkServer(socket_address(cfg.job, cfg.node), self._handle, self._on_disconnect)
         self.progress = ProgressPublisher(
@@ -146,8 +149,16 @@ class NodeAgent:
         )
 
     def _reregister(self) -> None:
+        """This node's record vanished (its lease expired while it was stopped or cut
+        off): register again, retrying while etcd cannot be reached, until it closes."""
         self.events.write("lease-lost", node=self.cfg.node)
-        self.registration.renew()
+        while not self.done.is_set():
+            try:
+                self.registration.renew()
+                return
+            except KVError as error:
+                log.warning("could not register again after losing the lease: %s", error)
+                self.done.wait(REREGISTER_RETRY_S)
 
     def _spawn(self, member: str) -> None:
         spec = worker_spec(
