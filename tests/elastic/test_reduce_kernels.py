@@ -6,7 +6,10 @@ bits, micro-batch by micro-batch, for clean, overflowing and non-finite gradient
 
 from __future__ import annotations
 
+import ast
 import math
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -156,3 +159,20 @@ def test_a_step_without_micro_batches_sends_zeros_after_one_with_them() -> None:
         r.begin_step()  # the next step brings no micro-batch to this rank
     assert not fused.buffer().any()
     assert torch.equal(bits(fused.buffer()), bits(plain.buffer()))
+
+
+def test_preload_loads_every_variant_before_any_reducer() -> None:
+    # A fresh process, so nothing another test ran has loaded them already.
+    code = (
+        "import numpy as np\n"
+        "from keepstep.elastic import reduce_kernels as rk\n"
+        "rk.preload(3)\n"
+        "q = rk._compile()[0]\n"
+        "sigs = [(str(t), s) for t in q for s in q[t].signatures]\n"
+        "print(sorted({(t, s[0].ndim) for t, s in sigs}))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    loaded = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    assert loaded == [(t, n) for t in ("float32", "float64") for n in (1, 2, 3)]

@@ -126,7 +126,9 @@ def main() -> None:
     import torch  # noqa: F401
 
     import keepstep.elastic  # noqa: F401
+    from keepstep.elastic.reduce_kernels import preload
 
+    preload()  # the exact reduction's compiled loops, a second more on a busy machine
     sys.stdout.buffer.write(READY)
     sys.stdout.flush()
     # Waits without a timeout on purpose: a spare lives until it is used or the agent,

@@ -113,6 +113,26 @@ def _compile() -> tuple[dict[Any, Callable[..., Any]], Callable[..., Any], Calla
     return quantize_add, count, divide
 
 
+def _load(variants: set[tuple[int, torch.dtype]]) -> None:
+    """Compile, or load from numba's cache, the kernels for tensors of these (ndim, dtype)."""
+    quantize_add, count, divide = _compile()
+    for ndim, dtype in variants:
+        one = torch.ones((1,) * ndim, dtype=dtype).numpy()
+        acc = np.zeros(1)
+        for first in (False, True):
+            quantize_add[one.dtype](one, one.dtype.type(1.0), acc, first)
+        divide(acc, 1.0, one)
+    count(np.zeros(1), np.ones(1), 1.0, np.ones(1), np.zeros(5), np.zeros(1))
+
+
+def preload(max_ndim: int = 4) -> None:
+    """Load the kernels for float32 and float64 tensors of 1 to `max_ndim` dimensions ahead
+    of any reducer (a warm spare does, so the worker it becomes finds them loaded); nothing
+    without numba."""
+    if available():
+        _load({(n, d) for n in range(1, max_ndim + 1) for d in KERNEL_DTYPES})
+
+
 def _array(t: torch.Tensor) -> np.ndarray:
     """A C-contiguous numpy view of `t` (a copy when `t` is not contiguous)."""
     if not t.is_contiguous():
@@ -135,13 +155,7 @@ class CpuKernels:
         self._mine = [d in KERNEL_DTYPES for _, d in specs]
         self._offsets = list(offsets)
         # Compile (or load from numba's cache) every variant the steps will call, now.
-        for ndim, dtype in {(len(s), d) for s, d in specs if d in KERNEL_DTYPES}:
-            one = torch.ones((1,) * ndim, dtype=dtype).numpy()
-            acc = np.zeros(1)
-            for first in (False, True):
-                self._quantize_add[one.dtype](one, one.dtype.type(1.0), acc, first)
-            self._divide(acc, 1.0, one)
-        self._count(np.zeros(1), np.ones(1), 1.0, np.ones(1), np.zeros(5), np.zeros(1))
+        _load({(len(s), d) for s, d in specs if d in KERNEL_DTYPES})
 
     def handles(self, i: int) -> bool:
         return self._mine[i]
