@@ -46,6 +46,9 @@ class Registration:
         self._stop_keepalive()
         self.lease = self.kv.grant_lease(self.ttl, self.timeout)
         self._stop = self.kv.keepalive(self.lease, self.ttl / 4)
+        self._write_record()
+
+    def _write_record(self) -> None:
         self.kv.put(self.key, protocol.encode(self.record()), self.timeout, lease=self.lease)
 
     def publish(self) -> None:
@@ -77,8 +80,7 @@ class Registration:
                 except LeaseLost:
                     pass
                 else:  # alive: the record deleted was an older lease's, or was removed
-                    record = protocol.encode(self.record())
-                    self.kv.put(self.key, record, self.timeout, lease=current)
+                    self._write_record()
                     return
             self._register()
 

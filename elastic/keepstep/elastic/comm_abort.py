@@ -168,8 +168,7 @@ class _AbortWatch:
         self._ranks = ranks
         self._key = abort_key(epoch)
         self.reason: str | None = None
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
+        self._wake = threading.Condition(threading.Lock())
         self._asked_at: float | None = None  # a read was requested and is not answered
         self._read_at = -math.inf  # when the last read was asked for
         self._to_fire: str | None = None
