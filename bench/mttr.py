@@ -128,7 +128,7 @@ def run_keepstep(
 ) -> dict[str, Any]:
     """One `keepstep run`; returns its summary.json plus the exit code and the log tail."""
     argv = [
-        sys.executable, "-m", "keepstep.agent", "run",
+        sys.executable, "-m", "keepstep", "run",
         "--nodes", str(s.nodes), "--min-nodes", str(s.min_nodes),
         "--global-batch", str(s.global_batch), "--micro-batch", str(s.micro_batch),
         "--steps", str(steps), "--seed", str(s.seed), "--run-dir", str(run_dir),

@@ -130,7 +130,7 @@ def play_agents(etcd: str, job_key: str, pods: list[str], step: int) -> float:
     """Write what the agents of `pods` would once they trained to `step` in epoch 1: node
     and progress records first, the epoch last. Returns when the epoch was written."""
     from keepstep.agent import protocol
-    from keepstep.agent.etcd import EtcdKV
+    from keepstep.agent.kv.etcd import EtcdKV
 
     kv = EtcdKV(etcd, timeout=10.0)
     try:
@@ -230,7 +230,7 @@ def end_to_end(cp: Any, etcd: str, nodes: int, resync: float, log: Path) -> dict
 
 
 def in_process(cp: Any, etcd: str, nodes: int) -> dict[str, Any]:
-    from keepstep.agent.etcd import EtcdKV
+    from keepstep.agent.kv.etcd import EtcdKV
     from keepstep.e2e.kwok_nodes import kwok_trainjob
     from keepstep.operator.agents import AgentStore
     from keepstep.operator.connection import load_connection
@@ -351,10 +351,10 @@ def main() -> int:
     parser.add_argument("--operator-log", type=Path, help="keep the operator's log here")
     args = parser.parse_args()
 
-    from keepstep.agent.etcd_server import EtcdServer
     from keepstep.e2e.controlplane import ControlPlane
     from keepstep.e2e.kwok import Kwok, KwokConfig
     from keepstep.e2e.kwok_nodes import KwokNodes
+    from keepstep.launch.etcd_server import EtcdServer
 
     with tempfile.TemporaryDirectory(prefix="keepstep-opscale-") as tmp:
         work = Path(tmp)

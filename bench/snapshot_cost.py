@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 import xxhash
 
-from keepstep.elastic.snapshot import FileBuffer, SnapshotStore
-from keepstep.elastic.state import capture
+from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
+from keepstep.elastic.train_state import capture
 
 
 def _median_s(fn: Callable[[], object], repeats: int) -> float:

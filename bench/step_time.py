@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from keepstep.elastic.local import LocalRun, run_local
+from keepstep.launch.local import LocalRun, run_local
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {  # name: (d_model, layers, seq, micro_batch)

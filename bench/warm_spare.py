@@ -37,7 +37,7 @@ NODES, GLOBAL_BATCH, MICRO_BATCH = 4, 96, 4
 def run_once(
     run_dir: Path, steps: int, faults: list[str], warm: bool, sleep: float
 ) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "keepstep.agent", "run", "--nodes", str(NODES)]
+    argv = [sys.executable, "-m", "keepstep", "run", "--nodes", str(NODES)]
     argv += ["--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH)]
     argv += ["--steps", str(steps), "--min-nodes", "2", "--run-dir", str(run_dir)]
     for fault in faults:

@@ -1,8 +1,23 @@
-"""Settings for the whole test session."""
+"""Settings and fixtures for the whole test session.
+
+A real etcd is started once per session on loopback (`etcd_server`) and shared by every
+test that needs one; each works under its own key prefix.
+"""
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from keepstep.errors import ConfigError
+from keepstep.launch.etcd_server import EtcdServer, find_etcd
+
+REPO = Path(__file__).resolve().parents[1]
 
 # Tests press Ctrl-C on the processes they start (SIGINT). A shell that runs the suite in
 # the background (`.ci/run &`) starts it with SIGINT ignored, and every child would inherit
@@ -10,3 +25,34 @@ import signal
 # child at exec, so the processes under test get Ctrl-C as from a terminal.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture(scope="session")
+def etcd_binary() -> str:
+    """The etcd to test against; built with scripts/build-etcd if there is none yet."""
+    try:
+        return find_etcd(os.environ)
+    except ConfigError:
+        pass
+    # A cold build takes about 1.5 minutes; nothing is skipped for want of a binary.
+    done = subprocess.run(
+        [str(REPO / "scripts" / "build-etcd")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.fail(f"scripts/build-etcd failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def etcd_server(etcd_binary: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The endpoint ("127.0.0.1:PORT") of an etcd shared by the whole session.
+
+    Tests share it, so each one works under its own key prefix. Tests that kill or
+    restart a server start their own with `EtcdServer.start`.
+    """
+    with EtcdServer.start(etcd_binary, tmp_path_factory.mktemp("etcd")) as server:
+        yield server.endpoint

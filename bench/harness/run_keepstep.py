@@ -25,7 +25,7 @@ def run_keepstep(run: Run) -> RunResult:
     run.folder.mkdir(parents=True, exist_ok=True)
     run_dir, summary_path = run.folder / "run", run.folder / "summary.json"
     argv = [
-        sys.executable, "-m", "keepstep.agent", "run",
+        sys.executable, "-m", "keepstep", "run",
         "--nodes", str(cfg.nodes), "--min-nodes", str(cfg.min_nodes),
         "--global-batch", str(w.global_batch), "--micro-batch", str(w.micro_batch),
         "--steps", str(w.steps), "--seed", str(w.seed),

@@ -13,7 +13,7 @@ from harness.config import QUICK, BenchConfig, System, Workload, with_overrides
 from harness.ledger import build_ledger
 from harness.runs import Done, Planned, RunResult
 from harness.schedule import FaultKind, make_schedule
-from keepstep.agent.faults import parse_fault
+from keepstep.launch.faults import parse_fault
 
 # -- schedule ----------------------------------------------------------------------------
 

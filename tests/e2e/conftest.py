@@ -42,8 +42,8 @@ def jobs_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The client URL ("http://127.0.0.1:PORT") of an etcd for the training jobs' records,
     separate from the control plane's."""
     # Imported here: the agent's modules pull in torch, which tests without jobs never need.
-    from keepstep.agent.etcd_server import EtcdServer, find_etcd
     from keepstep.elastic.errors import ConfigError
+    from keepstep.launch.etcd_server import EtcdServer, find_etcd
 
     try:
         binary = find_etcd(os.environ)

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from keepstep.agent.chaos.local import LocalTarget
-from keepstep.agent.chaos.model import FaultKind, Job
-from keepstep.agent.chaos.runner import ScenarioResult, recheck, run_scenario, summarize
-from keepstep.agent.chaos.scenario import load_scenario
-from keepstep.agent.chaos.schedule import expand
+from keepstep.chaos.local import LocalTarget
+from keepstep.chaos.model import FaultKind, Job
+from keepstep.chaos.runner import ScenarioResult, recheck, run_scenario, summarize
+from keepstep.chaos.scenario import load_scenario
+from keepstep.chaos.schedule import expand
 from keepstep.e2e.chaos_cluster import PARTITION_SKIP, ClusterTarget, nodes_needed
 from keepstep.e2e.chaos_env import ChaosCluster
 from keepstep.e2e.chaos_trainjob import job_problems, run_summary, trainjob_manifest

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from keepstep.agent import protocol
-from keepstep.agent.etcd import EtcdKV
+from keepstep.agent.kv.etcd import EtcdKV
 from keepstep.e2e.controlplane import ControlPlane
 from keepstep.e2e.kwok import Kwok, KwokConfig
 from keepstep.e2e.kwok_nodes import KwokNodes, kwok_trainjob

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import pytest
 
 from keepstep.agent import protocol
-from keepstep.agent.etcd import EtcdKV
+from keepstep.agent.kv.etcd import EtcdKV
 from keepstep.e2e.controlplane import ControlPlane
 
 from .helpers import Operator, api_delete, api_get, get_job, job_pods, wait_for

@@ -23,7 +23,7 @@ import pytest
 import yaml  # type: ignore[import-untyped]  # no stubs in the pinned environment
 
 from keepstep.e2e.controlplane import ControlPlane
-from keepstep.elastic.local import LocalRun, agreed_sha, run_local
+from keepstep.launch.local import LocalRun, agreed_sha, run_local
 
 from .helpers import REPO
 from .training_fixtures import Training

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from keepstep.agent import protocol
-from keepstep.agent.etcd import EtcdKV
-from keepstep.agent.events import read_events
+from keepstep.agent.kv.etcd import EtcdKV
+from keepstep.agent.protocol.events import read_events
 from keepstep.e2e.controlplane import ControlPlane
 from keepstep.e2e.nodeprocs import proc_state
 from keepstep.e2e.noderunner import NodeRunner

@@ -11,8 +11,8 @@ from datetime import timedelta
 import pytest
 from torch._C._distributed_c10d import HashStore, Store, TCPStore
 
-from keepstep.elastic import comm_abort
-from keepstep.elastic.comm_abort import _AbortWatch, _Outcome, abort_epoch, abort_key, wake_key
+from keepstep.elastic.comm import abort as comm_abort
+from keepstep.elastic.comm.abort import _AbortWatch, _Outcome, abort_epoch, abort_key, wake_key
 from keepstep.elastic.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from keepstep.elastic import comm_reap
+from keepstep.elastic.comm import reap as comm_reap
 
 
 class Group:

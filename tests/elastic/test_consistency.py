@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from keepstep.elastic.local import LocalResult, LocalRun, agreed_sha, run_local
+from keepstep.launch.local import LocalResult, LocalRun, agreed_sha, run_local
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS: dict[str, dict[str, Any]] = {

@@ -1,4 +1,4 @@
-"""Tests of keepstep.elastic.snapshot: slots, checksums, crashes, growth, other processes."""
+"""Tests of keepstep.elastic.snapshot_store: slots, checksums, crashes, growth, other processes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from snapshot_samples import sample_tensors
 
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, SnapshotMissing
-from keepstep.elastic.snapshot import (
+from keepstep.elastic.snapshot_store import (
     FileBuffer,
     MemoryBuffer,
     SnapshotBuffer,

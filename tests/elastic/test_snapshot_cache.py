@@ -16,7 +16,7 @@ import xxhash
 from snapshot_samples import sample_tensors
 
 from keepstep.elastic.errors import ConfigError
-from keepstep.elastic.snapshot import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
+from keepstep.elastic.snapshot_store import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
 from keepstep.elastic.snapshot_write import PayloadPlanner
 
 HEADER = 64

@@ -1,4 +1,4 @@
-"""Tests of keepstep.elastic.state: capture, restore through a snapshot store, layouts."""
+"""Tests of keepstep.elastic.train_state: capture, restore through a snapshot store, layouts."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, StateShapeError
-from keepstep.elastic.snapshot import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
-from keepstep.elastic.state import (
+from keepstep.elastic.snapshot_store import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
+from keepstep.elastic.train_state import (
     TrainState,
     capture,
     check_layout,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from keepstep.agent import protocol
-from keepstep.agent.kv_memory import MemoryKV
+from keepstep.agent.kv.memory import MemoryKV
 from keepstep.operator.actions import ClaimPrefix
 from keepstep.operator.agents import AgentStore
 

@@ -13,7 +13,7 @@ from typing import Any
 from op_builders import ETCD, T0, UID, job_object
 
 from keepstep.agent import protocol
-from keepstep.agent.kv_memory import MemoryKV
+from keepstep.agent.kv.memory import MemoryKV
 from keepstep.operator.actions import Action, CreatePod, DeletePod, EnsureService, PatchStatus
 from keepstep.operator.agents import AgentStore
 from keepstep.operator.kube import Tally

@@ -20,11 +20,11 @@ import sys
 import time
 from pathlib import Path
 
-from keepstep.agent.chaos.cli import add_run_arguments, run_and_report
-from keepstep.agent.chaos.local import LocalTarget
-from keepstep.agent.chaos.runner import ChaosError
-from keepstep.agent.chaos.scenario import load_scenario
-from keepstep.agent.chaos.schedule import expand
+from keepstep.chaos.cli import add_run_arguments, run_and_report
+from keepstep.chaos.local import LocalTarget
+from keepstep.chaos.runner import ChaosError
+from keepstep.chaos.scenario import load_scenario
+from keepstep.chaos.schedule import expand
 from keepstep.e2e.chaos_cluster import ClusterTarget, nodes_needed
 from keepstep.e2e.chaos_env import ChaosCluster, ChaosClusterError
 from keepstep.e2e.procs import ProcessError

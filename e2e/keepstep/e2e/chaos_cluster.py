@@ -1,6 +1,6 @@
 """Cluster mode of the chaos harness: each run of a scenario is a TrainJob on a real cluster.
 
-Where it sits: `keepstep.agent.chaos.runner.run_scenario` calls `ClusterTarget.run` for
+Where it sits: `keepstep.chaos.runner.run_scenario` calls `ClusterTarget.run` for
 every run of a scenario (the fault-free reference is the same job run locally: its
 numbers are the same by design, and it is cached). One run:
 
@@ -12,7 +12,7 @@ numbers are the same by design, and it is cached). One run:
        (a process of the job, a snapshot file), kill and remove it
     5. put the cluster back (reboot a killed node, resume a hung one) and delete the job
 
-The invariants (`keepstep.agent.chaos.invariants`) then judge it exactly as a local run.
+The invariants (`keepstep.chaos.invariants`) then judge it exactly as a local run.
 """
 
 from __future__ import annotations
@@ -26,14 +26,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from keepstep.agent.chaos.inject import Applied
-from keepstep.agent.chaos.invariants import Observation
-from keepstep.agent.chaos.model import FaultKind, Job
-from keepstep.agent.chaos.rundir import CHECKPOINTS
-from keepstep.agent.chaos.runner import ChaosError
-from keepstep.agent.chaos.schedule import RunPlan
-from keepstep.agent.chaos.target import RunOutcome
-from keepstep.agent.events import read_events
+from keepstep.agent.protocol.events import read_events
+from keepstep.chaos.inject import Applied
+from keepstep.chaos.invariants import Observation
+from keepstep.chaos.model import FaultKind, Job
+from keepstep.chaos.rundir import CHECKPOINTS
+from keepstep.chaos.runner import ChaosError
+from keepstep.chaos.schedule import RunPlan
+from keepstep.chaos.target import RunOutcome
 from keepstep.e2e.chaos_env import ChaosCluster, ChaosClusterError
 from keepstep.e2e.chaos_inject import ClusterInjector
 from keepstep.e2e.chaos_trainjob import (

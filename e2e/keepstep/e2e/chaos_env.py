@@ -126,8 +126,8 @@ class ChaosCluster:
     def start(cls, work_dir: Path, nodes: int, timeout: float = 180.0) -> ChaosCluster:
         """Start a control plane and a job etcd in `work_dir` too (the command line)."""
         # Imported here: the agent's modules are only needed once a cluster starts.
-        from keepstep.agent.etcd_server import EtcdServer, find_etcd
         from keepstep.elastic.errors import ConfigError
+        from keepstep.launch.etcd_server import EtcdServer, find_etcd
 
         work_dir = work_dir.resolve()
         cp = ControlPlane.start(work_dir / "controlplane", timeout=timeout)

@@ -1,7 +1,7 @@
 """The chaos injector of cluster mode: a scenario's faults applied to a TrainJob's cluster.
 
 Where it sits: `ClusterTarget.run` (chaos_cluster.py) starts one beside each TrainJob. It
-is the local injector (`keepstep.agent.chaos.inject.Injector`: when a fault is due, by
+is the local injector (`keepstep.chaos.inject.Injector`: when a fault is due, by
 step, time or detection, read from the agents' event logs) with the cluster's actions:
 
     kill-node         the node runner hosting the pod crashes as a whole (`kill`): its pod
@@ -32,8 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from keepstep.agent.chaos.inject import Injector
-from keepstep.agent.chaos.model import Fault, FaultKind
+from keepstep.chaos.inject import Injector
+from keepstep.chaos.model import Fault, FaultKind
 from keepstep.e2e.chaos_env import ChaosCluster
 from keepstep.e2e.noderunner import NodeRunner
 

@@ -4,7 +4,7 @@ Where it sits: between the harness's `Job` (what `keepstep run` would be given) 
 `ClusterTarget` (chaos_cluster.py). Pure functions of their arguments: the manifest the
 target applies, the job settings a TrainJob cannot express (the target refuses those),
 when a run is over, and the summary the invariants read, built from the agents' event
-logs the way `keepstep run` builds its own (`keepstep.agent.summary`).
+logs the way `keepstep run` builds its own (`keepstep.launch.summary`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from keepstep.agent.chaos.model import FaultKind, Job
-from keepstep.agent.summary import build_summary
+from keepstep.chaos.model import FaultKind, Job
+from keepstep.launch.summary import build_summary
 
 IMAGE = "keepstep/agent:chaos"  # the node runner ignores images: pods run this checkout
 # Node runners advertise 8 CPUs: a request over half of that puts one pod on each node,

@@ -22,7 +22,7 @@ from keepstep.elastic.control import Controller, ScheduleController
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.job import Job
 from keepstep.elastic.reduce import ReduceMode
-from keepstep.elastic.snapshot import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
+from keepstep.elastic.snapshot_store import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
 
 ENV_PREFIX = "KEEPSTEP_"
 

@@ -29,9 +29,9 @@ from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
 from keepstep.elastic.plan import plan
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import SampleOrder, fix_determinism
-from keepstep.elastic.snapshot import SnapshotStore
-from keepstep.elastic.state import capture, check_layout, layout_signature, restore
+from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import Step, StepOutcome
+from keepstep.elastic.train_state import capture, check_layout, layout_signature, restore
 
 log = logging.getLogger(__name__)
 

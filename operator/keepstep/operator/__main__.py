@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported here: the etcd client's import is heavy, and --help should not wait for it.
 
     # Imported here: the etcd client's import is heavy, and --help should not wait for it.
-    from keepstep.agent.etcd import EtcdKV
+    from keepstep.agent.kv.etcd import EtcdKV
 
     kube = Kube(connection, settings.api_timeout_s, settings.create_parallelism)
     kv = EtcdKV(settings.etcd, timeout=settings.etcd_timeout_s)

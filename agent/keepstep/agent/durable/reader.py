@@ -1,0 +1,159 @@
+"""Reading durable checkpoints back: the newest intact one, or the list of published ones.
+
+Where it sits: ``keepstep run --resume URL`` calls ``latest_checkpoint`` (re-exported by
+``checkpoint``) and feeds the blob to ``SnapshotStore.import_``. A checkpoint exists for
+readers only once latest.json names it or a later step, so files a writer left part-way are
+never returned; a damaged or missing newest checkpoint falls back to the one before it, each
+blob verified against the sha256 in its record. Storage is reached through ``checkpoint_io``,
+every call under a deadline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from keepstep.agent.durable.storage import (
+    LATEST,
+    CheckpointInfo,
+    Location,
+    Store,
+    blob_name,
+    bounded,
+    check_timeout,
+    info_name,
+    step_files,
+)
+from keepstep.elastic.errors import SnapshotCorrupt, SnapshotMissing
+
+__all__ = ["latest_checkpoint", "list_checkpoints"]
+
+# The logger of the module these functions came from, so logging set up for it still applies.
+log = logging.getLogger("keepstep.agent.durable.writer")
+
+
+def latest_checkpoint(
+    url: str, timeout: float, storage_options: Mapping[str, Any] | None = None
+) -> tuple[CheckpointInfo, bytes] | None:
+    """The newest published checkpoint whose blob matches its sha256, and the blob.
+
+    None when latest.json does not exist (no checkpoint was ever completed). A damaged or
+    missing newest checkpoint is skipped with a warning; if every published one is damaged or
+    missing, SnapshotCorrupt or SnapshotMissing says why.
+    """
+    loc = Location.parse(url, storage_options)
+    check_timeout(timeout)
+    return bounded(lambda: _read_latest(Store(loc)), timeout, f"reading checkpoints at {url}")
+
+
+def list_checkpoints(
+    url: str, timeout: float, storage_options: Mapping[str, Any] | None = None
+) -> list[CheckpointInfo]:
+    """Published checkpoints whose record and blob exist, oldest first; blobs are not read
+    (``latest_checkpoint`` verifies)."""
+    loc = Location.parse(url, storage_options)
+    check_timeout(timeout)
+    return bounded(lambda: _read_list(Store(loc)), timeout, f"listing checkpoints at {url}")
+
+
+def _read_latest(store: Store) -> tuple[CheckpointInfo, bytes] | None:
+    scan = _scan(store)
+    if scan is None:
+        return None
+    errors: list[str] = []
+    missing = False
+    for step in sorted(scan.candidates, reverse=True):
+        try:
+            info = scan.info(step)
+            blob = store.get(blob_name(step))
+        except FileNotFoundError as e:
+            log.warning("skipping checkpoint of step %d under %s: %s missing", step, store.url, e)
+            missing = True
+            continue
+        except SnapshotCorrupt as e:
+            log.warning("skipping damaged checkpoint of step %d: %s", step, e)
+            errors.append(str(e))
+            continue
+        digest = hashlib.sha256(blob).hexdigest()
+        if len(blob) != info.nbytes or digest != info.sha256:
+            why = (
+                f"{info.url}: {len(blob)} B with sha256 {digest}, "
+                f"record says {info.nbytes} B with sha256 {info.sha256}"
+            )
+            log.warning("skipping damaged checkpoint of step %d: %s", step, why)
+            errors.append(why)
+            continue
+        return info, blob
+    if errors:
+        raise SnapshotCorrupt(f"no intact checkpoint under {store.url}: " + "; ".join(errors))
+    detail = " (files missing)" if missing else ""
+    raise SnapshotMissing(f"{store.url}/{LATEST} exists but no checkpoint is left{detail}")
+
+
+def _read_list(store: Store) -> list[CheckpointInfo]:
+    scan = _scan(store)
+    if scan is None:
+        return []
+    out = []
+    for step in sorted(scan.candidates):
+        if blob_name(step) not in scan.by_step.get(step, set()):
+            continue
+        try:
+            out.append(scan.info(step))
+        except (FileNotFoundError, SnapshotCorrupt) as e:
+            log.warning("not listing checkpoint of step %d under %s: %s", step, store.url, e)
+    return out
+
+
+@dataclass(frozen=True)
+class _Scan:
+    store: Store
+    latest: CheckpointInfo | None  # None: latest.json is damaged
+    by_step: dict[int, set[str]]
+    candidates: list[int]  # steps a reader may return
+
+    def info(self, step: int) -> CheckpointInfo:
+        """The record of ``step``, with the url of where it was read from (it may have been
+        copied since it was written)."""
+        url = self.store.url_of(blob_name(step))
+        try:
+            info = CheckpointInfo.from_json(self.store.get(info_name(step)), f"{url} record")
+        except (FileNotFoundError, SnapshotCorrupt):
+            if self.latest is None or self.latest.step != step:
+                raise
+            info = self.latest  # its record was lost, but latest.json holds a copy
+        if info.step != step:
+            raise SnapshotCorrupt(f"{url}: record says step {info.step}")
+        return dataclasses.replace(info, url=url)
+
+
+def _scan(store: Store) -> _Scan | None:
+    names = store.names()
+    by_step = step_files(names)
+    try:
+        raw = store.get(LATEST)
+    except FileNotFoundError:
+        if by_step:
+            log.warning(
+                "%s has files of steps %s but no %s: no checkpoint was completed",
+                store.url,
+                sorted(by_step),
+                LATEST,
+            )
+        return None
+    try:
+        latest: CheckpointInfo | None = CheckpointInfo.from_json(raw, f"{store.url}/{LATEST}")
+    except SnapshotCorrupt as e:
+        # Every blob is checked against its own sha256, so any step that verifies is whole.
+        log.warning("%s; considering every checkpoint present", e)
+        latest = None
+    bound = math.inf if latest is None else latest.step
+    candidates = [s for s in by_step if s <= bound]
+    if latest is not None and latest.step not in candidates:
+        candidates.append(latest.step)  # let the reader say that its files are missing
+    return _Scan(store, latest, by_step, candidates)

@@ -1,0 +1,415 @@
+"""The node agent: one process per node, keeping its workers in the job.
+
+Roles, each in its own module: the job's records in etcd as one watched view (`view`),
+decisions on the next epoch (`healer`, over the pure `agreement`), the store this node
+hosts for process groups (`stores`), worker processes (`supervisor`), the local link to
+them (`link`), liveness probes (`probe`), this node's leased record (`registration`).
+This module wires them and answers the workers.
+
+Detection that does not wait for a collective to fail: a worker that exits (the
+supervisor sees it at once) and a member node whose lease expired (hang, partition)
+make the agent abort the epoch in the epoch's store, so every worker gives up its
+collective within milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from keepstep.agent import protocol
+from keepstep.agent.durable.writer import CheckpointWriter
+from keepstep.agent.kv import KVError, KVStore, WatchEvent
+from keepstep.agent.node import agreement
+from keepstep.agent.node.config import AgentConfig, snapshot_path, worker_spec
+from keepstep.agent.node.durable import DurableCheckpoints, seed_snapshot
+from keepstep.agent.node.healer import Healer, JobCannotContinue
+from keepstep.agent.node.probe import ProbeServer
+from keepstep.agent.node.progress import ProgressPublisher
+from keepstep.agent.node.registration import Registration
+from keepstep.agent.node.spare import SparePool
+from keepstep.agent.node.stores import StoreClients, StoreHost
+from keepstep.agent.node.supervisor import ExitAction, Supervisor, after_exit, describe_exit
+from keepstep.agent.node.view import JobView
+from keepstep.agent.protocol import EpochRecord, NodeRecord, key
+from keepstep.agent.protocol.events import EventLog
+from keepstep.agent.protocol.link import Connection, LinkClosed, LinkServer, Message, socket_address
+from keepstep.agent.telemetry.otel import Telemetry
+from keepstep.elastic.errors import KeepstepError
+
+log = logging.getLogger("keepstep.agent")
+
+# How long a node whose lease expired waits between attempts to register again.
+REREGISTER_RETRY_S = 1.0
+
+
+class NodeAgent:
+    def __init__(self, cfg: AgentConfig, kv: KVStore, telemetry: Telemetry | None = None) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.events = EventLog(
+            cfg.run_dir / f"events-{cfg.node}.jsonl",
+            telemetry.on_event if telemetry is not None else None,
+        )
+        self.lock = threading.RLock()
+        self.view = JobView(cfg.job, cfg.node)
+        self.ready: dict[str, Connection] = {}
+        self.flag = False
+        self.draining = False
+        self.exit_codes: dict[str, int] = {}
+        self.finished: set[str] = set()
+        self.restarts: dict[str, int] = {}
+        self.entered: dict[str, dict[str, Any]] = {}  # member -> its last "reconfigured"
+        self.done = threading.Event()
+        self.closing = False  # workers stopped by close() are not restarted
+        self.failed: str | None = None
+        self.store_host = StoreHost(cfg.host, cfg.store_port, timeout=3 * cfg.op_timeout)
+        # Aborts must not wait long on a dead or stopped store node.
+        self.stores = StoreClients(timeout=min(cfg.op_timeout, 2.0))
+        self.supervisor = Supervisor(self._on_worker_exit)
+        self.spares = (
+            SparePool(
+                worker_spec(cfg, "", "", Path()).env,
+                cfg.run_dir / f"spare-{cfg.node}.log",
+                lambda pid: self.events.write("spare-ready", node=cfg.node, pid=pid),
+            )
+            if cfg.warm_spare
+            else None
+        )
+        self.probe_server = ProbeServer(self._status, cfg.host)
+        self.registration = Registration(
+            kv, key(cfg.job, "nodes", cfg.node), cfg.lease_ttl, cfg.op_timeout, self._node_record
+        )
+        self.healer = Healer(
+            cfg, kv, self.view, self.events, self.registration, lambda: self.draining
+        )
+        self.link = LinkServer(socket_address(cfg.job, cfg.node), self._handle, self._on_disconnect)
+        self.progress = ProgressPublisher(
+            kv,
+            key(cfg.job, "progress", cfg.node),
+            cfg.node,
+            int(cfg.worker_env.get("KEEPSTEP_GLOBAL_BATCH", "0")),
+            cfg.op_timeout,
+        )
+        self.durable = (
+            DurableCheckpoints(
+                CheckpointWriter(
+                    cfg.checkpoint_url,
+                    cfg.checkpoint_every or max(cfg.steps, 1),
+                    storage_options=cfg.storage_options,
+                    after_step=cfg.resume_step,
+                ),
+                self.events,
+                cfg.steps,
+            )
+            if cfg.checkpoint_url
+            else None
+        )
+
+    # -- lifecycle --------------------------------------------------------------------
+    def members(self) -> list[str]:
+        return [protocol.member_id(self.cfg.node, r) for r in range(self.cfg.nproc)]
+
+    def start(self) -> None:
+        job = self.cfg.job
+        self._cancel_watch = self.kv.watch_prefix(
+            protocol.job_prefix(job), self._apply, below=protocol.watched_below(job)
+        )
+        for kv in self.kv.get_prefix(protocol.job_prefix(job), self.cfg.op_timeout):
+            self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
+        self.registration.register()
+        self.progress.start()
+        if self.cfg.resume_blob is not None:
+            blob = self.cfg.resume_blob.read_bytes()
+            for member in self.members():
+                seed_snapshot(self.snapshot_path(member), blob, self.events, member)
+        for member in self.members():
+            self._spawn(member)
+        if self.spares is not None:
+            self.spares.start()
+        self.events.write(
+            "agent-started", node=self.cfg.node, pid=os.getpid(), store=self.store_host.address
+        )
+
+    def _node_record(self) -> NodeRecord:
+        return NodeRecord(
+            self.cfg.node,
+            self.cfg.host,
+            self.probe_server.port,
+            os.getpid(),
+            self.supervisor.pids(),
+            time.time(),
+            self.store_host.port,
+        )
+
+    def _reregister(self) -> None:
+        """This node's record vanished (its lease expired while it was stopped or cut
+        off): register again, retrying while etcd cannot be reached, until it closes."""
+        self.events.write("lease-lost", node=self.cfg.node)
+        while not self.done.is_set():
+            try:
+                self.registration.renew()
+                return
+            except KVError as error:
+                log.warning("could not register again after losing the lease: %s", error)
+                self.done.wait(REREGISTER_RETRY_S)
+
+    def _spawn(self, member: str) -> None:
+        spec = worker_spec(
+            self.cfg,
+            member,
+            socket_address(self.cfg.job, self.cfg.node),
+            self.snapshot_path(member),
+        )
+        spare = self.spares.take(spec.argv, spec.env, spec.log_path) if self.spares else None
+        pid = self.supervisor.start(spec, spare)
+        self.events.write("worker-started", member=member, pid=pid, warm=spare is not None)
+        try:
+            self.registration.publish()
+        except KVError as error:
+            log.warning("could not publish worker pids: %s", error)
+
+    def snapshot_path(self, member: str) -> Path:
+        return snapshot_path(self.cfg, member)
+
+    def drain(self) -> None:
+        """Leave at the next step boundary (SIGTERM): nothing is rolled back."""
+        with self.lock:
+            if self.draining:
+                return
+            self.draining = True
+        self.events.write("drain-requested", node=self.cfg.node)
+        self.kv.put(
+            key(self.cfg.job, "leaving", self.cfg.node),
+            protocol.encode(protocol.LeavingRecord(self.cfg.node, time.time())),
+            self.cfg.op_timeout,
+        )
+
+    def close(self) -> None:
+        self.closing = True
+        if self.spares is not None:
+            self.spares.close()
+        self.supervisor.stop_all(timeout=5.0)
+        self.progress.stop()
+        if self.durable is not None:
+            try:
+                self.durable.close(timeout=60.0)
+            except KeepstepError as error:
+                self.failed = f"durable checkpoint failed: {error}"
+        self.registration.stop()
+        self._cancel_watch()
+        try:
+            self.kv.delete(key(self.cfg.job, "nodes", self.cfg.node), self.cfg.op_timeout)
+            self.kv.delete(key(self.cfg.job, "leaving", self.cfg.node), self.cfg.op_timeout)
+            for member in self.members():
+                self.kv.delete(key(self.cfg.job, "pending", member), self.cfg.op_timeout)
+        except KVError as error:
+            log.warning("could not remove this node's keys: %s", error)
+        for member in self.members():
+            self.snapshot_path(member).unlink(missing_ok=True)
+        self.link.close()
+        self.probe_server.close()
+        self.events.close()
+
+    # -- what etcd tells us -------------------------------------------------------------
+    def _apply(self, event: WatchEvent) -> None:
+        change = self.view.apply(event)
+        if change.lost_self and not self.done.is_set():
+            threading.Thread(target=self._reregister, daemon=True).start()
+        if change.new_epoch is not None and not self.view.job_finished:
+            self._check_members(change.new_epoch)
+        cur = self.view.current
+        if change.lost_node is not None and cur is not None and not self.view.job_finished:
+            node = change.lost_node
+            self._abort(cur, "lease-expired", f"node {node} lost its lease (hung or cut off)", node)
+        self._update_flag()
+
+    def _check_members(self, epoch: EpochRecord) -> None:
+        """End an epoch that names a worker of this node that is not running and ready
+        (see `agreement.not_offered`): nobody would answer for it in the rendezvous."""
+        gone = agreement.not_offered(epoch, self.cfg.node, self._offered())
+        if gone:
+            reason = f"epoch {epoch.epoch} names {','.join(gone)}, not running on {self.cfg.node}"
+            self._abort(epoch, "worker-exit", reason, self.cfg.node)
+
+    def _offered(self) -> list[str]:
+        """The workers this node offers to an epoch: ready (they said hello) and alive."""
+        with self.lock:
+            members = sorted(self.ready)
+        return [m for m in members if self.supervisor.alive(m)]
+
+    def _update_flag(self) -> None:
+        flag = self.view.change_pending()
+        with self.lock:
+            if flag == self.flag:
+                return
+            self.flag = flag
+            conns = list(self.ready.values())
+        for conn in conns:
+            try:
+                conn.send({"op": "pending", "value": flag})
+            except LinkClosed:
+                pass
+
+    def _abort(self, epoch: EpochRecord, cause: str, reason: str, node: str) -> None:
+        self.events.write(
+            "fault-detected", cause=cause, node=node, epoch=epoch.epoch, reason=reason
+        )
+        self.progress.fault(epoch.epoch)
+        if epoch.store:
+            self.stores.abort(epoch.store, epoch.epoch, len(epoch.members), reason)
+
+    # -- workers ----------------------------------------------------------------------
+    def _status(self) -> dict[str, Any]:
+        return {"node": self.cfg.node, "ready": self._offered(), "draining": self.draining}
+
+    def _on_disconnect(self, conn: Connection) -> None:
+        with self.lock:
+            for member, c in list(self.ready.items()):
+                if c is conn:
+                    del self.ready[member]
+
+    def _on_worker_exit(self, member: str, pid: int, code: int) -> None:
+        with self.lock:
+            self.ready.pop(member, None)
+            self.exit_codes[member] = code
+            finished = member in self.finished
+        if self.closing:
+            return
+        self.events.write("worker-exited", member=member, pid=pid, code=code, finished=finished)
+        cur = self.view.current
+        decision = after_exit(
+            member,
+            code,
+            finished=finished,
+            in_epoch=cur is not None and member in cur.members,
+            draining=self.draining,
+            restarts=self.restarts.get(member, 0),
+            max_restarts=self.cfg.max_restarts,
+        )
+        if finished and code != 0:
+            self.events.write(
+                "worker-abnormal-exit",
+                member=member,
+                pid=pid,
+                code=code,
+                exit=describe_exit(code),
+                reason=decision.reason,
+            )
+        if decision.abort and cur is not None:
+            self._abort(cur, "worker-exit", f"worker {member} exited with {code}", self.cfg.node)
+        if decision.action is ExitAction.RESTART:
+            self.restarts[member] = self.restarts.get(member, 0) + 1
+            self._spawn(member)
+            return
+        if decision.action is ExitAction.GIVE_UP:
+            self.failed = decision.reason
+        if self.supervisor.running() == 0:
+            self.done.set()
+
+    def _handle(self, conn: Connection, message: Message) -> Message | None:
+        op = message.get("op")
+        member = str(message.get("member", ""))
+        if op == "hello":
+            # The worker imported everything and built its model: it can be admitted.
+            self.events.write("worker-ready", member=member)
+            with self.lock:
+                self.ready[member] = conn
+                flag = self.flag
+            conn.send({"op": "pending", "value": flag})
+            return {"ok": True}
+        if op == "initial":
+            return self.healer.admit(member)
+        if op == "boundary":
+            return self.healer.boundary(member, int(message["done"]))
+        if op == "failure":
+            self.progress.fault(int(message["epoch"]))
+            try:
+                return self.healer.failure(
+                    member,
+                    int(message["epoch"]),
+                    int(message["done"]),
+                    str(message.get("reason", "")),
+                )
+            except JobCannotContinue as error:
+                self.failed = str(error)
+                raise
+        if op in ("commit", "reconfigured"):
+            self._on_record(op, member, message["record"])
+            return None
+        if op == "finish":
+            with self.lock:
+                # From here on the worker is done, whatever its exit status turns out to be.
+                self.finished.add(member)
+            self.events.write(
+                "finish",
+                member=member,
+                done=message["done"],
+                params_sha256=message["params_sha256"],
+            )
+            self.progress.flush()
+            done = protocol.DoneRecord(member, int(message["done"]), str(message["params_sha256"]))
+            self.kv.put(
+                key(self.cfg.job, "done", member.replace("/", "-")),
+                protocol.encode(done),
+                self.cfg.op_timeout,
+            )
+            return {"ok": True}
+        raise KeepstepError(f"unknown link operation {op!r}")
+
+    def _on_record(self, op: str, member: str, record: dict[str, Any]) -> None:
+        self.events.write(op, member=member, **record)
+        if op == "commit":
+            # A worker that trains again is healthy: only crashes in a row count against
+            # max_restarts (a crash loop), not crashes spread over a long job.
+            self.restarts.pop(member, None)
+            cur = self.view.current
+            first = cur.members[0] if cur is not None else None
+            mttr = self.progress.record(record, leads=first in self.members())
+            entered = self.entered.get(member)
+            if mttr is not None and entered is not None and entered["epoch"] == record["epoch"]:
+                self._publish_recovery(member, {**entered, "mttr_s": mttr})
+            # One writer per job: the first worker of the epoch's first node.
+            if self.durable is not None and first == member:
+                self.durable.after_commit(self.snapshot_path(member), int(record["step"]) + 1)
+        elif int(record["epoch"]) > 0:
+            # What this member measured entering the epoch, for the operator's status; the
+            # MTTR is added at its first commit in the epoch.
+            self.entered[member] = record
+            self._publish_recovery(member, record)
+
+    def _publish_recovery(self, member: str, record: dict[str, Any]) -> None:
+        name = f"{record['epoch']}-{member.replace('/', '-')}"
+        try:
+            self.kv.put(
+                key(self.cfg.job, "recoveries", name),
+                json.dumps(record).encode(),
+                self.cfg.op_timeout,
+            )
+        except KVError as error:
+            log.warning("recovery record not published: %s", error)
+
+
+def run_agent(cfg: AgentConfig, kv: KVStore, telemetry: Telemetry | None = None) -> int:
+    """Run until every worker has finished (0), or the job cannot go on (1)."""
+    agent = NodeAgent(cfg, kv, telemetry)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=agent.drain).start())
+    agent.start()
+    try:
+        agent.done.wait()
+    finally:
+        agent.close()
+    codes = agent.exit_codes
+    ok = agent.failed is None and all(
+        codes.get(m) == 0 or m in agent.finished for m in agent.members()
+    )
+    if not ok:
+        print(f"keepstep agent {cfg.node}: {agent.failed or codes}", file=sys.stderr)
+    return 0 if ok else 1

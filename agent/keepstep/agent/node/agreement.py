@@ -1,0 +1,117 @@
+"""Membership decisions: pure functions from what an agent observed to the next epoch.
+
+Each returns the proposed `EpochRecord` (or None for "no change") and a reason that
+tests and logs read. Agents apply a decision with a compare-and-set on the epoch key, so
+when two agents decide at once exactly one proposal wins and everyone adopts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import replace
+
+from keepstep.agent.node.probe import ProbeResult
+from keepstep.agent.protocol import EpochRecord, NodeRecord, node_of
+
+
+def first_epoch(
+    pending: Collection[str],
+    expected_members: int,
+    min_members: int,
+    waited_s: float,
+    grace_s: float,
+    now: float,
+) -> tuple[EpochRecord | None, str]:
+    """Epoch 0: all expected workers are waiting, or enough of them after the grace period."""
+    members = sorted(pending)
+    if len(members) >= expected_members:
+        return EpochRecord(0, members, "all nodes ready", 0, now), "all nodes ready"
+    if len(members) >= min_members and waited_s >= grace_s:
+        reason = f"{len(members)} of {expected_members} workers ready after {waited_s:.0f} s"
+        return EpochRecord(0, members, reason, 0, now), reason
+    return None, f"waiting: {len(members)} of {expected_members} workers ready"
+
+
+def at_boundary(
+    current: EpochRecord,
+    pending: Collection[str],
+    leaving_nodes: Collection[str],
+    done: int,
+    now: float,
+) -> tuple[EpochRecord | None, str]:
+    """A planned change at a step boundary: admit waiting workers, let drained nodes go."""
+    leaving = set(leaving_nodes)
+    stay = [m for m in current.members if node_of(m) not in leaving]
+    admit = [m for m in pending if m not in current.members and node_of(m) not in leaving]
+    members = sorted({*stay, *admit})
+    if members == sorted(current.members):
+        return None, "no change"
+    if not members:
+        return None, "every node is leaving: the job ends with this epoch"
+    parts = []
+    if admit:
+        parts.append("admit " + ",".join(sorted(admit)))
+    gone = sorted(set(current.members) - set(members))
+    if gone:
+        parts.append("drain " + ",".join(gone))
+    reason = "; ".join(parts)
+    return EpochRecord(current.epoch + 1, members, reason, done, now), reason
+
+
+def after_failure(
+    current: EpochRecord,
+    probes: Mapping[str, ProbeResult],
+    pending: Collection[str],
+    leaving_nodes: Collection[str],
+    done: int,
+    now: float,
+) -> tuple[EpochRecord | None, str]:
+    """The survivors of a failed epoch, plus ready joiners, minus draining nodes.
+
+    A member stays if its node answered the probe and offers that worker as ready.
+    """
+    leaving = set(leaving_nodes)
+
+    def ready(member: str) -> bool:
+        result = probes.get(node_of(member))
+        return result is not None and result.alive and member in result.ready
+
+    survivors = [m for m in current.members if ready(m) and node_of(m) not in leaving]
+    joiners = [m for m in pending if ready(m) and node_of(m) not in leaving]
+    members = sorted({*survivors, *joiners})
+    lost = sorted(set(current.members) - set(survivors))
+    details = [
+        f"{node}: {probes[node].detail}"
+        for node in sorted({node_of(m) for m in lost})
+        if node in probes and probes[node].detail
+    ]
+    reason = (
+        "lost "
+        + (",".join(lost) if lost else "nothing")
+        + (f" ({'; '.join(details)})" if details else "")
+    )
+    if not members:
+        return None, reason + "; no worker left to train"
+    return EpochRecord(current.epoch + 1, members, reason, done, now), reason
+
+
+def not_offered(record: EpochRecord, node: str, offered: Collection[str]) -> list[str]:
+    """The members of `record` on `node` that this node does not offer as ready.
+
+    An epoch is agreed from probes, and a probe can answer before its agent has learned
+    that a worker died (a loaded machine runs the agent's threads late). Such an epoch
+    names a process that is gone: its rendezvous would wait until a cold replacement has
+    started (seconds). The agent ends it at once instead, so that the survivors agree the
+    next epoch without that member, and the replacement is admitted when it is ready.
+    """
+    return [m for m in record.members if node_of(m) == node and m not in offered]
+
+
+def with_store(record: EpochRecord, nodes: Mapping[str, NodeRecord]) -> EpochRecord:
+    """Name the store the epoch rendezvouses on: the one of its first node that has a live
+    record (a node of the epoch, so the store is lost only when the epoch is over anyway)."""
+    for node in record.nodes():
+        found = nodes.get(node)
+        if found is not None and found.store_port:
+            return replace(record, store=found.store_address())
+    return record

@@ -1,0 +1,187 @@
+"""`keepstep agent`: one node agent, as a pod (or `keepstep run`) starts it.
+
+Two ways to configure it:
+
+    keepstep agent --config agent.json                      what `keepstep run` writes
+    keepstep agent --nodes 3 --min-nodes 2 --global-batch 64 --micro-batch 4 --steps 200 \\
+        -- python train.py ARGS...                          what a TrainJob's pod runs
+
+In the second form the etcd endpoint, job and node come from flags or, as the operator
+sets them, from KEEPSTEP_ETCD, KEEPSTEP_JOB, KEEPSTEP_NODE and KEEPSTEP_HOST (the pod's
+IP, which peers use to reach this node's probe and process-group store). Telemetry
+exporters come from KEEPSTEP_TELEMETRY / OTEL_EXPORTER_OTLP_ENDPOINT, an S3-compatible
+checkpoint endpoint from KEEPSTEP_S3_ENDPOINT. The environment is read here and nowhere
+deeper.
+
+`--resume URL` (what the operator adds when a suspended TrainJob resumes) starts the
+workers from the newest durable checkpoint under URL. Unlike `keepstep run --resume`,
+finding none is not an error: the job then starts from step 0, since a pod that refused
+would only be replaced by another that refuses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from keepstep.errors import ConfigError
+
+# Reading the newest checkpoint record and its blob from object storage.
+_RESUME_READ_S = 120.0
+
+
+def register(sub: Any) -> None:
+    env = os.environ
+    agent = sub.add_parser(
+        "agent",
+        help="run one node agent (what a TrainJob pod runs)",
+        description="Run one node agent: its workers, its membership, its snapshots.",
+    )
+    agent.add_argument("--config", help="agent configuration (JSON), as `keepstep run` writes it")
+    agent.add_argument("--etcd", default=env.get("KEEPSTEP_ETCD"), help="[$KEEPSTEP_ETCD]")
+    agent.add_argument("--job", default=env.get("KEEPSTEP_JOB"), help="job id [$KEEPSTEP_JOB]")
+    agent.add_argument(
+        "--node",
+        default=env.get("KEEPSTEP_NODE") or socket.gethostname(),
+        help="this node's id [$KEEPSTEP_NODE, else the host name]",
+    )
+    agent.add_argument(
+        "--host",
+        default=env.get("KEEPSTEP_HOST") or "127.0.0.1",
+        help="the address peers reach this node on [$KEEPSTEP_HOST]",
+    )
+    agent.add_argument("--nodes", type=int, help="nodes the job starts with")
+    agent.add_argument(
+        "--min-nodes",
+        type=int,
+        help="start with this many nodes if not all are ready after 30 s [--nodes]; once "
+        "started, the job trains on whatever nodes survive (the operator fails a TrainJob "
+        "that stays below minNodes)",
+    )
+    agent.add_argument("--nproc", type=int, default=1, help="workers on this node")
+    agent.add_argument("--global-batch", type=int)
+    agent.add_argument("--micro-batch", type=int)
+    agent.add_argument("--steps", type=int)
+    agent.add_argument("--seed", type=int, default=0)
+    agent.add_argument("--mode", choices=["exact", "fast"], default="exact")
+    agent.add_argument("--checkpoint", metavar="URL", help="durable checkpoints (fsspec URL)")
+    agent.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
+    agent.add_argument(
+        "--resume",
+        metavar="URL",
+        help="start from the newest durable checkpoint under URL, if there is one",
+    )
+    agent.add_argument("--hang-timeout", type=int, default=1, metavar="SECONDS")
+    agent.add_argument("--warm-spare", action="store_true", help="keep a warm spare worker")
+    agent.add_argument("--run-dir", help="event log and worker logs [a temporary folder]")
+    agent.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
+    agent.set_defaults(func=_cmd_agent)
+
+
+def _cmd_agent(args: argparse.Namespace) -> int:
+    from keepstep.agent.kv.etcd import EtcdKV
+    from keepstep.agent.node.agent import run_agent
+    from keepstep.agent.node.config import AgentConfig, load_config
+    from keepstep.agent.telemetry.config import TelemetryConfig
+    from keepstep.agent.telemetry.otel import create_telemetry
+
+    cfg: AgentConfig = load_config(Path(args.config)) if args.config else from_flags(args)
+    telemetry_cfg = TelemetryConfig.from_env(os.environ)
+    telemetry = (
+        create_telemetry(telemetry_cfg, node=cfg.node, trainjob=cfg.job)
+        if telemetry_cfg.enabled
+        else None
+    )
+    try:
+        return run_agent(cfg, EtcdKV(cfg.etcd), telemetry)
+    finally:
+        if telemetry is not None:
+            telemetry.close()
+
+
+def from_flags(args: argparse.Namespace) -> Any:
+    """The agent configuration of a pod's command line; names every missing value."""
+    from keepstep.agent.node.config import AgentConfig
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    missing = [
+        flag
+        for flag, value in (
+            ("--etcd (or KEEPSTEP_ETCD)", args.etcd),
+            ("--job (or KEEPSTEP_JOB)", args.job),
+            ("--nodes", args.nodes),
+            ("--global-batch", args.global_batch),
+            ("--micro-batch", args.micro_batch),
+            ("--steps", args.steps),
+            ("-- COMMAND", command),
+        )
+        if not value
+    ]
+    if missing:
+        raise ConfigError(
+            "keepstep agent needs --config FILE, or these values: " + ", ".join(missing)
+        )
+    run_dir = Path(args.run_dir or Path(tempfile.gettempdir()) / "keepstep" / args.job)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    from keepstep.agent.durable.storage import storage_options_from_env
+
+    options = storage_options_from_env(os.environ)
+    resume_step, resume_blob = _resume_point(args.resume, args.steps, options, run_dir, args.node)
+    return AgentConfig(
+        job=args.job,
+        node=args.node,
+        etcd=args.etcd,
+        script=command[0],
+        command=tuple(command),
+        nproc=args.nproc,
+        run_dir=run_dir,
+        worker_env={
+            "KEEPSTEP_GLOBAL_BATCH": str(args.global_batch),
+            "KEEPSTEP_MICRO_BATCH": str(args.micro_batch),
+            "KEEPSTEP_STEPS": str(args.steps),
+            "KEEPSTEP_SEED": str(args.seed),
+            "KEEPSTEP_MODE": args.mode,
+            # The workers' gloo binds and publishes the node's address, as the agent does.
+            "KEEPSTEP_HOST": args.host,
+        },
+        expected_nodes=args.nodes,
+        min_nodes=args.min_nodes or args.nodes,
+        lease_ttl=args.hang_timeout,
+        host=args.host,
+        steps=args.steps,
+        checkpoint_url=args.checkpoint,
+        checkpoint_every=args.checkpoint_every,
+        storage_options=options,
+        resume_blob=resume_blob,
+        resume_step=resume_step,
+        warm_spare=args.warm_spare,
+    )
+
+
+def _resume_point(
+    url: str | None, steps: int, options: dict[str, Any], run_dir: Path, node: str
+) -> tuple[int, Path | None]:
+    """The step and blob of the newest checkpoint under `url`; (0, None) when there is none."""
+    if not url:
+        return 0, None
+    from keepstep.agent.durable.reader import latest_checkpoint
+
+    found = latest_checkpoint(url, _RESUME_READ_S, options)
+    if found is None:
+        print(f"keepstep agent: no checkpoint under {url}; starting from step 0", flush=True)
+        return 0, None
+    info, blob = found
+    if info.step >= steps:
+        raise ConfigError(
+            f"--resume {url}: the checkpoint is at step {info.step}, not before --steps {steps}"
+        )
+    path = run_dir / f"resume-{node}.ckpt"
+    path.write_bytes(blob)
+    print(f"keepstep agent: resuming from step {info.step} ({info.url})", flush=True)
+    return info.step, path

@@ -1,0 +1,195 @@
+"""The healer: answers a worker that needs the next epoch, agreeing it once, by CAS.
+
+Three questions come from workers over the local link:
+
+    initial   wait until an epoch admits the worker (epoch 0, or a join later)
+    boundary  a planned change was announced in the last step: agree it at this boundary
+    failure   a collective failed: probe the members, agree the survivors
+
+Each decision is a pure function in `agreement`; this module observes (the job view,
+the probes), applies the decision with a compare-and-set on the epoch key, names the
+store the new epoch rendezvouses on, and waits until the agreed epoch is visible. Two
+agents deciding at once is harmless: one write wins and both adopt it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from keepstep.agent import protocol
+from keepstep.agent.kv import KVStore
+from keepstep.agent.node import agreement
+from keepstep.agent.node.config import AgentConfig
+from keepstep.agent.node.probe import probe_all
+from keepstep.agent.node.registration import Registration
+from keepstep.agent.node.view import JobView
+from keepstep.agent.protocol import EpochRecord, key, node_of
+from keepstep.agent.protocol.events import EventLog
+from keepstep.agent.protocol.link import Message
+from keepstep.elastic.errors import KeepstepError
+
+
+class JobCannotContinue(KeepstepError):
+    """Too few members are left (or none can be probed) to form the next epoch."""
+
+
+class Healer:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        kv: KVStore,
+        view: JobView,
+        events: EventLog,
+        registration: Registration,
+        draining: Callable[[], bool],
+    ) -> None:
+        self.cfg, self.kv, self.view, self.events = cfg, kv, view, events
+        self._registration, self._draining = registration, draining
+        self._agree_lock = threading.Lock()
+        self._started = time.monotonic()
+
+    @staticmethod
+    def membership(record: EpochRecord) -> Message:
+        return {
+            "membership": {
+                "epoch": record.epoch,
+                "members": record.members,
+                "store": record.store,
+            }
+        }
+
+    def _stamp(self, record: EpochRecord) -> EpochRecord:
+        return agreement.with_store(record, self.view.observe().nodes)
+
+    def _agreed(
+        self,
+        record: EpochRecord,
+        reason: str,
+        previous: EpochRecord | None = None,
+        **extra: Any,
+    ) -> None:
+        """The "epoch-agreed" event, written by the agent whose proposal won. After the
+        first epoch it names the members `admitted` (joiners, restarted workers back) and
+        `removed` relative to `previous`."""
+        if previous is not None:
+            extra["admitted"] = sorted(set(record.members) - set(previous.members))
+            extra["removed"] = sorted(set(previous.members) - set(record.members))
+        self.events.write(
+            "epoch-agreed",
+            epoch=record.epoch,
+            members=record.members,
+            reason=reason,
+            **extra,
+            store=record.store,
+        )
+
+    # -- admission ----------------------------------------------------------------------
+    def admit(self, member: str) -> Message:
+        """Block until an epoch includes `member` (announcing it as pending meanwhile)."""
+        pending_key = key(self.cfg.job, "pending", member)
+        # Under the node's lease, renewed first if it expired while the node was stopped.
+        pending = protocol.encode(protocol.PendingRecord(member, time.time()))
+        self._registration.put(pending_key, pending)
+        view = self.view
+        while True:
+            with view.changed:
+                cur = view.current
+                if cur is not None and member in cur.members:
+                    break
+                if cur is not None and view.job_finished:
+                    # The job ended while this worker waited: it leaves without training.
+                    self.kv.delete(pending_key, self.cfg.op_timeout)
+                    return {"membership": {"epoch": cur.epoch, "members": [], "store": ""}}
+                view.changed.wait(0.1)
+            if cur is None:
+                self._maybe_first_epoch()
+        self.kv.delete(pending_key, self.cfg.op_timeout)
+        return self.membership(cur)
+
+    def _maybe_first_epoch(self) -> None:
+        record, reason = agreement.first_epoch(
+            self.view.observe().pending,
+            self.cfg.expected_nodes * self.cfg.nproc,
+            self.cfg.min_nodes * self.cfg.nproc,
+            time.monotonic() - self._started,
+            self.cfg.admission_grace,
+            time.time(),
+        )
+        if record is None:
+            return
+        record = self._stamp(record)
+        if self.kv.create(key(self.cfg.job, "epoch"), protocol.encode(record), self.cfg.op_timeout):
+            self._agreed(record, reason)
+
+    def _settle(self, member: str, record: EpochRecord) -> Message:
+        """Answer with `record` if it includes the worker (or the node drains); else wait."""
+        if member in record.members or (self._draining() and node_of(member) == self.cfg.node):
+            return self.membership(record)
+        self.events.write("excluded", member=member, epoch=record.epoch)
+        return self.admit(member)
+
+    # -- planned changes ------------------------------------------------------------------
+    def boundary(self, member: str, done: int) -> Message:
+        seen = self.view.observe()
+        cur = seen.current
+        assert cur is not None, "a worker at a boundary is a member of an epoch"
+        decision_key = key(self.cfg.job, "boundary", f"{cur.epoch}-{done}")
+        record, reason = agreement.at_boundary(cur, seen.pending, seen.leaving, done, time.time())
+        if record is not None:
+            record = agreement.with_store(record, seen.nodes)
+        payload = protocol.encode(record) if record is not None else b"null"
+        # The first decision for this (epoch, step) is the only one: a late agent, whose
+        # view has one more joiner, must not agree a different epoch at the same boundary.
+        if self.kv.create(decision_key, payload, self.cfg.op_timeout):
+            if record is not None and self.kv.compare_and_put(
+                key(self.cfg.job, "epoch"), payload, seen.revision, self.cfg.op_timeout
+            ):
+                self._agreed(record, reason, cur, planned=True, step=done)
+        else:
+            got = self.kv.get(decision_key, self.cfg.op_timeout)
+            assert got is not None, "a decision key, once created, is never deleted"
+            record = None if got.value == b"null" else protocol.decode(EpochRecord, got.value)
+        if record is None:
+            return {"membership": None}
+        return self._settle(member, self.view.wait_epoch_after(cur.epoch, self.cfg.admission_grace))
+
+    # -- failures ---------------------------------------------------------------------------
+    def failure(self, member: str, epoch: int, done: int, reason: str) -> Message:
+        with self._agree_lock:
+            seen = self.view.observe()
+            cur = seen.current
+            assert cur is not None, "a failed worker was a member of an epoch"
+            if cur.epoch <= epoch:
+                self.events.write(
+                    "fault-detected",
+                    cause="collective",
+                    node=self.cfg.node,
+                    epoch=epoch,
+                    reason=reason,
+                )
+                t0 = time.monotonic()
+                wanted = {*cur.nodes(), *(node_of(m) for m in seen.pending)}
+                targets = {
+                    n: (rec.host, rec.probe_port) for n, rec in seen.nodes.items() if n in wanted
+                }
+                probes = probe_all(targets, self.cfg.probe_timeout)
+                record, why = agreement.after_failure(
+                    cur, probes, seen.pending, seen.leaving, done, time.time()
+                )
+                if record is None:
+                    raise JobCannotContinue(f"the job cannot continue: {why}")
+                record = agreement.with_store(record, seen.nodes)
+                if self.kv.compare_and_put(
+                    key(self.cfg.job, "epoch"),
+                    protocol.encode(record),
+                    seen.revision,
+                    self.cfg.op_timeout,
+                ):
+                    self._agreed(
+                        record, why, cur, planned=False, step=done, agree_s=time.monotonic() - t0
+                    )
+            new = self.view.wait_epoch_after(epoch, self.cfg.admission_grace)
+        return self._settle(member, new)

@@ -1,0 +1,132 @@
+"""`keepstep chaos run SCENARIO.yaml --report PATH`: the chaos harness's command line.
+
+`keepstep chaos check REPORT.json` judges the runs of a report again from their run
+directories (after the invariants changed), without running anything.
+
+Where it sits: `keepstep.cli.build_parser` calls `register(sub)`; the command loads
+the scenario (a mistake is reported with its line), runs it on the local target
+(`runner.run_scenario`) and writes the report (`report.write`). Cluster mode
+(`python -m keepstep.e2e.chaos`) reuses `add_run_arguments` and `run_and_report` with
+its own target. Exit status: 0 when every
+invariant held in every run (or the scenario was skipped, with its reason printed),
+1 when an invariant was violated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keepstep.chaos.model import Scenario
+    from keepstep.chaos.target import Target
+
+
+def register(sub: Any) -> None:
+    """Add `chaos` (with `run`) to the `keepstep` subcommands."""
+    chaos = sub.add_parser("chaos", help="run seeded fault schedules and check invariants")
+    verbs = chaos.add_subparsers(dest="chaos_command", required=True)
+    run = verbs.add_parser(
+        "run",
+        help="run one scenario file",
+        epilog="Cluster mode (a TrainJob on the end-to-end cluster): "
+        "python -m keepstep.e2e.chaos run SCENARIO.yaml",
+    )
+    add_run_arguments(run)
+    run.add_argument("--target", choices=["local"], default="local")
+    run.set_defaults(func=_cmd_run)
+    again = verbs.add_parser("check", help="judge the runs of a report again (nothing is run)")
+    again.add_argument("report", help="a report written by `keepstep chaos run`")
+    again.set_defaults(func=_cmd_check)
+
+
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    """The arguments of `chaos run` that do not depend on the target (the cluster
+    mode's command line has them too)."""
+    run.add_argument("scenario", help="a scenario file (e2e/scenarios/*.yaml)")
+    run.add_argument("--report", help="write the JSON report here (and an .html beside it)")
+    run.add_argument("--run-dir", help="where the runs go (default: runs/chaos-<name>-<time>)")
+    run.add_argument(
+        "--reference-cache",
+        help="where fault-free reference runs are cached (default: the run directory)",
+    )
+    run.add_argument(
+        "--only-run",
+        type=int,
+        action="append",
+        metavar="N",
+        help="replay only run N of the scenario (repeatable)",
+    )
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from keepstep.chaos.local import LocalTarget
+    from keepstep.chaos.scenario import load_scenario
+
+    scenario = load_scenario(args.scenario)
+    return run_and_report(scenario, args, LocalTarget())
+
+
+def run_and_report(
+    scenario: Scenario,
+    args: argparse.Namespace,
+    target: Target,
+    reference_target: Target | None = None,
+) -> int:
+    """Run `scenario` on `target` as `args` (from `add_run_arguments`) say, write the
+    report and print the verdict; the exit status (0 passed or skipped, 1 violated)."""
+    from keepstep.chaos import report
+    from keepstep.chaos.runner import run_scenario, summarize
+
+    # SIGTERM (a CI timeout) must still end the run's processes: unwind like Ctrl-C.
+    signal.signal(signal.SIGTERM, _interrupt)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = Path(args.run_dir or f"runs/chaos-{scenario.name}-{stamp}")
+    cache = Path(args.reference_cache) if args.reference_cache else None
+
+    def say(text: str) -> None:
+        print(f"chaos: {text}", file=sys.stderr, flush=True)
+
+    only = set(args.only_run) if args.only_run else None
+    result = run_scenario(scenario, target, run_dir, cache, only, say, reference_target)
+    data = summarize(result)
+    path = Path(args.report) if args.report else run_dir / "report.json"
+    page = report.write(result, data, path)
+    if result.skipped:
+        print(f"{scenario.name}: SKIPPED: {result.skipped}")
+        return 0
+    g = data["goodput"]
+    ratio = f"{g['ratio']:.3f}" if g.get("ratio") else "-"
+    print(
+        f"{scenario.name} ({target.name}): {'PASSED' if result.passed else 'FAILED'}  "
+        f"{data['faults_applied']} faults applied, {data['faults_skipped']} skipped, "
+        f"{len(data['violations'])} violations, goodput {ratio} of the fault-free run"
+    )
+    for line in data["violations"][:20]:
+        print(f"  {line}")
+    if scenario.known_failure and not result.passed:
+        print(f"  known finding: {scenario.known_failure}")
+    print(f"report: {path} and {page}")
+    return 0 if result.passed else 1
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    import json
+
+    from keepstep.chaos.runner import recheck
+    from keepstep.chaos.scenario import load_scenario
+
+    data = json.loads(Path(args.report).read_text())
+    verdicts = recheck(data, load_scenario(data["source"]))
+    for run, verdict in zip(data["runs"], verdicts, strict=True):
+        state = "holds" if not verdict.violations else f"VIOLATED: {verdict.violations}"
+        print(f"run {run['index']}: {state}")
+    return 0 if all(not v.violations for v in verdicts) else 1
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")

@@ -1,0 +1,298 @@
+"""Running a scenario: the fault-free reference once, then each run of the schedule.
+
+Where it sits: `keepstep chaos run` (chaos/cli.py) calls `run_scenario`; it expands the
+schedule (`schedule.py`), gets the reference run from the cache or runs it, runs every
+`RunPlan` on the target, checks each run (`invariants.py`) and returns the result that
+`report.py` writes. The reference is cached under a hash of everything that decides its
+numbers (the job, the training script, the elastic library's sources), so the scenarios
+of one job share one fault-free run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import keepstep.elastic
+from keepstep.agent.protocol.events import read_events
+from keepstep.chaos.invariants import (
+    Observation,
+    Reference,
+    Verdict,
+    check,
+    reference_from,
+)
+from keepstep.chaos.model import FaultKind, Job, Scenario
+from keepstep.chaos.rundir import DETECTIONS
+from keepstep.chaos.schedule import RunPlan, expand
+from keepstep.chaos.target import RunOutcome, Target
+from keepstep.elastic.errors import KeepstepError
+
+_REFERENCE_FORMAT = 3  # bump when `Reference` changes: old cache entries are not read
+
+
+class ChaosError(KeepstepError):
+    """The harness itself could not do its work (not a violated invariant)."""
+
+
+@dataclass
+class RunResult:
+    plan: RunPlan
+    outcome: RunOutcome
+    verdict: Verdict
+
+
+@dataclass
+class ScenarioResult:
+    scenario: Scenario
+    target: str
+    reference: Reference | None
+    runs: list[RunResult] = field(default_factory=list)
+    skipped: str | None = None
+    reference_path: Path | None = None
+
+    @property
+    def passed(self) -> bool:
+        # Not only the invariants: a harness failure (the injector died) fails a run too.
+        return self.skipped is None and all(not r.verdict.violations for r in self.runs)
+
+
+def job_key(job: Job) -> str:
+    """A hash of what decides the fault-free run's numbers."""
+    fields = asdict(job)
+    del fields["timeout"]  # how long to wait changes no number
+    del fields["etcd_members"]  # nor how many etcd members the run has
+    fields["reference_format"] = _REFERENCE_FORMAT
+    h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
+    try:
+        h.update(Path(job.script).read_bytes())
+    except OSError as error:
+        raise ChaosError(f"training script {job.script!r}: {error.strerror}") from None
+    for path in sorted(Path(next(iter(keepstep.elastic.__path__))).glob("*.py")):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def reference(
+    job: Job, target: Target, cache: Path, say: Callable[[str], None] = print
+) -> Reference:
+    """The fault-free run of `job`: from the cache, or run now and cached."""
+    key = job_key(job)
+    path = cache / f"reference-{key}.json"
+    if path.exists():
+        return load_reference(path)
+    say(f"reference: fault-free run of the job ({job.steps} steps, {job.nodes} nodes)")
+    outcome = target.run(job, None, cache / f"reference-{key}")
+    if outcome.summary is None:
+        raise ChaosError(
+            f"the fault-free reference run failed (see {outcome.run_dir}):\n{outcome.output_tail}"
+        )
+    try:
+        ref = reference_from(outcome.summary, outcome.events, job, outcome.seen.checkpoints)
+    except ValueError as error:
+        raise ChaosError(f"{error} (see {outcome.run_dir})") from None
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(asdict(ref)))
+    return ref
+
+
+def load_reference(path: Path) -> Reference:
+    data = json.loads(path.read_text())
+    data["micro_batch_samples"] = tuple(tuple(row) for row in data["micro_batch_samples"])
+    data["checkpoints"] = tuple((int(step), str(sha)) for step, sha in data["checkpoints"])
+    return Reference(**data)
+
+
+def run_scenario(
+    scenario: Scenario,
+    target: Target,
+    out_dir: Path,
+    cache: Path | None = None,
+    only_runs: set[int] | None = None,
+    say: Callable[[str], None] = print,
+    reference_target: Target | None = None,
+) -> ScenarioResult:
+    """Run every plan of the scenario on `target`. The fault-free reference runs on
+    `reference_target` (default: `target`): a cluster target compares with the same job
+    run locally, whose numbers are the same by design and which is cached."""
+    plans = expand(scenario)
+    if only_runs is not None:
+        plans = [p for p in plans if p.index in only_runs]
+    unsupported = target.unsupported()
+    kinds = {f.kind for p in plans for f in p.faults}
+    if kinds and kinds <= set(unsupported):
+        reason = "; ".join(unsupported[k] for k in sorted(kinds, key=lambda k: k.value))
+        return ScenarioResult(scenario, target.name, None, skipped=reason)
+    ref = reference(scenario.job, reference_target or target, cache or out_dir, say)
+    ref_path = (cache or out_dir) / f"reference-{job_key(scenario.job)}.json"
+    result = ScenarioResult(scenario, target.name, ref, reference_path=ref_path)
+    for plan in plans:
+        say(f"run {plan.index + 1}/{scenario.runs}: {', '.join(map(str, plan.faults))}")
+        outcome = target.run(scenario.job, plan, out_dir / f"run-{plan.index:03d}")
+        verdict = check(
+            outcome.summary,
+            outcome.events,
+            ref,
+            outcome.seen,
+            scenario.job,
+            scenario.checks,
+        )
+        if outcome.injector_error is not None:
+            verdict.violations.append(f"harness: the injector failed: {outcome.injector_error}")
+        result.runs.append(RunResult(plan, outcome, verdict))
+        applied = sum(1 for f in outcome.seen.faults if f.get("t") is not None)
+        ratio = verdict.goodput.get("ratio")
+        say(
+            f"  {applied}/{len(plan.faults)} faults applied; "
+            + (f"VIOLATED: {verdict.violations}" if verdict.violations else "invariants hold")
+            + (f"; goodput {ratio:.3f} of the fault-free run" if ratio else "")
+        )
+    return result
+
+
+def summarize(result: ScenarioResult) -> dict[str, Any]:
+    """The report's JSON: invariants over all runs, violations, faults, recoveries, goodput."""
+    s = result.scenario
+    invariants: dict[str, bool] = {}
+    for r in result.runs:
+        for name, ok in r.verdict.invariants.items():
+            invariants[name] = invariants.get(name, True) and ok
+    faults, recoveries, runs = [], [], []
+    samples = seconds = 0.0
+    for r in result.runs:
+        start = r.outcome.started_t
+        for f in r.outcome.seen.faults:
+            t = f.get("t")
+            faults.append({"run": r.plan.index, **f, "t_s": t - start if t else None})
+        for rec in attribute(r.outcome):
+            recoveries.append({"run": r.plan.index, **rec})
+        rate = r.verdict.goodput.get("samples_per_s")
+        if rate:
+            samples += s.job.steps * s.job.global_batch
+            seconds += s.job.steps * s.job.global_batch / rate
+        runs.append(
+            {
+                "index": r.plan.index,
+                "seed": r.plan.seed,
+                "run_dir": str(r.outcome.run_dir),
+                "faults": [str(f) for f in r.plan.faults],
+                "invariants": r.verdict.invariants,
+                "violations": r.verdict.violations,
+                "goodput": r.verdict.goodput,
+                "exit_code": r.outcome.seen.exit_code,
+                "started_t": start,
+                "ended_t": r.outcome.seen.ended_t,
+                "wall_s": r.outcome.seen.ended_t - start,
+                "leftovers": list(r.outcome.seen.leftovers),
+                "checkpoints": [list(c) for c in r.outcome.seen.checkpoints],
+                "injector_error": r.outcome.injector_error,
+            }
+        )
+    ref_rate = result.reference.samples_per_s if result.reference else None
+    rate = samples / seconds if seconds else None
+    return {
+        "scenario": s.name,
+        "description": s.description,
+        "source": s.source,
+        "target": result.target,
+        "seed": s.seed,
+        "passed": result.passed,
+        "skipped": result.skipped,
+        "known_failure": s.known_failure,
+        "invariants": invariants,
+        "violations": [
+            f"run {r.plan.index}: {v}" for r in result.runs for v in r.verdict.violations
+        ],
+        "faults": faults,
+        "faults_applied": sum(1 for f in faults if f.get("t") is not None),
+        "faults_skipped": sum(1 for f in faults if f.get("skipped")),
+        "recoveries": recoveries,
+        "goodput": {
+            "samples_per_s": rate,
+            "reference_samples_per_s": ref_rate,
+            "ratio": rate / ref_rate if rate and ref_rate else None,
+            "target": s.checks.min_goodput,
+        },
+        "reference_path": str(result.reference_path) if result.reference_path else None,
+        "reference": asdict(result.reference)
+        | {"micro_batch_samples": "(per step digests)", "checkpoints": "(see the cache)"}
+        if result.reference
+        else None,
+        "runs": runs,
+    }
+
+
+def attribute(outcome: RunOutcome) -> list[dict[str, Any]]:
+    """The summary's recoveries, each with the fault it followed (`fault`: its index in the
+    run's list) and, timed from that fault's injection, `detect_from_fault_s` and
+    `mttr_from_fault_s` (the summary can only time the faults the launcher injected)."""
+    events = outcome.events
+    agreed: dict[int, float] = {}
+    for e in events:
+        if e["kind"] == "epoch-agreed" and e["epoch"] > 0:
+            agreed.setdefault(int(e["epoch"]), float(e["t"]))
+    faults = sorted(
+        (f for f in outcome.seen.faults if f.get("t") is not None), key=lambda f: float(f["t"])
+    )
+    used: set[int] = set()
+    out = []
+    for rec in (outcome.summary or {}).get("recoveries", []):
+        rec = dict(rec)
+        at = agreed.get(int(rec["epoch"]))
+        fault = next(
+            (
+                f
+                for f in faults
+                if f["index"] not in used
+                and at is not None
+                and float(f["t"]) <= at
+                and FaultKind(f["kind"]).expects_recovery
+            ),
+            None,
+        )
+        if fault is not None and at is not None:
+            used.add(fault["index"])
+            t = float(fault["t"])
+            detected = [float(e["t"]) for e in events if e["kind"] in DETECTIONS and e["t"] >= t]
+            after = [
+                float(e["t"])
+                for e in events
+                if e["kind"] == "commit" and e["epoch"] >= rec["epoch"] and e["t"] >= at
+            ]
+            rec["fault"] = fault["index"]
+            rec["detect_from_fault_s"] = min(detected) - t if detected else None
+            rec["mttr_from_fault_s"] = min(after) - t if after else None
+        out.append(rec)
+    return out
+
+
+def recheck(data: dict[str, Any], scenario: Scenario) -> list[Verdict]:
+    """Judge the runs of a report again from their run directories (after the invariants
+    changed, or to look at a run again): nothing is run."""
+    ref = load_reference(Path(data["reference_path"]))
+    verdicts = []
+    for run in data["runs"]:
+        run_dir = Path(run["run_dir"])
+        summary_path = run_dir / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+        faults = tuple(
+            {k: v for k, v in f.items() if k not in ("run", "t_s")}
+            for f in data["faults"]
+            if f["run"] == run["index"]
+        )
+        seen = Observation(
+            run["exit_code"],
+            run["ended_t"],
+            faults,
+            tuple(run["leftovers"]),
+            tuple((int(step), str(sha)) for step, sha in run.get("checkpoints", [])),
+        )
+        verdict = check(summary, read_events(run_dir), ref, seen, scenario.job, scenario.checks)
+        if run.get("injector_error"):
+            verdict.violations.append(f"harness: the injector failed: {run['injector_error']}")
+        verdicts.append(verdict)
+    return verdicts

@@ -1,0 +1,171 @@
+"""Run a training script as several local processes with a scripted membership.
+
+This is the node-agent-free harness the library's own tests and `keepstep selfcheck` use:
+one process per member, a TCPStore hosted by the launcher for the process groups, and a
+`ScheduleController` in each process that replays membership changes fixed in advance
+(graceful shrinks and joins at step boundaries, and the survivors of an injected crash).
+`keepstep run` (the agent) is the production launcher; this one has no failure detection
+of its own beyond the communicator's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from torch._C._distributed_c10d import TCPStore
+
+from keepstep.elastic.control import CommitRecord, ScheduleController
+from keepstep.elastic.errors import ConfigError, KeepstepError
+
+CONTROLLER_SPEC = "keepstep.launch.local:controller_from_env"
+
+
+@dataclass
+class _CrashingController(ScheduleController):
+    """A schedule controller that SIGKILLs its own process after committing a given step."""
+
+    die_after: int | None = None
+
+    def on_commit(self, record: CommitRecord) -> None:
+        super().on_commit(record)
+        if self.die_after is not None and record.step + 1 == self.die_after:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def controller_from_env(env: Mapping[str, str]) -> ScheduleController:
+    """Build this process's controller from the variables `run_local` sets."""
+    host, _, port = env["KEEPSTEP_STORE"].rpartition(":")
+    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+    plan = json.loads(env["KEEPSTEP_SCHEDULE"])
+    die = env.get("KEEPSTEP_DIE_AFTER")
+    result = env.get("KEEPSTEP_RESULT")
+    return _CrashingController(
+        store_=store,
+        me=env["KEEPSTEP_MEMBER"],
+        schedule=plan["schedule"],
+        at_step=plan["at_step"],
+        first_epoch=int(env.get("KEEPSTEP_FIRST_EPOCH", "0")),
+        result_path=Path(result) if result else None,
+        die_after=int(die) if die else None,
+    )
+
+
+@dataclass(frozen=True)
+class LocalRun:
+    """A scripted run: `schedule[k]` members train in epoch k, from step `at_step[k]`.
+
+    `at_step[k] = None` marks an epoch entered only after a crash in epoch k-1; `crash`
+    maps a member to the step after whose commit it SIGKILLs itself. Members not in
+    epoch 0 are started at once and wait to be admitted in `first_epoch[member]`.
+    """
+
+    script: str
+    steps: int
+    global_batch: int
+    micro_batch: int
+    schedule: Sequence[Sequence[str]]
+    at_step: Sequence[int | None] = (0,)
+    seed: int = 0
+    mode: str = "exact"
+    script_args: Sequence[str] = ()
+    crash: Mapping[str, int] = field(default_factory=dict)
+    timeout: float = 300.0
+
+    def members(self) -> list[str]:
+        return sorted({m for epoch in self.schedule for m in epoch})
+
+    def first_epoch(self, member: str) -> int:
+        return next(k for k, epoch in enumerate(self.schedule) if member in epoch)
+
+
+@dataclass(frozen=True)
+class LocalResult:
+    returncodes: dict[str, int]
+    results: dict[str, dict[str, Any]]
+    logs: dict[str, str]
+
+    def finished(self) -> dict[str, dict[str, Any]]:
+        """Results of the members that trained to the end."""
+        return {m: r for m, r in self.results.items() if self.returncodes[m] == 0}
+
+
+def run_local(run: LocalRun, run_dir: Path, env: Mapping[str, str] | None = None) -> LocalResult:
+    """Run the scripted job; every process it starts is gone when it returns."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    base = dict(os.environ if env is None else env)
+    base.update(
+        KEEPSTEP_CONTROLLER=CONTROLLER_SPEC,
+        KEEPSTEP_STORE=f"127.0.0.1:{store.port}",
+        KEEPSTEP_SCHEDULE=json.dumps({"schedule": run.schedule, "at_step": run.at_step}),
+        KEEPSTEP_GLOBAL_BATCH=str(run.global_batch),
+        KEEPSTEP_MICRO_BATCH=str(run.micro_batch),
+        KEEPSTEP_SEED=str(run.seed),
+        KEEPSTEP_MODE=run.mode,
+        KEEPSTEP_STEPS=str(run.steps),
+        OMP_NUM_THREADS="1",
+    )
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    logs: dict[str, Path] = {}
+    try:
+        for member in run.members():
+            env_m = dict(base)
+            env_m.update(
+                KEEPSTEP_MEMBER=member,
+                KEEPSTEP_FIRST_EPOCH=str(run.first_epoch(member)),
+                KEEPSTEP_RESULT=str(run_dir / f"result-{member}.json"),
+                KEEPSTEP_SNAPSHOT=str(run_dir / f"snapshot-{member}"),
+            )
+            if member in run.crash:
+                env_m["KEEPSTEP_DIE_AFTER"] = str(run.crash[member])
+            logs[member] = run_dir / f"log-{member}.txt"
+            with open(logs[member], "wb") as out:
+                procs[member] = subprocess.Popen(
+                    [sys.executable, run.script, *run.script_args],
+                    env=env_m,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        deadline = time.monotonic() + run.timeout
+        for member, proc in procs.items():
+            left = deadline - time.monotonic()
+            try:
+                proc.wait(timeout=max(left, 0.1))
+            except subprocess.TimeoutExpired:
+                raise KeepstepError(
+                    f"member {member} still running after {run.timeout:.0f} s; see {logs[member]}"
+                ) from None
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+    results = {}
+    for member in procs:
+        path = run_dir / f"result-{member}.json"
+        if path.exists():
+            results[member] = json.loads(path.read_text())
+    return LocalResult(
+        returncodes={m: p.returncode for m, p in procs.items()},
+        results=results,
+        logs={m: p.read_text(errors="replace") for m, p in logs.items()},
+    )
+
+
+def agreed_sha(result: LocalResult) -> str:
+    """The one params_sha256 every finishing member reports (ConfigError if they differ)."""
+    shas: set[str] = {r["params_sha256"] for r in result.finished().values()}
+    if len(shas) != 1:
+        raise ConfigError(f"members disagree or none finished: {sorted(shas)}")
+    return shas.pop()

@@ -1,0 +1,381 @@
+"""`keepstep run`: one job on one machine, each simulated node its own process group.
+
+The launcher starts a private etcd (`--etcd-members 3`: a three-member cluster, which
+survives losing any one member; each agent hosts its own process-group store),
+starts one node agent per node (`keepstep agent`, in a new session so a node can be
+killed or stopped as a whole), injects the scripted faults when the job reaches their
+step, shows a progress line, and writes the run directory: event logs, worker logs,
+faults, and summary.json. Every process it started is gone when it returns.
+
+With `netns`, each node runs in a network namespace of its own on a bridge (`netns.py`):
+its agent and workers publish the namespace's address, etcd listens on the bridge's, and
+the namespaces, veths and bridge are removed on the way out, whatever ended the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from keepstep.agent import protocol
+from keepstep.agent.durable.writer import latest_checkpoint
+from keepstep.agent.kv import KVError
+from keepstep.agent.kv.etcd import EtcdKV
+from keepstep.agent.node.config import AgentConfig, dump_config
+from keepstep.agent.protocol import NodeRecord, ProgressRecord
+from keepstep.agent.protocol.events import read_events
+from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.elastic.plan import micro_batch_count
+from keepstep.launch.etcd_cluster import MEMBER_COUNTS, start_etcd
+from keepstep.launch.faults import FaultKind, FaultSpec, check_faults
+from keepstep.launch.netns import MAX_NODES, NodeNetworks
+from keepstep.launch.summary import build_summary
+
+# The launcher looks at its agents every FAST_READ_S (a local call), and reads the job's
+# progress from etcd that often only while a step-scheduled fault is near, else every
+# SLOW_READ_S: at ten reads a second it took ~1% of a 4-node run's CPU on 2 cores, with
+# etcd's share of each read.
+FAST_READ_S = 0.1
+SLOW_READ_S = 1.0
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    script: str
+    script_args: tuple[str, ...]
+    nodes: int
+    global_batch: int
+    micro_batch: int
+    steps: int
+    run_dir: Path
+    etcd_binary: str
+    nproc_per_node: int = 1
+    min_nodes: int = 1
+    seed: int = 0
+    mode: str = "exact"
+    faults: tuple[FaultSpec, ...] = ()
+    timeout: float = 1800.0
+    lease_ttl: float = 1.0
+    warm_spare: bool = False
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    checkpoint_url: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    storage_options: Mapping[str, Any] = field(default_factory=dict)
+    netns: bool = False  # each node in its own network namespace (root and `ip` needed)
+    etcd_members: int = 1  # 3: a cluster that survives the loss of one member
+
+    def __post_init__(self) -> None:
+        n_micro = micro_batch_count(self.global_batch, self.micro_batch)
+        if self.nodes < 1 or self.nproc_per_node < 1:
+            raise ConfigError(
+                f"--nodes {self.nodes} and --nproc-per-node {self.nproc_per_node} must be >= 1"
+            )
+        joins = sum(1 for f in self.faults if f.kind is FaultKind.JOIN_NODE)
+        workers = (self.nodes + joins) * self.nproc_per_node
+        if workers > n_micro:
+            raise ConfigError(
+                f"{workers} workers ((--nodes {self.nodes} + {joins} joins) x --nproc-per-node "
+                f"{self.nproc_per_node}) but only {n_micro} micro-batches "
+                f"(--global-batch {self.global_batch} / --micro-batch {self.micro_batch}); "
+                "every worker needs at least one"
+            )
+        if not 1 <= self.min_nodes <= self.nodes:
+            raise ConfigError(f"--min-nodes {self.min_nodes} must be between 1 and --nodes")
+        if self.steps < 1:
+            raise ConfigError(f"--steps {self.steps} must be >= 1")
+        if not Path(self.script).is_file():
+            raise ConfigError(f"training script {self.script!r} does not exist")
+        check_faults(self.faults, self.nodes, self.steps)
+        if self.lease_ttl < 1:
+            raise ConfigError(f"--hang-timeout {self.lease_ttl} must be >= 1 second")
+        if self.checkpoint_every < 0:
+            raise ConfigError(f"--checkpoint-every {self.checkpoint_every} must be >= 0")
+        if self.checkpoint_every and not self.checkpoint_url:
+            raise ConfigError("--checkpoint-every needs --checkpoint URL")
+        if self.etcd_members not in MEMBER_COUNTS:
+            raise ConfigError(
+                f"--etcd-members {self.etcd_members}; allowed: "
+                + ", ".join(map(str, MEMBER_COUNTS))
+            )
+        if self.netns and self.nodes + joins > MAX_NODES:
+            raise ConfigError(
+                f"--netns gives each node an address of one /24: at most {MAX_NODES} nodes "
+                f"(--nodes {self.nodes} + {joins} joins)"
+            )
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig, out: TextIO) -> None:
+        self.cfg = cfg
+        self.out = out
+        # Unique per run: abstract sockets and etcd keys of an older run never collide.
+        self.job = f"{cfg.run_dir.name.replace('_', '-')}-{uuid.uuid4().hex[:8]}"
+        self.agents: dict[str, subprocess.Popen[bytes]] = {}
+        self.faults_log: list[dict[str, Any]] = []
+        self.pending = sorted(cfg.faults, key=lambda f: f.step)
+        self.next_node = cfg.nodes
+        self.last_line = 0.0
+        self.stopped: set[str] = set()
+        self.networks: NodeNetworks | None = None
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.resume_step = 0
+        self.resume_blob: Path | None = None
+        if cfg.resume:
+            found = latest_checkpoint(cfg.resume, 120.0, cfg.storage_options)
+            if found is None:
+                raise ConfigError(f"--resume {cfg.resume}: no checkpoint there")
+            info, blob = found
+            if info.step >= cfg.steps:
+                raise ConfigError(
+                    f"--resume {cfg.resume}: the checkpoint is at step "
+                    f"{info.step}, not before --steps {cfg.steps}"
+                )
+            self.resume_step, self.resume_blob = info.step, cfg.run_dir / "resume.ckpt"
+            self.resume_blob.write_bytes(blob)
+            self._note(f"resuming from step {info.step} ({info.url})")
+        if cfg.netns:
+            ip = shutil.which("ip")
+            self.networks = NodeNetworks.create(cfg.run_dir, euid=os.geteuid(), ip=ip)
+        try:
+            self._train()
+        finally:
+            if self.networks is not None:
+                for error in self.networks.close():
+                    self._note(f"network cleanup: {error}")
+        summary = build_summary(
+            read_events(cfg.run_dir),
+            self.faults_log,
+            steps=cfg.steps,
+            global_batch=cfg.global_batch,
+            micro_batch=cfg.micro_batch,
+            start_step=self.resume_step,
+        )
+        summary["agent_exit_codes"] = {n: p.returncode for n, p in self.agents.items()}
+        (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        (cfg.run_dir / "faults.json").write_text(json.dumps(self.faults_log, indent=2))
+        return summary
+
+    def _train(self) -> None:
+        cfg = self.cfg
+        # Namespaced nodes reach etcd on the bridge; so does the launcher (a local address).
+        host = self.networks.plan.bridge_address if self.networks else "127.0.0.1"
+        etcd = start_etcd(
+            cfg.etcd_binary, cfg.run_dir / "etcd", members=cfg.etcd_members, host=host
+        )
+        kv = EtcdKV(etcd.endpoint)  # "h:p", or every member's "h:p,h:p,h:p" for a cluster
+        try:
+            self.etcd_endpoint = etcd.endpoint
+            for i in range(cfg.nodes):
+                self._start_node(f"n{i}")
+            self._watch(kv)
+        finally:
+            self._stop_all()
+            kv.close()
+            etcd.stop(timeout=10)
+
+    def _start_node(self, node: str) -> None:
+        cfg = self.cfg
+        host, prefix = "127.0.0.1", []
+        if self.networks is not None:
+            index = int(node.removeprefix("n"))
+            host = self.networks.add(index).address
+            prefix = self.networks.plan.exec_prefix(index, self.networks.ip)
+        agent_cfg = AgentConfig(
+            job=self.job,
+            node=node,
+            etcd=self.etcd_endpoint,
+            script=str(Path(cfg.script).resolve()),
+            script_args=cfg.script_args,
+            nproc=cfg.nproc_per_node,
+            run_dir=cfg.run_dir.resolve(),
+            worker_env={
+                "KEEPSTEP_GLOBAL_BATCH": str(cfg.global_batch),
+                "KEEPSTEP_MICRO_BATCH": str(cfg.micro_batch),
+                "KEEPSTEP_STEPS": str(cfg.steps),
+                "KEEPSTEP_SEED": str(cfg.seed),
+                "KEEPSTEP_MODE": cfg.mode,
+                # The address the workers' gloo binds and publishes: the node's own.
+                "KEEPSTEP_HOST": host,
+                **cfg.extra_env,
+            },
+            expected_nodes=cfg.nodes,
+            min_nodes=cfg.min_nodes,
+            lease_ttl=cfg.lease_ttl,
+            warm_spare=cfg.warm_spare,
+            steps=cfg.steps,
+            checkpoint_url=cfg.checkpoint_url,
+            checkpoint_every=cfg.checkpoint_every,
+            storage_options=dict(cfg.storage_options),
+            resume_blob=self.resume_blob,
+            resume_step=self.resume_step,
+            host=host,
+        )
+        path = cfg.run_dir / f"agent-{node}.json"
+        dump_config(agent_cfg, path)
+        with open(cfg.run_dir / f"agent-{node}.log", "ab") as log:
+            self.agents[node] = subprocess.Popen(
+                [*prefix, sys.executable, "-m", "keepstep", "agent", "--config", str(path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def _watch(self, kv: EtcdKV) -> None:
+        deadline = time.monotonic() + self.cfg.timeout
+        step, rate, read_at = 0, 0.0, -math.inf
+        # Nodes the launcher stopped (hang faults) stay stopped: they are killed at the end.
+        while any(p.poll() is None for n, p in self.agents.items() if n not in self.stopped):
+            if time.monotonic() > deadline:
+                raise KeepstepError(f"the job did not finish within {self.cfg.timeout:.0f} s")
+            if time.monotonic() - read_at >= self._read_interval(step, rate):
+                read_at = time.monotonic()
+                step, rate = self._read_progress(kv) or (step, rate)
+            time.sleep(FAST_READ_S)
+        self._show(self.cfg.steps, None, final=True)
+
+    def _read_interval(self, step: int, rate: float) -> float:
+        """Every etcd read takes CPU from the training it watches: read often only while a
+        step-scheduled fault is near, so it lands within a step or two of its step."""
+        if not self.pending:
+            return SLOW_READ_S
+        if rate <= 0:  # no rate published yet: the job may be faster than any slow read
+            return FAST_READ_S
+        near = max(2.0, rate * 2 * SLOW_READ_S)  # steps the job may make in two slow reads
+        return FAST_READ_S if self.pending[0].step - step <= near else SLOW_READ_S
+
+    def _read_progress(self, kv: EtcdKV) -> tuple[int, float] | None:
+        """Read the nodes' progress, inject the faults that are due, show the progress line;
+        return the job's step and its rate in steps a second (None: etcd did not answer)."""
+        try:
+            progress = [
+                protocol.decode(ProgressRecord, item.value)
+                for item in kv.get_prefix(protocol.prefix(self.job, "progress"), 2.0)
+            ]
+            step = max((p.step for p in progress), default=0)
+            # The node records (the workers' pids) only when a fault is due.
+            due = bool(self.pending) and self.pending[0].step <= step
+            nodes = {
+                item.key.rpartition("/")[2]: protocol.decode(NodeRecord, item.value)
+                for item in (kv.get_prefix(protocol.prefix(self.job, "nodes"), 2.0) if due else ())
+            }
+        except KVError:
+            return None
+        self._inject(step, nodes)
+        # The newest record (the epoch leader's, published most often) speaks for the job.
+        newest = max(progress, key=lambda p: (p.epoch, p.step), default=None)
+        self._show(step, newest)
+        rate = newest.samples_per_s / self.cfg.global_batch if newest is not None else 0.0
+        return step, rate
+
+    def _inject(self, step: int, nodes: Mapping[str, NodeRecord]) -> None:
+        while self.pending and self.pending[0].step <= step:
+            fault = self.pending.pop(0)
+            node = f"n{fault.node}" if fault.node is not None else f"n{self.next_node}"
+            proc = self.agents.get(node)
+            if fault.kind is FaultKind.KILL_WORKER:
+                record = nodes.get(node)
+                pid = record.workers.get(protocol.member_id(node, 0)) if record else None
+                if pid is None:
+                    self._note(f"fault {fault} skipped: node {node} has no worker now")
+                    continue
+                _kill(pid, signal.SIGKILL)
+            elif proc is None or proc.poll() is not None:
+                if fault.kind is not FaultKind.JOIN_NODE:
+                    self._note(f"fault {fault} skipped: node {node} is not running")
+                    continue
+            if fault.kind is FaultKind.KILL_NODE:
+                _killpg(proc, signal.SIGKILL)
+            elif fault.kind is FaultKind.HANG_NODE:
+                _killpg(proc, signal.SIGSTOP)
+                self.stopped.add(node)
+            elif fault.kind is FaultKind.DRAIN_NODE:
+                assert proc is not None
+                _kill(proc.pid, signal.SIGTERM)
+            elif fault.kind is FaultKind.JOIN_NODE:
+                self.next_node += 1
+                self._start_node(node)
+            self.faults_log.append(
+                {
+                    "kind": fault.kind.value,
+                    "node": node,
+                    "step": step,
+                    "spec": str(fault),
+                    "t": time.time(),
+                }
+            )
+            self._note(f"fault {fault} injected at step {step} on {node}")
+
+    def _note(self, text: str) -> None:
+        prefix = "\r" if self.out.isatty() else ""
+        self.out.write(f"{prefix}keepstep: {text}\033[K\n" if prefix else f"keepstep: {text}\n")
+        self.out.flush()
+
+    def _show(self, step: int, newest: ProgressRecord | None, final: bool = False) -> None:
+        now = time.monotonic()
+        every = 0.2 if self.out.isatty() else 5.0
+        if not final and now - self.last_line < every:
+            return
+        self.last_line = now
+        world = newest.world_size if newest is not None else 0
+        rate = newest.samples_per_s if newest is not None else 0.0
+        line = f"step {step}/{self.cfg.steps} | world {world} | {rate:.0f} samples/s"
+        if self.faults_log:
+            line += f" | faults {len(self.faults_log)}"
+        if self.out.isatty() and not final:
+            self.out.write(f"\r{line}\033[K")
+        elif not final:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+    def _stop_all(self) -> None:
+        """End every node this launcher started: the whole process group, by its id."""
+        for node, proc in self.agents.items():
+            if node in self.stopped:
+                _killpg(proc, signal.SIGKILL)
+            elif proc.poll() is None:
+                _kill(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for proc in self.agents.values():
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.agents.values():
+            _killpg(proc, signal.SIGKILL)  # workers of a killed agent, if any are left
+            if proc.poll() is None:
+                proc.wait(timeout=5)
+        for leftover in self.cfg.run_dir.glob("agent-*.json"):
+            node = leftover.stem.removeprefix("agent-")
+            for shm in Path("/dev/shm").glob(f"keepstep-{self.job}-{node}-*"):
+                shm.unlink(missing_ok=True)
+
+
+def _kill(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _killpg(proc: subprocess.Popen[bytes] | None, sig: signal.Signals) -> None:
+    if proc is None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

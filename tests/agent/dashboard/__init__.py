@@ -1,1 +1,0 @@
-"""Tests of keepstep.agent.dashboard."""

@@ -1,0 +1,71 @@
+"""Membership decisions are pure: the same observations give the same epoch and reason."""
+
+from __future__ import annotations
+
+from keepstep.agent.node import agreement
+from keepstep.agent.node.probe import ProbeResult
+from keepstep.agent.protocol import EpochRecord
+
+FOUR = ["n0/0", "n1/0", "n2/0", "n3/0"]
+
+
+def alive(*members: str) -> dict[str, ProbeResult]:
+    out: dict[str, ProbeResult] = {}
+    for m in members:
+        node = m.partition("/")[0]
+        old = out.get(node)
+        ready = (*(old.ready if old else ()), m)
+        out[node] = ProbeResult(node, True, ready)
+    return out
+
+
+def test_first_epoch_waits_for_every_worker_then_the_grace() -> None:
+    rec, why = agreement.first_epoch(FOUR[:3], 4, 2, waited_s=1.0, grace_s=30.0, now=0.0)
+    assert rec is None and why == "waiting: 3 of 4 workers ready"
+    rec, _ = agreement.first_epoch(FOUR, 4, 2, waited_s=1.0, grace_s=30.0, now=0.0)
+    assert rec is not None and rec.members == FOUR and rec.epoch == 0
+    rec, why = agreement.first_epoch(FOUR[:3], 4, 2, waited_s=31.0, grace_s=30.0, now=0.0)
+    assert rec is not None and rec.members == FOUR[:3] and "3 of 4" in why
+
+
+def test_boundary_admits_pending_and_drains_leaving_nodes() -> None:
+    cur = EpochRecord(3, FOUR[:3])
+    rec, why = agreement.at_boundary(cur, {"n3/0"}, {"n1"}, done=17, now=0.0)
+    assert rec is not None
+    assert rec.members == ["n0/0", "n2/0", "n3/0"] and rec.epoch == 4 and rec.start_step == 17
+    assert why == "admit n3/0; drain n1/0"
+
+
+def test_boundary_without_change_keeps_the_epoch() -> None:
+    cur = EpochRecord(1, FOUR)
+    assert agreement.at_boundary(cur, set(FOUR), set(), 5, 0.0) == (None, "no change")
+
+
+def test_failure_keeps_members_whose_node_answers_and_offers_them() -> None:
+    cur = EpochRecord(2, FOUR)
+    probes = alive("n0/0", "n2/0", "n3/0")
+    probes["n1"] = ProbeResult("n1", False, (), "unreachable: Connection refused")
+    rec, why = agreement.after_failure(cur, probes, set(), set(), done=9, now=0.0)
+    assert rec is not None and rec.members == ["n0/0", "n2/0", "n3/0"] and rec.epoch == 3
+    assert why == "lost n1/0 (n1: unreachable: Connection refused)"
+
+
+def test_failure_drops_a_crashed_worker_of_a_live_node_and_admits_ready_joiners() -> None:
+    cur = EpochRecord(0, FOUR)
+    probes = alive("n0/0", "n1/0", "n3/0", "n4/0")  # n2 answers without its worker
+    probes["n2"] = ProbeResult("n2", True, ())
+    rec, _ = agreement.after_failure(cur, probes, {"n4/0"}, set(), 3, 0.0)
+    assert rec is not None and rec.members == ["n0/0", "n1/0", "n3/0", "n4/0"]
+
+
+def test_failure_with_nobody_left_is_refused_with_a_reason() -> None:
+    cur = EpochRecord(0, ["n0/0"])
+    rec, why = agreement.after_failure(cur, {}, set(), set(), 0, 0.0)
+    assert rec is None and why.endswith("no worker left to train")
+
+
+def test_an_epoch_names_workers_this_node_does_not_offer() -> None:
+    record = EpochRecord(4, ["n0/0", "n0/1", "n1/0"])
+    assert agreement.not_offered(record, "n0", ["n0/1"]) == ["n0/0"]
+    assert agreement.not_offered(record, "n0", ["n0/0", "n0/1"]) == []
+    assert agreement.not_offered(record, "n2", []) == []

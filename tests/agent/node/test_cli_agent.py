@@ -1,0 +1,122 @@
+"""`keepstep agent` configured the way a TrainJob pod is: flags and KEEPSTEP_* variables."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from keepstep.agent.node.cli import from_flags
+from keepstep.agent.protocol.events import read_events
+from keepstep.cli import build_parser
+from keepstep.elastic.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_missing_values_are_named_together() -> None:
+    args = build_parser().parse_args(["agent", "--etcd", "127.0.0.1:1", "--job", "j"])
+    with pytest.raises(ConfigError) as info:
+        from_flags(args)
+    text = str(info.value)
+    for flag in ("--nodes", "--global-batch", "--micro-batch", "--steps", "-- COMMAND"):
+        assert flag in text
+    assert "--etcd" not in text
+
+
+def test_flags_become_the_agent_configuration(tmp_path: Path) -> None:
+    argv = ["agent", "--etcd", "127.0.0.1:2379", "--job", "ns.demo", "--node", "demo-node-3"]
+    argv += ["--nodes", "3", "--min-nodes", "2", "--nproc", "2", "--global-batch", "32"]
+    argv += ["--micro-batch", "4", "--steps", "9", "--seed", "5", "--host", "127.0.2.7"]
+    argv += ["--run-dir", str(tmp_path), "--", "python", "train.py", "--lr", "0.1"]
+    cfg = from_flags(build_parser().parse_args(argv))
+    assert (cfg.job, cfg.node, cfg.host) == ("ns.demo", "demo-node-3", "127.0.2.7")
+    assert (cfg.expected_nodes, cfg.min_nodes, cfg.nproc, cfg.steps) == (3, 2, 2, 9)
+    assert cfg.command == ("python", "train.py", "--lr", "0.1")
+    assert cfg.worker_env["KEEPSTEP_GLOBAL_BATCH"] == "32"
+    assert cfg.worker_env["KEEPSTEP_SEED"] == "5"
+    assert cfg.worker_env["KEEPSTEP_HOST"] == "127.0.2.7"  # what the workers' gloo binds
+
+
+@pytest.mark.slow
+def test_two_agents_started_like_pods_train_to_the_end(etcd_server: str, tmp_path: Path) -> None:
+    job = f"pods-{uuid.uuid4().hex[:8]}"
+    procs = []
+    for i, host in enumerate(["127.0.0.1", "127.0.0.2"]):
+        env = dict(os.environ)
+        # The operator's env: etcd, job, node (the pod name) and host (the pod IP).
+        env.update(
+            KEEPSTEP_ETCD=etcd_server, KEEPSTEP_JOB=job, KEEPSTEP_NODE=f"p{i}", KEEPSTEP_HOST=host
+        )
+        argv = [sys.executable, "-m", "keepstep", "agent", "--nodes", "2"]
+        argv += ["--global-batch", "16", "--micro-batch", "4", "--steps", "6"]
+        argv += ["--run-dir", str(tmp_path), "--", sys.executable, str(REPO / "examples/mlp.py")]
+        procs.append(
+            subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        )
+    outputs = [p.communicate(timeout=100)[0].decode(errors="replace") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    events = read_events(tmp_path)
+    finished = [e for e in events if e["kind"] == "finish"]
+    assert len(finished) == 2 and len({e["params_sha256"] for e in finished}) == 1
+    stores = {e["node"]: e["store"] for e in events if e["kind"] == "agent-started"}
+    # Each agent hosts a store on its own address; epoch 0 rendezvoused on the first node's.
+    assert stores["p0"].startswith("127.0.0.1:") and stores["p1"].startswith("127.0.0.2:")
+    agreed = [e for e in events if e["kind"] == "epoch-agreed"]
+    assert agreed[0]["store"] == stores["p0"]
+    assert json.dumps(agreed[0]["members"]) == json.dumps(["p0/0", "p1/0"])
+
+
+def test_resume_from_an_empty_location_starts_from_step_zero(tmp_path: Path) -> None:
+    # The operator adds --resume to every pod of a resumed job; no checkpoint there yet is
+    # not an error (a refusing pod would only be replaced by another that refuses).
+    argv = ["agent", "--etcd", "127.0.0.1:2379", "--job", "ns.demo", "--nodes", "2"]
+    argv += ["--global-batch", "16", "--micro-batch", "4", "--steps", "9"]
+    argv += ["--resume", f"file://{tmp_path}/none", "--run-dir", str(tmp_path / "run")]
+    cfg = from_flags(build_parser().parse_args([*argv, "--", "python", "train.py"]))
+    assert (cfg.resume_step, cfg.resume_blob) == (0, None)
+
+
+@pytest.mark.slow
+def test_agents_started_like_pods_resume_from_the_checkpoint(
+    etcd_server: str, tmp_path: Path
+) -> None:
+    # A whole job trains 12 of 20 steps with checkpoints, then stops (a suspended TrainJob);
+    # agents started as the operator starts a resumed job's pods finish it with the numbers
+    # of the same job run without a stop.
+    url = f"file://{tmp_path}/ckpt"
+    mlp = str(REPO / "examples" / "mlp.py")
+    shape = ["--global-batch", "16", "--micro-batch", "4", "--seed", "3"]
+    first = [sys.executable, "-m", "keepstep", "run", "--nodes", "2", *shape]
+    first += ["--steps", "12", "--checkpoint", url, "--checkpoint-every", "4"]
+    first += ["--run-dir", str(tmp_path / "first"), "--timeout", "90", mlp]
+    done = subprocess.run(first, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    whole = [sys.executable, "-m", "keepstep", "run", "--nodes", "2", *shape]
+    whole += ["--steps", "20", "--run-dir", str(tmp_path / "whole"), "--timeout", "90", mlp]
+    done = subprocess.run(whole, capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reference = json.loads((tmp_path / "whole" / "summary.json").read_text())["params_sha256"]
+
+    job, run_dir, procs = f"resumed-{uuid.uuid4().hex[:8]}", tmp_path / "pods", []
+    for i in range(2):
+        env = dict(os.environ, KEEPSTEP_ETCD=etcd_server, KEEPSTEP_JOB=job, KEEPSTEP_NODE=f"p{i}")
+        argv = [sys.executable, "-m", "keepstep", "agent", "--nodes", "2", *shape]
+        argv += ["--steps", "20", "--resume", url, "--run-dir", str(run_dir), "--", sys.executable]
+        procs.append(
+            subprocess.Popen(
+                [*argv, mlp], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+            )
+        )
+    outputs = [p.communicate(timeout=100)[0].decode(errors="replace") for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all("resuming from step 12" in out for out in outputs), outputs
+    events = read_events(run_dir)
+    finished = {e["params_sha256"] for e in events if e["kind"] == "finish"}
+    assert finished == {reference}
+    assert min(e["step"] for e in events if e["kind"] == "commit") == 12

@@ -1,0 +1,48 @@
+"""The agent's job view: what it watches and how events change it."""
+
+from __future__ import annotations
+
+from keepstep.agent import protocol
+from keepstep.agent.kv import MemoryKV, WatchEvent
+from keepstep.agent.node.view import JobView
+
+JOB = "demo"
+
+
+def test_every_kind_the_view_acts_on_sorts_below_the_watch_end() -> None:
+    below = protocol.watched_below(JOB)
+    for kind in protocol.WATCHED_KINDS:
+        assert protocol.key(JOB, kind, "n9/0") < below, kind
+        assert protocol.key(JOB, kind) < below, kind
+    for kind in ("progress", "recoveries"):
+        assert protocol.key(JOB, kind, "n0") >= below, kind
+
+
+def test_the_view_sees_membership_but_not_progress_through_its_watch() -> None:
+    kv = MemoryKV()
+    view = JobView(JOB, "n0")
+    events: list[WatchEvent] = []
+
+    def apply(event: WatchEvent) -> None:
+        events.append(event)
+        view.apply(event)
+
+    kv.watch_prefix(protocol.job_prefix(JOB), apply, below=protocol.watched_below(JOB))
+    epoch = protocol.EpochRecord(3, ["n0/0", "n1/0"])
+    kv.put(protocol.key(JOB, "epoch"), protocol.encode(epoch), 1.0)
+    kv.put(protocol.key(JOB, "pending", "n2/0"), b"{}", 1.0)
+    kv.put(protocol.key(JOB, "leaving", "n1"), b"{}", 1.0)
+    progress = protocol.ProgressRecord("n1", 7, 3, 2)
+    kv.put(protocol.key(JOB, "progress", "n1"), protocol.encode(progress), 1.0)
+    kv.put(protocol.key(JOB, "recoveries", "3-n1/0"), b"{}", 1.0)
+    kv.put(protocol.key(JOB, "done", "n1-0"), b"{}", 1.0)
+    kinds = [e.key[len(protocol.job_prefix(JOB)) :].partition("/")[0] for e in events]
+    assert kinds == ["epoch", "pending", "leaving", "done"]
+    seen = view.observe()
+    assert seen.current == epoch
+    assert seen.pending == {"n2/0"} and seen.leaving == {"n1"}
+    assert view.job_finished
+    # A progress event handed to the view anyway (the agent's first full read) is ignored.
+    before = view.observe()
+    change = view.apply(WatchEvent("put", protocol.key(JOB, "progress", "n0"), b"{}", 99))
+    assert change == type(change)() and view.observe() == before

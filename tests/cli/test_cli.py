@@ -1,0 +1,41 @@
+"""The `keepstep` command line: selfcheck and argument errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from keepstep.cli import build_parser
+
+
+def keepstep(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "keepstep", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_selfcheck_reports_identical_parameters_across_rank_counts() -> None:
+    proc = keepstep("selfcheck", "--ranks", "1,3", "--steps", "6", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert [r["ranks"] for r in report["runs"]] == [1, 3]
+    assert report["identical"] is True
+    assert len({r["params_sha256"] for r in report["runs"]}) == 1
+
+
+def test_selfcheck_refuses_more_ranks_than_micro_batches() -> None:
+    proc = keepstep("selfcheck", "--ranks", "1,13", "--steps", "2")
+    assert proc.returncode == 2
+    assert "ranks=13 must be between 1 and 12" in proc.stderr
+
+
+def test_bad_rank_list_is_named() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["selfcheck", "--ranks", "1,x"])

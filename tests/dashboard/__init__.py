@@ -1,0 +1,1 @@
+"""Tests of keepstep.dashboard."""

@@ -1,0 +1,238 @@
+"""`keepstep run` end to end on this machine: real etcd, real agents, real faults.
+
+Each fault kind must leave the job with the parameters of the fault-free run, every
+sample seen exactly once, the global batch unchanged and no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keepstep.agent.protocol.events import read_events
+from keepstep.launch.faults import parse_fault
+from keepstep.launch.local import LocalRun, agreed_sha, run_local
+from keepstep.launch.run import FAST_READ_S, SLOW_READ_S, Launcher, RunConfig
+
+REPO = Path(__file__).resolve().parents[2]
+MLP = str(REPO / "examples" / "mlp.py")
+STEPS, GB, MB = 24, 48, 4
+
+pytestmark = pytest.mark.slow
+
+
+def keepstep_run(
+    tmp: Path, *args: str, nodes: int = 4, timeout: float = 110, sleep: float = 0.0
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    run_dir = tmp / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "keepstep.agent",
+        "run",
+        "--nodes",
+        str(nodes),
+        "--global-batch",
+        str(GB),
+        "--micro-batch",
+        str(MB),
+        "--steps",
+        str(STEPS),
+        "--seed",
+        "3",
+        "--run-dir",
+        str(run_dir),
+        "--timeout",
+        str(timeout - 10),
+        *args,
+        MLP,
+        "--sleep",
+        str(sleep),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    return proc, summary
+
+
+def left_behind(run_dir: Path) -> list[int]:
+    """Processes that still carry this run's job in their environment or command line."""
+    job = json.loads((run_dir / "agent-n0.json").read_text())["job"]
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            blob = (entry / "environ").read_bytes() + (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        # Workers carry the job's link address (@keepstep/<job>/<node>).
+        if f"@keepstep/{job}/".encode() in blob or str(run_dir).encode() in blob:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    result = run_local(
+        LocalRun(
+            script=MLP, steps=STEPS, global_batch=GB, micro_batch=MB, schedule=[["m0"]], seed=3
+        ),
+        tmp_path_factory.mktemp("reference"),
+    )
+    return agreed_sha(result)
+
+
+def check(
+    proc: subprocess.CompletedProcess[str],
+    summary: dict[str, Any] | None,
+    reference: str,
+    tmp: Path,
+) -> dict[str, Any]:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert summary is not None
+    assert summary["params_sha256"] == reference
+    assert summary["steps"] == STEPS
+    samples = summary["samples"]
+    assert samples["lost"] == 0 and samples["duplicated"] == 0
+    assert samples["seen_once"] == samples["expected"] == STEPS * GB
+    assert summary["global_batch"] == GB
+    assert left_behind(tmp / "run") == []
+    return summary
+
+
+def test_fault_free_run_matches_one_process(reference: str, tmp_path: Path) -> None:
+    proc, summary = keepstep_run(tmp_path)
+    s = check(proc, summary, reference, tmp_path)
+    assert s["world_size_by_step"] == [4] * STEPS
+    assert s["recoveries"] == []
+
+
+@pytest.mark.parametrize(
+    ("fault", "cause"),
+    [
+        ("kill-worker:1@step=8", "kill-worker"),
+        ("kill-node:2@step=8", "kill-node"),
+        ("hang-node:1@step=8", "hang-node"),
+    ],
+)
+def test_failures_keep_the_numbers(fault: str, cause: str, reference: str, tmp_path: Path) -> None:
+    proc, summary = keepstep_run(tmp_path, "--fault", fault, "--min-nodes", "2")
+    s = check(proc, summary, reference, tmp_path)
+    first = s["recoveries"][0]
+    assert first["cause"] == cause
+    assert first["mttr_s"] is not None and first["mttr_s"] < 30
+    assert 3 in s["world_size_by_step"]
+
+
+@pytest.mark.parametrize("fault", ["kill-node:0@step=8", "hang-node:0@step=8"])
+def test_losing_the_node_that_hosts_the_store(fault: str, reference: str, tmp_path: Path) -> None:
+    # Node n0 is the first node of epoch 0, so its agent hosts the store the job's
+    # process groups rendezvous on; the next epoch must name a survivor's store.
+    proc, summary = keepstep_run(tmp_path, "--fault", fault, "--min-nodes", "2")
+    check(proc, summary, reference, tmp_path)
+    agreed = [e for e in read_events(tmp_path / "run") if e["kind"] == "epoch-agreed"]
+    stores = {e["epoch"]: e["store"] for e in agreed}
+    hosts = {
+        e["node"]: e["store"] for e in read_events(tmp_path / "run") if e["kind"] == "agent-started"
+    }
+    assert stores[0] == hosts["n0"]
+    assert stores[max(stores)] != hosts["n0"] and stores[max(stores)] in hosts.values()
+
+
+def test_a_warm_spare_replaces_a_crashed_worker(reference: str, tmp_path: Path) -> None:
+    # Slow steps leave the spare (started at the first commit) time to import torch.
+    proc, summary = keepstep_run(
+        tmp_path, "--fault", "kill-worker:2@step=12", "--warm-spare", "--min-nodes", "2", sleep=0.3
+    )
+    s = check(proc, summary, reference, tmp_path)
+    started = [e for e in read_events(tmp_path / "run") if e["kind"] == "worker-started"]
+    replacement = [e for e in started if e["member"] == "n2/0"][-1]
+    assert replacement["warm"] is True
+    assert s["world_size_by_step"][-1] == 4  # the replacement was admitted again
+
+
+def test_drain_leaves_at_a_boundary_without_rollback(reference: str, tmp_path: Path) -> None:
+    proc, summary = keepstep_run(tmp_path, "--fault", "drain-node:2@step=8", "--min-nodes", "2")
+    s = check(proc, summary, reference, tmp_path)
+    assert s["recoveries"][0]["rolled_back_steps"] == 0
+    assert s["world_size_by_step"][-1] == 3
+
+
+def test_join_is_admitted_and_gets_state_by_network(reference: str, tmp_path: Path) -> None:
+    # Slow steps (0.2 s per micro-batch) leave the new node time to start and be admitted.
+    proc, summary = keepstep_run(tmp_path, "--fault", "join-node@step=3", nodes=3, sleep=0.2)
+    s = check(proc, summary, reference, tmp_path)
+    assert s["world_size_by_step"][0] == 3 and s["world_size_by_step"][-1] == 4
+
+
+def test_a_second_fault_during_recovery(reference: str, tmp_path: Path) -> None:
+    proc, summary = keepstep_run(
+        tmp_path,
+        "--fault",
+        "kill-node:1@step=8",
+        "--fault",
+        "kill-worker:3@step=8",
+        "--min-nodes",
+        "2",
+    )
+    s = check(proc, summary, reference, tmp_path)
+    assert min(w for w in s["world_size_by_step"] if w) <= 3
+
+
+def test_several_workers_per_node(reference: str, tmp_path: Path) -> None:
+    proc, summary = keepstep_run(
+        tmp_path,
+        "--nproc-per-node",
+        "2",
+        "--fault",
+        "kill-node:1@step=8",
+        "--min-nodes",
+        "1",
+        nodes=2,
+    )
+    s = check(proc, summary, reference, tmp_path)
+    assert s["world_size_by_step"][0] == 4 and s["world_size_by_step"][-1] == 2
+
+
+def test_bad_fault_spec_is_refused(tmp_path: Path) -> None:
+    proc, _ = keepstep_run(tmp_path, "--fault", "kill-nod:1@step=3", timeout=60)
+    assert proc.returncode != 0
+    assert "unknown kind 'kill-nod'" in proc.stderr
+
+
+def test_more_nodes_than_micro_batches_is_refused(tmp_path: Path) -> None:
+    proc, _ = keepstep_run(tmp_path, nodes=13, timeout=60)
+    assert proc.returncode != 0
+    assert "13 workers" in proc.stderr and "only 12 micro-batches" in proc.stderr
+
+
+def test_the_launcher_reads_etcd_often_only_while_a_fault_is_near(tmp_path: Path) -> None:
+    def launcher(*faults: str) -> Launcher:
+        cfg = RunConfig(
+            script=MLP,
+            script_args=(),
+            nodes=2,
+            global_batch=GB,
+            micro_batch=MB,
+            steps=400,
+            run_dir=tmp_path,
+            etcd_binary="etcd",
+            faults=tuple(parse_fault(f) for f in faults),
+        )
+        return Launcher(cfg, sys.stdout)
+
+    assert launcher()._read_interval(10, 5.0) == SLOW_READ_S
+    at_200 = launcher("kill-node:1@step=200", "kill-worker:0@step=300")
+    # At 5 steps a second a slow read may let the job run 5 steps past the fault's step.
+    assert at_200._read_interval(100, 5.0) == SLOW_READ_S
+    assert at_200._read_interval(191, 5.0) == FAST_READ_S
+    assert at_200._read_interval(199, 0.1) == FAST_READ_S  # at least 2 steps ahead
+    assert at_200._read_interval(196, 0.1) == SLOW_READ_S
+    assert at_200._read_interval(0, 0.0) == FAST_READ_S  # before the job's rate is known
