@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import HashStore, Store, TCPStore
 
 from keepstep.elastic.comm import Communicator, abort_epoch, abort_key
-from keepstep.elastic.errors import ConfigError, PeerLost
+from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
 
 # ---- fast tests: one process -------------------------------------------------------------
 
@@ -59,9 +59,13 @@ def test_single_member_collectives_are_local() -> None:
     comm.broadcast(t, 0)
     comm.barrier()
     assert t.tolist() == [5, -7]
-    obj = {"step": 4}
-    gathered = comm.allgather_object(obj)
-    assert gathered == [obj] and gathered[0] is not obj
+    payload = b'{"step": 4}'
+    assert comm.allgather_bytes(payload, 64) == [payload]
+    assert comm.allgather_bytes(b"", 64) == [b""]
+    with pytest.raises(BadMessage, match="rank 0 sent 65 bytes; allowed are 0 to 64"):
+        comm.allgather_bytes(b"x" * 65, 64)
+    with pytest.raises(ConfigError, match="max_bytes must be an int >= 1, got 0"):
+        comm.allgather_bytes(payload, 0)
     assert not comm.aborted()
     comm.close()
 
@@ -165,6 +169,38 @@ def test_two_ranks_on_threads_reduce_and_time_out_together() -> None:
     b.close()
 
 
+def test_two_ranks_gather_bytes_and_refuse_an_oversized_payload_together() -> None:
+    a, b = _create_on_threads(HashStore(), 0, ["a", "b"])
+
+    def both(payload_a: bytes, payload_b: bytes) -> list[Any]:
+        got: list[Any] = [None, None]
+
+        def gather(rank: int, comm: Communicator, payload: bytes) -> None:
+            try:
+                got[rank] = comm.allgather_bytes(payload, 16, timedelta(seconds=10))
+            except BadMessage as error:
+                got[rank] = str(error)
+
+        threads = [
+            threading.Thread(target=gather, args=(0, a, payload_a)),
+            threading.Thread(target=gather, args=(1, b, payload_b)),
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=20)
+        return got
+
+    assert both(b"", b"0123456789") == [[b"", b"0123456789"]] * 2
+    refused = "allgather_bytes: rank 1 sent 17 bytes; allowed are 0 to 16"
+    assert both(b"ok", b"x" * 17) == [refused, refused]
+    # Refused before the payloads travel: the epoch is intact.
+    assert both(b"a" * 16, b"b") == [[b"a" * 16, b"b"]] * 2
+    assert not a.aborted() and not b.aborted()
+    a.close()
+    b.close()
+
+
 def test_create_gives_up_when_a_member_never_joins() -> None:
     store = HashStore()
     begin = time.monotonic()
@@ -262,7 +298,8 @@ def _worker_collectives(store: Store, me: str) -> None:
     comm.allreduce(floats, dist.ReduceOp.MAX)
     bcast = torch.full((3,), float(r))
     comm.broadcast(bcast, src=1)
-    gathered = comm.allgather_object({"me": me, "pad": "x" * (100 * r)})
+    mine = json.dumps({"me": me, "pad": "x" * (100 * r)}).encode()
+    gathered = [json.loads(b) for b in comm.allgather_bytes(mine, 1024)]
     comm.barrier()
     _report(
         me=me,
@@ -282,7 +319,7 @@ def _worker_rebuild(store: Store, me: str) -> None:
         comm = Communicator.create(store, epoch, members, me, timeout=_GROUP_TIMEOUT)
         t = torch.tensor([comm.rank + 1, 10 * (epoch + 1)], dtype=torch.int64)
         comm.allreduce(t)
-        names = comm.allgather_object(me)
+        names = [b.decode() for b in comm.allgather_bytes(me.encode(), 64)]
         _report(
             me=me,
             epoch=epoch,

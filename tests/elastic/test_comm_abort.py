@@ -11,8 +11,10 @@ from datetime import timedelta
 import pytest
 from torch._C._distributed_c10d import HashStore, Store, TCPStore
 
-from keepstep.elastic.comm import abort as comm_abort
-from keepstep.elastic.comm.abort import _AbortWatch, _Outcome, abort_epoch, abort_key, wake_key
+from keepstep.elastic.comm import abort_epoch, abort_key, wake_key
+from keepstep.elastic.comm import watch as comm_watch
+from keepstep.elastic.comm.exit_guard import ExitGuard
+from keepstep.elastic.comm.watch import AbortWatch, Outcome
 from keepstep.elastic.errors import ConfigError
 
 
@@ -55,15 +57,15 @@ class CountingStore(Store):
 
 
 @pytest.fixture
-def watched() -> Iterator[tuple[CountingStore, _AbortWatch]]:
+def watched() -> Iterator[tuple[CountingStore, AbortWatch]]:
     """A counting store and the abort watch of its epoch 0, closed after the test."""
     store = CountingStore(HashStore())
-    watch = _AbortWatch(store, 0, 0, 1)
+    watch = AbortWatch(store, 0, 0, 1)
     yield store, watch
     watch.close()
 
 
-def _armed(watch: _AbortWatch) -> None:
+def _armed(watch: AbortWatch) -> None:
     deadline = time.monotonic() + 5.0
     while not watch.pushed:
         assert time.monotonic() < deadline, "the listener never began to wait"
@@ -80,7 +82,7 @@ def _never_done(slices: list[int]) -> Callable[[int], bool]:
 
 
 def test_looks_between_wait_slices_read_the_store_at_most_every_interval(
-    watched: tuple[CountingStore, _AbortWatch],
+    watched: tuple[CountingStore, AbortWatch],
 ) -> None:
     store, watch = watched
     start = time.monotonic()
@@ -90,24 +92,24 @@ def test_looks_between_wait_slices_read_the_store_at_most_every_interval(
         looks += 1
         time.sleep(0.0005)
     elapsed = time.monotonic() - start
-    bound = elapsed / comm_abort._POLL_INTERVAL_S + 2
+    bound = elapsed / comm_watch.POLL_INTERVAL_S + 2
     assert looks > 5 * bound  # the caller looked far more often than the store was read
     assert 1 <= store.reads <= bound, (store.reads, bound)
 
 
 def test_looks_between_micro_batches_read_the_store_less_often(
-    watched: tuple[CountingStore, _AbortWatch],
+    watched: tuple[CountingStore, AbortWatch],
 ) -> None:
     store, watch = watched
     start = time.monotonic()
     while time.monotonic() - start < 0.5:
-        assert watch.poll(every=comm_abort._COMPUTE_POLL_INTERVAL_S) is None
+        assert watch.poll(every=comm_watch.COMPUTE_POLL_INTERVAL_S) is None
         time.sleep(0.0005)
-    bound = (time.monotonic() - start) / comm_abort._COMPUTE_POLL_INTERVAL_S + 2
+    bound = (time.monotonic() - start) / comm_watch.COMPUTE_POLL_INTERVAL_S + 2
     assert 1 <= store.reads <= bound, (store.reads, bound)
 
 
-def test_a_waiting_poll_always_reads_afresh(watched: tuple[CountingStore, _AbortWatch]) -> None:
+def test_a_waiting_poll_always_reads_afresh(watched: tuple[CountingStore, AbortWatch]) -> None:
     store, watch = watched
     for _ in range(5):
         assert watch.poll(wait=1.0) is None
@@ -117,7 +119,7 @@ def test_a_waiting_poll_always_reads_afresh(watched: tuple[CountingStore, _Abort
 
 
 def test_an_abort_is_seen_within_about_one_interval(
-    watched: tuple[CountingStore, _AbortWatch],
+    watched: tuple[CountingStore, AbortWatch],
 ) -> None:
     store, watch = watched
     assert watch.poll(wait=1.0) is None
@@ -128,18 +130,18 @@ def test_an_abort_is_seen_within_about_one_interval(
         time.sleep(0.001)
     # An interval plus the store's round trip and the thread wake-ups (slack for a
     # loaded machine).
-    assert time.monotonic() - written < comm_abort._POLL_INTERVAL_S + 0.5
+    assert time.monotonic() - written < comm_watch.POLL_INTERVAL_S + 0.5
 
 
 def test_waits_sleep_long_between_reads_and_come_back_soon_for_an_answer(
-    watched: tuple[CountingStore, _AbortWatch],
+    watched: tuple[CountingStore, AbortWatch],
 ) -> None:
     store, watch = watched
     slices: list[int] = []
     never_done = _never_done(slices)
     outcome = watch.wait(never_done, time.monotonic() + 0.5, threading.Event())
-    assert outcome is comm_abort._Outcome.TIMED_OUT
-    long, short = comm_abort._SLICE_LONG_MS, comm_abort._SLICE_SHORT_MS
+    assert outcome is Outcome.TIMED_OUT
+    long, short = comm_watch.SLICE_LONG_MS, comm_watch.SLICE_SHORT_MS
     assert set(slices) == {short, long}
     # Most of the wait is spent in long slices: a few dozen slices run out in 0.5 s, not
     # hundreds. A short one follows each read asked for.
@@ -148,12 +150,12 @@ def test_waits_sleep_long_between_reads_and_come_back_soon_for_an_answer(
     # An abort written meanwhile is still found within about one interval and a read.
     abort_epoch(store.inner, 0, "rank 2 hangs", 1)
     begun = time.monotonic()
-    assert watch.wait(never_done, begun + 2.0, threading.Event()) is comm_abort._Outcome.ABORTED
-    assert time.monotonic() - begun < comm_abort._POLL_INTERVAL_S + long / 1000 + 0.5
+    assert watch.wait(never_done, begun + 2.0, threading.Event()) is Outcome.ABORTED
+    assert time.monotonic() - begun < comm_watch.POLL_INTERVAL_S + long / 1000 + 0.5
 
 
 def test_a_pushed_abort_ends_a_wait_at_once_without_a_read(
-    watched: tuple[CountingStore, _AbortWatch],
+    watched: tuple[CountingStore, AbortWatch],
 ) -> None:
     store, watch = watched
     _armed(watch)
@@ -162,14 +164,14 @@ def test_a_pushed_abort_ends_a_wait_at_once_without_a_read(
     timer.start()
     begun = time.monotonic()
     outcome = watch.wait(_never_done([]), begun + 5.0, threading.Event())
-    assert outcome is _Outcome.ABORTED and watch.reason == "agent: node lost"
-    assert time.monotonic() - begun < comm_abort._PUSH_TRUSTED_S
+    assert outcome is Outcome.ABORTED and watch.reason == "agent: node lost"
+    assert time.monotonic() - begun < comm_watch.PUSH_TRUSTED_S
     assert store.reads == reads  # heard, not read
     timer.join()
 
 
 def test_a_long_wait_reads_the_store_once_the_push_is_no_longer_trusted(
-    watched: tuple[CountingStore, _AbortWatch],
+    watched: tuple[CountingStore, AbortWatch],
 ) -> None:
     # A push cannot tell that the store stopped answering: a wait that lasts reads it.
     store, watch = watched
@@ -177,21 +179,39 @@ def test_a_long_wait_reads_the_store_once_the_push_is_no_longer_trusted(
     store.read_at.clear()
     begun = time.monotonic()
     outcome = watch.wait(_never_done([]), begun + 0.6, threading.Event())
-    assert outcome is _Outcome.TIMED_OUT
+    assert outcome is Outcome.TIMED_OUT
     assert store.read_at, "a long wait never read the store"
-    assert min(store.read_at) - begun >= comm_abort._PUSH_TRUSTED_S - 0.01
-    assert len(store.read_at) <= 0.6 / comm_abort._POLL_INTERVAL_S + 2
+    assert min(store.read_at) - begun >= comm_watch.PUSH_TRUSTED_S - 0.01
+    assert len(store.read_at) <= 0.6 / comm_watch.POLL_INTERVAL_S + 2
 
 
 def test_close_lets_the_listener_go_without_aborting_the_epoch() -> None:
     store = HashStore()
-    watch = _AbortWatch(store, 3, 1, 2)
+    watch = AbortWatch(store, 3, 1, 2)
     _armed(watch)
     watch.close()
     assert watch.listened.wait(5.0)
     assert not watch.pushed and watch.reason is None
     assert store.check([wake_key(3, 1)]) and not store.check([wake_key(3, 0)])
     assert not store.check([abort_key(3)])
+
+
+def test_at_exit_the_guard_lets_listeners_go_and_admits_no_more_store_calls() -> None:
+    store = CountingStore(HashStore())
+    guard = ExitGuard()
+    watch = AbortWatch(store, 7, 0, 1, guard)
+    _armed(watch)
+    begun = time.monotonic()
+    guard.close()  # what atexit runs
+    assert time.monotonic() - begun < 1.0
+    assert watch.listened.is_set() and watch.reason is None
+    assert not store.inner.check([abort_key(7)])
+    # A watch started after exit began never enters the store: its threads just end.
+    late = AbortWatch(store, 8, 0, 1, guard)
+    assert late.listened.wait(5.0)
+    reads = store.reads
+    assert late.poll(wait=0.2) is None
+    assert store.reads == reads
 
 
 def test_abort_epoch_wants_the_number_of_ranks() -> None:
@@ -211,7 +231,7 @@ def tcp() -> Iterator[tuple[TCPStore, Callable[[], TCPStore]]]:
     yield server, client
 
 
-def _settled(watches: Sequence[_AbortWatch], within: float) -> list[str | None]:
+def _settled(watches: Sequence[AbortWatch], within: float) -> list[str | None]:
     deadline = time.monotonic() + within
     while any(w.reason is None for w in watches) and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -222,7 +242,7 @@ def test_every_rank_hears_an_abort_over_a_real_store(
     tcp: tuple[TCPStore, Callable[[], TCPStore]],
 ) -> None:
     _, client = tcp
-    watches = [_AbortWatch(client(), 5, rank, 3) for rank in range(3)]
+    watches = [AbortWatch(client(), 5, rank, 3) for rank in range(3)]
     for watch in watches:
         _armed(watch)
     written = time.monotonic()
@@ -237,7 +257,7 @@ def test_a_rank_that_gives_up_wakes_the_others(
     tcp: tuple[TCPStore, Callable[[], TCPStore]],
 ) -> None:
     _, client = tcp
-    first, other = _AbortWatch(client(), 0, 0, 2), _AbortWatch(client(), 0, 1, 2)
+    first, other = AbortWatch(client(), 0, 0, 2), AbortWatch(client(), 0, 1, 2)
     _armed(other)
     assert first.fire("rank 0 (a): allreduce failed") == "rank 0 (a): allreduce failed"
     assert _settled([other], 5.0) == ["rank 0 (a): allreduce failed"]
@@ -248,7 +268,7 @@ def test_a_rank_that_gives_up_wakes_the_others(
 def test_the_listener_gives_up_when_the_store_goes_away() -> None:
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=10))
-    watch = _AbortWatch(client, 0, 0, 2)
+    watch = AbortWatch(client, 0, 0, 2)
     _armed(watch)
     del server  # its node went away: the listener's connection is closed under it
     (reason,) = _settled([watch], 5.0)

@@ -497,7 +497,7 @@ def test_a_step_without_any_gradient_leaves_grad_none(mode: ReduceMode) -> None:
 @pytest.mark.parametrize("mode", list(ReduceMode))
 def test_an_abandoned_buffer_is_replaced_and_never_read_again(mode: ReduceMode) -> None:
     # A collective that was given up may still complete later and write into the tensor it
-    # was handed (comm.py): after abandon_buffer, nothing written there reaches a step.
+    # was handed (comm/): after abandon_buffer, nothing written there reaches a step.
     grouping = [list(range(N_MICRO))]
     clean, hit = Ranks(grouping, 0, mode), Ranks(grouping, 0, mode)
     reducer = hit.reducers[0]

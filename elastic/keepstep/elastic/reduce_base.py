@@ -77,7 +77,7 @@ class Reducer(Protocol):
     def abandon_buffer(self) -> None:
         """Take a fresh buffer: the current one went to a collective that was given up.
 
-        A given-up gloo group lives on until its work ends (comm.py), and if the peer it
+        A given-up gloo group lives on until its work ends (comm/), and if the peer it
         waited for comes back (a node resumed after a stop) the work completes and writes
         into the tensor it was handed. Reusing that tensor would let a dead epoch's bytes
         land in a later step's sum; the old one is left to the dead group.

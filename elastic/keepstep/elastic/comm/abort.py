@@ -1,67 +1,24 @@
-"""The abort key of a membership epoch, and the threads that watch it for one rank.
+"""The abort key of a membership epoch: its layout in the store, and how it is written.
 
-Where it sits: below comm.py, which runs every collective in short slices and asks an
-`_AbortWatch` between slices whether the epoch was given up anywhere; the agents write the
-same key (`abort_epoch`) when they learn of a lost member first. comm.py re-exports
-`abort_key` and `abort_epoch`.
+Where it sits: at the bottom of comm/. A rank that gives up an epoch (watch.py, through
+its reader thread) and an agent that learns of a lost member first (``abort_epoch``) write
+the same key; every rank's `AbortWatch` hears it. The agents, the tests and the
+communicator all use the key layout from here, so it is written down once.
 
-An abort is pushed, not polled for: whoever writes the abort key then sets one wake key per
-rank, and each rank has a thread blocked in a store wait on its own wake key. Reads of the
-key remain for what a push cannot tell: whether the store still answers at all (a wait
-that has lasted `_PUSH_TRUSTED_S` reads it every `_POLL_INTERVAL_S`), and callers that ask
-for a fresh answer.
+An abort is pushed, not polled for: whoever writes the abort key then sets one wake key
+per rank, and each rank has a thread blocked in a store wait on its own wake key.
 """
 
 from __future__ import annotations
 
-import atexit
-import enum
-import math
 import re
-import threading
-import time
-from collections.abc import Callable
-from datetime import timedelta
 from typing import Any, cast
 
 from torch._C._distributed_c10d import Store
 
 from keepstep.elastic.errors import ConfigError
 
-# Wait slices: each ends early when the work completes and is followed by a look at the
-# abort key. A short one while a read of the key is under way (its answer comes in well
-# under a millisecond), else a long one: the key is read at most every _POLL_INTERVAL_S, and
-# each slice that runs out costs a C++ exception (~35 us). gloo reads a 0 ms wait as "no
-# timeout", hence whole milliseconds and at least one.
-_SLICE_SHORT_MS = 1
-_SLICE_LONG_MS = 20
-# A look between slices reads the key afresh (a store round trip and two thread wake-ups)
-# at most this often. Every rank waiting at the step's all-reduce polls, and on a machine
-# whose cores all train, polling at every slice took ~5% of the step; an abort is now seen
-# up to this much later.
-_POLL_INTERVAL_S = 0.02
-# Checks between micro-batches read it at most this often: a stop found there only saves
-# compute the aborted step throws away (the wait at the all-reduce finds it within
-# _POLL_INTERVAL_S anyway). All reads, with their thread and store wake-ups, took ~1.5% of
-# a 4-node run's CPU on 2 cores, and one read per micro-batch was most of them.
-_COMPUTE_POLL_INTERVAL_S = 0.1
-# While the push listener waits, an abort arrives by itself: a collective's wait reads the
-# key only once it has lasted this long (so a store that went silent is still found), and
-# checks between micro-batches only this often. In steady state a wait at the step's
-# all-reduce is shorter, and no rank reads the store at all.
-_PUSH_TRUSTED_S = 0.25
-_PUSHED_POLL_INTERVAL_S = 1.0
-# The listener's store wait. One that runs out logs c10d warnings, so it is long, and
-# re-armed when it does run out.
-_LISTEN_WAIT = timedelta(days=7)
 _REASON_MAX_CHARS = 300
-_EXIT_WAIT_S = 2.0  # at exit, for store calls under way (a healthy store answers in ~0.1 ms)
-# How long an abort poll waits for the epoch's store. A loaded machine can delay a
-# healthy store by a fraction of a second; a hung store node must not delay a hang's
-# detection by much more than the agents' own lease timeout.
-_WATCH_TIMEOUT = timedelta(seconds=2)
-# How long a caller that asks "aborted?" waits for a fresh read before taking the last one.
-_FRESH_READ_S = 0.05
 
 
 def abort_key(epoch: int) -> str:
@@ -79,288 +36,28 @@ def abort_epoch(store: Store, epoch: int, reason: str, ranks: int) -> None:
 
     The first reason written wins: later ones are usually echoes of the first failure.
     """
-    _check_epoch(epoch)
+    check_epoch(epoch)
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
         raise ConfigError(f"ranks must be an int >= 1 (the epoch's size), got {ranks!r}")
     store.compare_set(abort_key(epoch), "", reason or "aborted")
-    _wake(store, epoch, range(ranks))
+    wake(store, epoch, range(ranks))
 
 
-def _wake(store: Store, epoch: int, ranks: range) -> None:
-    # One round trip for every rank. torch's stubs lack multi_set; every store has it.
+def wake(store: Store, epoch: int, ranks: range) -> None:
+    """Set the wake keys of ``ranks``: one round trip for all of them."""
+    # torch's stubs lack multi_set; every store has it.
     cast(Any, store).multi_set([wake_key(epoch, r) for r in ranks], ["wake"] * len(ranks))
 
 
-class _StoreCalls:
-    """Watch threads inside a store call, which runs without the GIL.
-
-    A daemon thread that comes back from C++ after the interpreter began to finalize is
-    ended with a forced unwind, which kills the process with SIGABRT ("terminate called
-    without an active exception") after its work was done. So at exit no new call starts,
-    and the calls under way are given a moment to return.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._busy = 0
-        self._exiting = False
-
-    def enter(self) -> bool:
-        with self._cond:
-            if self._exiting:
-                return False
-            self._busy += 1
-            return True
-
-    def leave(self) -> None:
-        with self._cond:
-            self._busy -= 1
-            self._cond.notify_all()
-
-    def close(self, wait: float = _EXIT_WAIT_S) -> None:
-        with self._cond:
-            self._exiting = True
-            self._cond.wait_for(lambda: self._busy == 0, wait)
+def check_epoch(epoch: int) -> None:
+    """ConfigError unless ``epoch`` is an epoch number (an int >= 0, not a bool)."""
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
 
 
-_store_calls = _StoreCalls()
-_live: set[_AbortWatch] = set()  # watches whose listener may still be in its store wait
-
-
-def _at_exit() -> None:
-    # Listeners sit in a store call for the whole epoch: let them go first, so none wakes
-    # under a finalizing interpreter, then wait for every other call under way.
-    watches = list(_live)
-    for watch in watches:
-        watch.close()
-    deadline = time.monotonic() + _EXIT_WAIT_S
-    for watch in watches:
-        watch.listened.wait(max(deadline - time.monotonic(), 0.0))
-    _store_calls.close(max(deadline - time.monotonic(), 0.0))
-
-
-atexit.register(_at_exit)
-
-
-class _Outcome(enum.Enum):
-    DONE = "done"  # finished, successfully or not
-    ABORTED = "aborted"
-    CLOSED = "closed"
-    TIMED_OUT = "timed out"
-
-
-class _AbortWatch:
-    """Hears, reads and writes the abort key of one epoch for one rank, from threads of its own.
-
-    The store lives on a node of the epoch, and a store call to a stopped node blocks
-    without any timeout (the kernel still accepts the bytes). So no store call ever runs
-    on the caller's thread. The listener blocks in a store wait on the rank's wake key and
-    takes the reason when woken; the reader makes the reads and writes asked of it. ``poll``
-    asks for a fresh read and returns what is known; a read unanswered for
-    ``_WATCH_TIMEOUT`` means the store's node died or hangs, and the epoch cannot be trusted
-    any more, which is an abort.
-    """
-
-    def __init__(self, store: Store, epoch: int, rank: int, ranks: int) -> None:
-        self._origin = store
-        self._epoch = epoch
-        self._rank = rank
-        self._ranks = ranks
-        self._key = abort_key(epoch)
-        self.reason: str | None = None
-        self._wake = threading.Condition(threading.Lock())
-        self._asked_at: float | None = None  # a read was requested and is not answered
-        self._read_at = -math.inf  # when the last read was asked for
-        self._to_fire: str | None = None
-        self._fired = threading.Event()
-        self._stopped = False
-        self._armed = False  # the listener is in (or about to enter) its store wait
-        self.listened = threading.Event()  # the listener has ended
-        _live.add(self)
-        threading.Thread(target=self._run, name=f"keepstep-abort-{epoch}", daemon=True).start()
-        threading.Thread(
-            target=self._listen, name=f"keepstep-abort-wake-{epoch}", daemon=True
-        ).start()
-
-    @property
-    def pushed(self) -> bool:
-        """True while an abort written now would reach this rank without a read."""
-        return self._armed
-
-    def _connection(self) -> Store | None:
-        """A private connection: a call on it never queues behind another thread's."""
-        if not _store_calls.enter():
-            return None
-        try:
-            return self._origin.clone()
-        except (RuntimeError, NotImplementedError):
-            return self._origin
-        finally:
-            _store_calls.leave()
-
-    # -- the listener --------------------------------------------------------------------
-    def _listen(self) -> None:
-        try:
-            store = self._connection()
-            if store is not None:
-                self._await_wake(store)
-        finally:
-            with self._wake:
-                self._armed = False
-                self._wake.notify_all()
-            _live.discard(self)
-            self.listened.set()
-
-    def _await_wake(self, store: Store) -> None:
-        key = wake_key(self._epoch, self._rank)
-        while True:
-            with self._wake:
-                if self._stopped or self.reason is not None:
-                    return
-                self._armed = True
-            if not _store_calls.enter():
-                return
-            began = time.monotonic()
-            try:
-                store.wait([key], _LISTEN_WAIT)
-                if self._stopped:
-                    return  # woken by close()
-                reason = store.get(self._key).decode(errors="replace")
-            except RuntimeError as error:
-                if time.monotonic() - began >= _LISTEN_WAIT.total_seconds():
-                    continue  # the wait ran out: wait again
-                if self._stopped:
-                    return
-                reason = f"the epoch's store failed: {_short(error)}"
-            finally:
-                _store_calls.leave()
-            self._settle(reason)
-            return
-
-    # -- the reader ----------------------------------------------------------------------
-    def _run(self) -> None:
-        try:
-            self._serve()
-        finally:
-            # Nothing more will be written: a `fire` still waiting must not wait out its
-            # timeout (the reason it returns is known by now, or its own stands).
-            self._fired.set()
-
-    def _serve(self) -> None:
-        store = self._connection()
-        if store is None:
-            return
-        while True:
-            with self._wake:
-                while not self._stopped and self._asked_at is None and self._to_fire is None:
-                    self._wake.wait()
-                stopped, to_fire = self._stopped, self._to_fire
-            if not _store_calls.enter():
-                return
-            try:
-                if stopped:
-                    if not self.listened.is_set():  # let the listener go
-                        _wake(store, self._epoch, range(self._rank, self._rank + 1))
-                    return
-                if to_fire is not None:
-                    won = store.compare_set(self._key, "", to_fire).decode(errors="replace")
-                    self._settle(won)
-                    _wake(store, self._epoch, range(self._ranks))
-                    self._fired.set()
-                elif store.check([self._key]):
-                    self._settle(store.get(self._key).decode(errors="replace"))
-            except RuntimeError as error:  # torch's DistStoreError is a RuntimeError
-                self._settle(f"the epoch's store failed: {_short(error)}")
-                self._fired.set()
-                return
-            finally:
-                _store_calls.leave()
-            with self._wake:
-                self._asked_at = None
-                self._wake.notify_all()
-                if self.reason is not None:
-                    return  # the writer of the abort key wakes the listener too
-
-    def _settle(self, reason: str) -> None:
-        with self._wake:
-            if self.reason is None:
-                self.reason = reason
-            self._wake.notify_all()  # a poll waiting for a fresh read has its answer
-
-    # -- the caller's side ---------------------------------------------------------------
-    def poll(self, wait: float = 0.0, every: float = _POLL_INTERVAL_S) -> str | None:
-        """The abort reason if one is known. With ``wait`` it asks for a fresh read and
-        waits at most that many seconds for it (a healthy store answers in well under a
-        millisecond); without, it asks only if the last read is ``every`` seconds old."""
-        with self._wake:
-            if self.reason is None:
-                now = time.monotonic()
-                if self._asked_at is None:
-                    if wait > 0 or now - self._read_at >= every:
-                        self._asked_at = self._read_at = now
-                        self._wake.notify_all()
-                elif now - self._asked_at > _WATCH_TIMEOUT.total_seconds():
-                    self.reason = (
-                        f"the epoch's store did not answer within "
-                        f"{_WATCH_TIMEOUT.total_seconds():.0f} s (its node died or hangs)"
-                    )
-                if wait > 0:
-                    self._wake.wait_for(
-                        lambda: self._asked_at is None or self.reason is not None, wait
-                    )
-            return self.reason
-
-    def fire(self, reason: str) -> str:
-        """Publish ``reason`` unless another rank was first; return the winning reason."""
-        with self._wake:
-            if self.reason is not None:
-                return self.reason  # already known (a poll read another rank's): nothing to write
-            if self._to_fire is None:
-                self._to_fire = reason
-                self._wake.notify_all()
-        self._fired.wait(_WATCH_TIMEOUT.total_seconds())
-        self._settle(reason)  # unanswered: the store is gone, our own reason stands
-        return cast(str, self.reason)
-
-    def close(self) -> None:
-        with self._wake:
-            self._stopped = True
-            self._wake.notify_all()
-
-    def wait(
-        self, ready: Callable[[int], bool], deadline: float, closed: threading.Event
-    ) -> _Outcome:
-        """Wait until ``ready(slice_ms)`` (which may block up to ``slice_ms``) says done.
-
-        Between slices it takes a pushed abort as it comes; once the wait has lasted
-        ``_PUSH_TRUSTED_S`` (or with no listener) it also reads the key, which finds a store
-        that stopped answering.
-        """
-        slice_ms = _SLICE_SHORT_MS
-        trusted_until = time.monotonic() + _PUSH_TRUSTED_S
-        while True:
-            if ready(slice_ms):
-                return _Outcome.DONE
-            if closed.is_set():
-                return _Outcome.CLOSED
-            if self._armed and time.monotonic() < trusted_until:
-                reason = self.reason
-            else:
-                reason = self.poll()
-            if reason is not None:
-                return _Outcome.ABORTED
-            if time.monotonic() >= deadline:
-                return _Outcome.TIMED_OUT
-            slice_ms = _SLICE_SHORT_MS if self._asked_at is not None else _SLICE_LONG_MS
-
-
-def _short(err: BaseException) -> str:
+def short_reason(err: BaseException) -> str:
+    """The first line of ``err``, bounded, as it goes into an abort reason."""
     lines = str(err).strip().splitlines()
     # gloo prefixes its messages with "[/path/of/its/source.cc:561] ": noise in a reason.
     text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(err).__name__
     return text[:_REASON_MAX_CHARS]
-
-
-def _check_epoch(epoch: int) -> None:
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        raise ConfigError(f"epoch must be an int >= 0, got {epoch!r}")
