@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +11,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import keepstep
-from keepstep.elastic import ConfigError, Membership, ScheduleController, StateShapeError
+from keepstep.elastic import (
+    ConfigError,
+    JobConfig,
+    Membership,
+    ScheduleController,
+    StateShapeError,
+)
 from keepstep.elastic.errors import PeerLost
+from keepstep.elastic.step import CommitResult, StepOutcome
 
 
 def make(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, TensorDataset]:
@@ -153,8 +162,66 @@ def test_the_launchers_host_is_the_address_gloo_binds() -> None:
     job = keepstep.init(
         model, opt, data, global_batch=32, micro_batch=4, env={"KEEPSTEP_HOST": "127.0.0.3"}
     )
-    assert job.host == "127.0.0.3"
+    assert job.config.host == "127.0.0.3"
     model, opt, data = make()
-    assert keepstep.init(model, opt, data, global_batch=32, micro_batch=4, env={}).host == (
+    assert keepstep.init(model, opt, data, global_batch=32, micro_batch=4, env={}).config.host == (
         "127.0.0.1"
     )
+
+
+def test_the_launchers_step_count_is_validated_at_init_and_used_by_steps() -> None:
+    model, opt, data = make()
+    job = keepstep.init(
+        model, opt, data, global_batch=8, micro_batch=4, env={"KEEPSTEP_STEPS": "2"}
+    )
+    assert job.config.planned_steps == 2
+    for step in job.steps():
+        for mb in step.micro_batches():
+            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+        step.commit()
+    assert job.done == 2
+    model, opt, data = make()
+    with pytest.raises(ConfigError, match=r"planned_steps=-1 must be an integer >= 0"):
+        keepstep.init(model, opt, data, global_batch=8, micro_batch=4, env={"KEEPSTEP_STEPS": "-1"})
+    job = keepstep.init(*make(), global_batch=8, micro_batch=4, env={})
+    with pytest.raises(ConfigError, match="needs a step count"):
+        next(iter(job.steps()))
+
+
+def test_job_config_names_a_bad_host_or_step_count() -> None:
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"host": ""}, "host='' must be a non-empty address or hostname"),
+        ({"host": "  "}, "host='  ' must be a non-empty address or hostname"),
+        ({"planned_steps": -3}, "planned_steps=-3 must be an integer >= 0 (or None)"),
+        ({"planned_steps": True}, "planned_steps=True must be an integer >= 0 (or None)"),
+        ({"planned_steps": 2.5}, "planned_steps=2.5 must be an integer >= 0 (or None)"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            JobConfig(global_batch=8, micro_batch=4, **kwargs)  # type: ignore[arg-type]
+    config = JobConfig(global_batch=8, micro_batch=4, host="10.0.0.7", planned_steps=0)
+    assert (config.host, config.planned_steps) == ("10.0.0.7", 0)
+
+
+def test_commit_returns_what_the_job_applies() -> None:
+    model, opt, data = make()
+    controller = ScheduleController(
+        store_=torch.distributed.HashStore(), me="m0", schedule=[["m0"]]
+    )
+    job = keepstep.init(
+        model, opt, data, global_batch=8, micro_batch=4, env={}, controller=controller
+    )
+    steps = iter(job.steps(2))
+    step = next(steps)
+    for mb in step.micro_batches():
+        step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+    result = step.commit()
+    assert result and result is step.result and step.outcome is StepOutcome.COMMITTED
+    assert result.record is not None and result.record.step == 0 and not result.announced
+    assert job.done == 1  # the state changed in commit()...
+    assert controller.commits == []  # ...the job reports it when it takes the result
+    step = next(steps)
+    assert [c.step for c in controller.commits] == [0]
+    with pytest.raises(ConfigError, match="has a record iff it committed"):
+        CommitResult(StepOutcome.RETRY, record=result.record)
+    assert not CommitResult(StepOutcome.RETRY)

@@ -94,14 +94,13 @@ def init(
         seed=_setting("seed", seed, int, env) or 0,
         mode=ReduceMode(_setting("mode", mode, str, env) or ReduceMode.EXACT),
         threads=_setting("threads", threads, int, env) or 1,
+        # The address peers reach this process on (a pod's IP, a node's namespace address):
+        # gloo binds its device to it and publishes it to the other members.
+        host=env.get(ENV_PREFIX + "HOST") or "127.0.0.1",
+        planned_steps=_setting("steps", None, int, env),
     )
     if controller is None:
         controller = controller_from_env(env)
     path = snapshot_path or env.get(ENV_PREFIX + "SNAPSHOT")
     store = SnapshotStore(_snapshot_buffer(path))
-    job = Job(model, optimizer, dataset, config, controller, store, collate_fn)
-    job.planned_steps = _setting("steps", None, int, env)
-    # The address peers reach this process on (a pod's IP, a node's namespace address):
-    # gloo binds its device to it and publishes it to the other members.
-    job.host = env.get(ENV_PREFIX + "HOST") or job.host
-    return job
+    return Job(model, optimizer, dataset, config, controller, store, collate_fn)

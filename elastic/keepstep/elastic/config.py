@@ -20,7 +20,11 @@ class JobConfig:
 
     `threads` is the intra-op thread count every rank uses; it must be the same on all
     ranks and across runs for kernels to give the same bits. `collective_timeout` bounds
-    every collective; a peer loss is normally detected far sooner (see comm.py).
+    every collective; a peer loss is normally detected far sooner (see comm/).
+
+    What the launcher decides for this process: `host` is the address peers reach it on
+    (a pod's IP, a node's network-namespace address), which gloo binds and publishes;
+    `planned_steps` is the step count `job.steps()` runs to when given none.
     """
 
     global_batch: int
@@ -31,6 +35,8 @@ class JobConfig:
     shuffle: bool = True
     collective_timeout: float = 30.0
     max_overflow_retries: int = 4
+    host: str = "127.0.0.1"
+    planned_steps: int | None = None
     n_micro: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -51,3 +57,10 @@ class JobConfig:
             raise ConfigError(
                 f"max_overflow_retries={self.max_overflow_retries!r} must be an integer >= 1"
             )
+        if not isinstance(self.host, str) or not self.host.strip():
+            raise ConfigError(f"host={self.host!r} must be a non-empty address or hostname")
+        steps = self.planned_steps
+        if steps is not None and (
+            isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
+        ):
+            raise ConfigError(f"planned_steps={steps!r} must be an integer >= 0 (or None)")

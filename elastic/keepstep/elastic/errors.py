@@ -11,6 +11,7 @@ from __future__ import annotations
 from keepstep.errors import ConfigError, KeepstepError
 
 __all__ = [
+    "BadMessage",
     "ConfigError",
     "KeepstepError",
     "PeerLost",
@@ -18,6 +19,13 @@ __all__ = [
     "SnapshotMissing",
     "StateShapeError",
 ]
+
+
+class BadMessage(KeepstepError, ValueError):
+    """A message from a peer failed validation (its size, a type or a range); it is not used.
+
+    Every member decodes the same bytes, so all of them raise it together.
+    """
 
 
 class StateShapeError(KeepstepError, ValueError):

@@ -4,10 +4,12 @@
 controller for a planned change (drain, join); after a failed step it asks for the next
 epoch. Entering an epoch is the data-plane half of a recovery:
 
-    rebuild communicator -> agree the resume step (min committed over members holding
-    state) -> restore (local snapshot, or a peer's snapshot over the network) -> replan
+    rebuild communicator -> exchange views and agree the resume step (rollback.py) ->
+    restore (local snapshot, or a peer's snapshot over the network) -> replan
 
 and each phase is timed into a `Reconfiguration` record handed back to the controller.
+After each step the loop applies what `Step.commit` returned: it reports the commit,
+remembers whether a planned change was announced, and retries or recovers a failed step.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -29,8 +31,9 @@ from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
 from keepstep.elastic.plan import plan
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import SampleOrder, fix_determinism
+from keepstep.elastic.rollback import VIEW_MAX_BYTES, MemberView, ResumePlan, resume_plan
 from keepstep.elastic.snapshot_store import SnapshotStore
-from keepstep.elastic.step import Step, StepOutcome
+from keepstep.elastic.step import CommitResult, Step, StepOutcome
 from keepstep.elastic.train_state import capture, check_layout, layout_signature, restore
 
 log = logging.getLogger(__name__)
@@ -70,9 +73,6 @@ class Job:
         self.membership: Membership | None = None
         self.assignment: dict[str, list[int]] = {}
         self.left = False
-        self.announced = False  # a member flagged a planned change in the last step
-        self.planned_steps: int | None = None  # what a launcher asked for, if any
-        self.host = "127.0.0.1"  # the address gloo binds and publishes (keepstep.init sets it)
         self.reconfigurations: list[Reconfiguration] = []
         infos = snapshots.infos()
         # A restarted worker finds its node's snapshots and resumes from them; a new one
@@ -88,10 +88,10 @@ class Job:
     def steps(self, total: int | None = None) -> Iterator[Step]:
         """Yield steps until `total` are committed (or this member is drained).
 
-        Without `total`, the launcher's step count (KEEPSTEP_STEPS) is used.
+        Without `total`, the launcher's step count (`JobConfig.planned_steps`) is used.
         """
         if total is None:
-            total = self.planned_steps
+            total = self.config.planned_steps
             if total is None:
                 raise ConfigError("job.steps() needs a step count (or a launcher that sets one)")
         if total < 0:
@@ -99,33 +99,41 @@ class Job:
         if self.membership is None:
             self._switch(self.controller.initial(self.config.collective_timeout))
         retries = 0
+        announced = False  # a member flagged a planned change in the step just committed
         while not self.left and self.done < total:
-            change = self.controller.poll(self.done, self.announced)
-            self.announced = False
+            change = self.controller.poll(self.done, announced)
+            announced = False
             if change is not None:
                 self._switch(change)
                 continue
             assert self.membership is not None
             step = Step(self, self.done, self.assignment[self.membership.me])
             yield step
-            if step.outcome is StepOutcome.COMMITTED:
-                retries = 0
-            elif step.outcome is StepOutcome.RETRY:
-                retries += 1
-                if retries > self.config.max_overflow_retries:
-                    raise KeepstepError(
-                        f"step {step.index}: gradient overflow persisted after {retries - 1}"
-                        " rescaled retries"
-                    )
-            elif step.outcome is StepOutcome.FAILED:
-                assert step.failure is not None
-                log.warning("step %d failed: %s", step.index, step.failure)
-                self._switch(self._next_after(step.failure))
-            else:
+            result = step.result
+            if result is None:
                 raise ConfigError(f"step {step.index} ended without step.commit()")
+            announced = result.announced
+            retries = self._apply(step.index, result, retries)
         self.snapshots.wait()
         if not self.left:
             self.controller.on_finish(self.done, self.params_sha256())
+
+    def _apply(self, index: int, result: CommitResult, retries: int) -> int:
+        """Act on how step `index` ended; return the overflow retries in a row so far."""
+        if result.outcome is StepOutcome.COMMITTED:
+            assert result.record is not None
+            self.controller.on_commit(result.record)
+            return 0
+        if result.outcome is StepOutcome.RETRY:
+            if retries + 1 > self.config.max_overflow_retries:
+                raise KeepstepError(
+                    f"step {index}: gradient overflow persisted after {retries} rescaled retries"
+                )
+            return retries + 1
+        assert result.outcome is StepOutcome.FAILED and result.failure is not None
+        log.warning("step %d failed: %s", index, result.failure)
+        self._switch(self._next_after(result.failure))
+        return retries
 
     # -- committing -------------------------------------------------------------------
     def check_layout(self) -> None:
@@ -213,7 +221,7 @@ class Job:
             membership.members,
             membership.me,
             self.collective_timeout,
-            host=self.host,
+            host=self.config.host,
         )
         t1 = time.perf_counter()
         before = self.done
@@ -243,39 +251,12 @@ class Job:
     def _agree_and_restore(self, comm: Communicator) -> bool:
         """Roll every member to the same committed step; return True if state came by wire."""
         self.snapshots.wait()
-        held = [info.step for info in self.snapshots.infos()]
-        views: Sequence[Any] = comm.allgather_object(
-            {"fresh": self.fresh, "done": self.done, "held": held}
-        )
-        # Members of the last epoch are at most one step apart (double-buffered snapshots
-        # hold both); a member further behind (back from a hang, say) is stale and is
-        # sent the state like a new one.
-        newest = max((v["done"] for v in views if not v["fresh"]), default=0)
-        holders = [r for r, v in enumerate(views) if not v["fresh"] and v["done"] >= newest - 1]
-        if holders:
-            resume = min(views[r]["done"] for r in holders)
-            source = next(r for r in holders if resume in views[r]["held"])
-        else:  # a cold start: everybody takes rank 0's initial state
-            resume, source = 0, 0
-        needy = [
-            r
-            for r, v in enumerate(views)
-            if r != source and (r not in holders or resume not in v["held"])
-        ]
-        received = False
-        if needy:
-            blob = self.snapshots.export(resume) if comm.rank == source else b""
-            size = torch.tensor([len(blob)], dtype=torch.int64)
-            comm.broadcast(size, source, self.collective_timeout)
-            wire = (
-                torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-                if comm.rank == source
-                else torch.empty(int(size.item()), dtype=torch.uint8)
-            )
-            comm.broadcast(wire, source, self.collective_timeout)
-            if comm.rank in needy:
-                self.snapshots.import_(wire.numpy().tobytes())
-                received = True
+        mine = MemberView(self.fresh, self.done, tuple(i.step for i in self.snapshots.infos()))
+        views = self._exchange(comm, mine)
+        decision = resume_plan(views)
+        log.info("epoch %d: %s", comm.epoch, decision.reason)
+        resume = decision.resume_step
+        received = self._transfer(comm, decision)
         if self.loaded_step != resume or received:
             extra = restore(self.snapshots.load(resume), self.model, self.optimizer)
             self.reducer.load_state_dict(extra)
@@ -283,3 +264,27 @@ class Job:
         self.done = resume
         self.fresh = False
         return received and self.done > 0
+
+    def _exchange(self, comm: Communicator, mine: MemberView) -> list[MemberView]:
+        """Every member's view in rank order, as bounded JSON (never pickle)."""
+        blobs = comm.allgather_bytes(mine.encode(), VIEW_MAX_BYTES, self.collective_timeout)
+        return [MemberView.decode(blob, rank) for rank, blob in enumerate(blobs)]
+
+    def _transfer(self, comm: Communicator, decision: ResumePlan) -> bool:
+        """Send the source's snapshot of the resume step to the needy; True if it came here."""
+        if not decision.needy:
+            return False
+        source = decision.source
+        blob = self.snapshots.export(decision.resume_step) if comm.rank == source else b""
+        size = torch.tensor([len(blob)], dtype=torch.int64)
+        comm.broadcast(size, source, self.collective_timeout)
+        wire = (
+            torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+            if comm.rank == source
+            else torch.empty(int(size.item()), dtype=torch.uint8)
+        )
+        comm.broadcast(wire, source, self.collective_timeout)
+        if comm.rank not in decision.needy:
+            return False
+        self.snapshots.import_(wire.numpy().tobytes())
+        return True

@@ -2,9 +2,11 @@
 
 A `Step` is handed out by `Job.steps()`. The user runs forward and `step.backward(loss)`
 for each micro-batch it yields, then `step.commit()`. A failure in the step (a lost peer,
-a gradient overflow that needs a rescaled retry) is latched: `commit()` returns False and
-the job repeats the step after the membership settles, instead of raising through the
-user's loop. Nothing is applied to the model unless every member's reduction succeeded.
+a gradient overflow that needs a rescaled retry) is latched: `commit()` returns a false
+`CommitResult` and the job repeats the step after the membership settles, instead of
+raising through the user's loop. Nothing is applied to the model unless every member's
+reduction succeeded. What the rest of the job must do about a step (report the commit,
+act on an announced change, recover) is in the `CommitResult`, which `Job` applies.
 """
 
 from __future__ import annotations
@@ -36,6 +38,30 @@ class StepOutcome(enum.Enum):
     FAILED = "failed"  # a peer was lost: wait for the next epoch, roll back, repeat
 
 
+@dataclass(frozen=True)
+class CommitResult:
+    """How `Step.commit` ended, for the job to apply; true only when the step committed.
+
+    ``announced``: some member flagged a planned change (drain, join) in this step's sum;
+    ``record``: what a committed step reports; ``failure``: the lost peer of a failed one.
+    """
+
+    outcome: StepOutcome
+    announced: bool = False
+    record: CommitRecord | None = None
+    failure: PeerLost | None = None
+
+    def __post_init__(self) -> None:
+        committed = self.outcome is StepOutcome.COMMITTED
+        if committed != (self.record is not None):
+            raise ConfigError(f"a {self.outcome.value} step has a record iff it committed")
+        if (self.outcome is StepOutcome.FAILED) != (self.failure is not None):
+            raise ConfigError(f"a {self.outcome.value} step has a failure iff it failed")
+
+    def __bool__(self) -> bool:
+        return self.outcome is StepOutcome.COMMITTED
+
+
 class NonFiniteGradient(KeepstepError):
     """The global gradient of a step has inf or nan: no rescaling can fix it."""
 
@@ -64,8 +90,7 @@ class Step:
         self.job = job
         self.index = index
         self.micro_batch_ids = tuple(micro_batch_ids)
-        self.outcome = StepOutcome.OPEN
-        self.failure: PeerLost | None = None
+        self.result: CommitResult | None = None  # set by commit()
         self._done_ids: list[int] = []
         self._indices: dict[int, list[int]] = {}  # per micro-batch, for the commit record
         self._current: int | None = None
@@ -110,10 +135,26 @@ class Step:
             p.grad = None
         self._backward_done = True
 
-    def commit(self) -> bool:
-        """Reduce across members, apply the optimizer and snapshot. False: not committed."""
-        if self.outcome is not StepOutcome.OPEN:
+    @property
+    def outcome(self) -> StepOutcome:
+        return StepOutcome.OPEN if self.result is None else self.result.outcome
+
+    @property
+    def failure(self) -> PeerLost | None:
+        return None if self.result is None else self.result.failure
+
+    def commit(self) -> CommitResult:
+        """Reduce across members, apply the optimizer and snapshot.
+
+        The result is false unless the step committed; the job applies it (it is also kept
+        as `step.result`).
+        """
+        if self.result is not None:
             raise ConfigError(f"step {self.index} was already closed ({self.outcome.value})")
+        self.result = self._commit()
+        return self.result
+
+    def _commit(self) -> CommitResult:
         job = self.job
         comm = job.comm
         assert comm is not None
@@ -143,30 +184,25 @@ class Step:
             except PeerLost as error:
                 return self._fail(error)
             job.reducer.set_retry_exponents(peak)
-            self.outcome = StepOutcome.RETRY
-            return False
+            return CommitResult(StepOutcome.RETRY)
         if isinstance(outcome, ReduceNonFinite):
             raise NonFiniteGradient(f"step {self.index}: {outcome.reason}")
         assert isinstance(outcome, ReduceDone)
+        # The state changes here, not when the job applies the result: the user's code
+        # after commit() sees the new parameters.
         job.apply_and_snapshot()
-        job.announced = announced
-        self.outcome = StepOutcome.COMMITTED
-        job.controller.on_commit(
-            CommitRecord(
-                step=self.index,
-                epoch=comm.epoch,
-                world_size=comm.size,
-                micro_batches=self.micro_batch_ids,
-                samples=tuple(i for mb in self.micro_batch_ids for i in self._indices[mb]),
-                step_s=time.perf_counter() - self._started,
-                assignment=job.assignment,
-                snapshot_s=job.snapshot_s,
-            )
+        record = CommitRecord(
+            step=self.index,
+            epoch=comm.epoch,
+            world_size=comm.size,
+            micro_batches=self.micro_batch_ids,
+            samples=tuple(i for mb in self.micro_batch_ids for i in self._indices[mb]),
+            step_s=time.perf_counter() - self._started,
+            assignment=job.assignment,
+            snapshot_s=job.snapshot_s,
         )
-        return True
+        return CommitResult(StepOutcome.COMMITTED, announced=announced, record=record)
 
-    def _fail(self, error: PeerLost) -> bool:
+    def _fail(self, error: PeerLost) -> CommitResult:
         self.job.reducer.abandon_buffer()
-        self.failure = error
-        self.outcome = StepOutcome.FAILED
-        return False
+        return CommitResult(StepOutcome.FAILED, failure=error)
