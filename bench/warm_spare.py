@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from keepstep.agent.protocol.events import EventKind
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 from harness.stats import percentile  # noqa: E402
@@ -60,9 +62,9 @@ def measure(run_dir: Path, summary: dict[str, Any]) -> list[dict[str, float]]:
     for path in run_dir.glob("events-*.jsonl"):
         for line in path.read_text().splitlines():
             event = json.loads(line)
-            if event["kind"] == "commit" and event["step"] not in commits:
+            if event["kind"] == EventKind.COMMIT and event["step"] not in commits:
                 commits[event["step"]] = (event["t"], event["world_size"])
-            elif event["kind"] in ("worker-started", "worker-ready"):
+            elif event["kind"] in (EventKind.WORKER_STARTED, EventKind.WORKER_READY):
                 lifecycle.append(event)
     lifecycle.sort(key=lambda e: e["t"])
     mttr = {r["step"]: r["mttr_s"] for r in summary["recoveries"] if r["cause"] == "kill-worker"}
@@ -76,9 +78,13 @@ def measure(run_dir: Path, summary: dict[str, Any]) -> list[dict[str, float]]:
         # said hello: imports done, model built, asking to be admitted).
         member = f"{fault['node']}/0"
         mine = [e for e in lifecycle if e["member"] == member and e["t"] > fault["t"]]
-        started = next((e["t"] for e in mine if e["kind"] == "worker-started"), None)
+        started = next((e["t"] for e in mine if e["kind"] == EventKind.WORKER_STARTED), None)
         ready = next(
-            (e["t"] for e in mine if e["kind"] == "worker-ready" and e["t"] > (started or 0)),
+            (
+                e["t"]
+                for e in mine
+                if e["kind"] == EventKind.WORKER_READY and e["t"] > (started or 0)
+            ),
             None,
         )
         out.append(

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from keepstep.agent.protocol.events import EventKind
 from keepstep.chaos.invariants import (
     INVARIANTS,
     Observation,
@@ -120,7 +121,7 @@ def test_no_summary_at_all() -> None:
 
 def test_a_member_that_computed_less_than_its_share() -> None:
     summary, events = make_run()
-    commit = next(e for e in events if e["kind"] == "commit" and e["step"] == 2)
+    commit = next(e for e in events if e["kind"] == EventKind.COMMIT and e["step"] == 2)
     commit["micro_batches"] = [0]
     commit["samples"] = commit["samples"][:2]
     v = verdict(summary, events)
@@ -131,7 +132,7 @@ def test_a_member_that_computed_less_than_its_share() -> None:
 def test_a_plan_that_leaves_out_a_micro_batch() -> None:
     summary, events = make_run()
     for e in events:
-        if e["kind"] == "commit" and e["step"] == 3:
+        if e["kind"] == EventKind.COMMIT and e["step"] == 3:
             e["assignment"] = {"n0/0": [0, 1], "n1/0": [2]}
             if e["member"] == "n1/0":
                 e["micro_batches"], e["samples"] = [2], e["samples"][:2]
@@ -142,7 +143,7 @@ def test_a_plan_that_leaves_out_a_micro_batch() -> None:
 
 def test_a_step_never_committed() -> None:
     summary, events = make_run()
-    events = [e for e in events if not (e["kind"] == "commit" and e["step"] == 5)]
+    events = [e for e in events if not (e["kind"] == EventKind.COMMIT and e["step"] == 5)]
     v = verdict(summary, events)
     assert "global_batch_constant" in broken(v)
     assert "step 5: never committed" in " ".join(v.violations)
@@ -155,7 +156,7 @@ def test_a_member_killed_before_reporting_its_commit_is_no_violation() -> None:
     events = [
         e
         for e in events
-        if not (e["kind"] == "commit" and e["step"] == 4 and e["member"] == "n1/0")
+        if not (e["kind"] == EventKind.COMMIT and e["step"] == 4 and e["member"] == "n1/0")
     ]
     assert verdict(summary, events).passed
 
@@ -168,7 +169,7 @@ def test_a_duplicated_sample_in_the_ledger() -> None:
 
 def test_other_samples_than_the_reference() -> None:
     summary, events = make_run()
-    commit = next(e for e in events if e["kind"] == "commit" and e["step"] == 4)
+    commit = next(e for e in events if e["kind"] == EventKind.COMMIT and e["step"] == 4)
     commit["samples"] = [s + 1 for s in commit["samples"]]
     v = verdict(summary, events)
     assert broken(v) == {"every_sample_once"}
@@ -178,7 +179,7 @@ def test_other_samples_than_the_reference() -> None:
 def test_a_pause_longer_than_the_detection_bound() -> None:
     summary, events = make_run()
     for e in events:
-        if e["kind"] in ("commit", "finish") and e.get("step", 99) >= 3:
+        if e["kind"] in (EventKind.COMMIT, EventKind.FINISH) and e.get("step", 99) >= 3:
             e["t"] += 2.5
     v = verdict(summary, events)
     assert broken(v) == {"no_hang_beyond_bound"}

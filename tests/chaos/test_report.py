@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from keepstep.chaos import report
 from keepstep.chaos.invariants import Observation, check, reference_from
 from keepstep.chaos.model import Fault, FaultKind, Scenario, Trigger
-from keepstep.chaos.runner import RunResult, ScenarioResult, summarize
+from keepstep.chaos.runner import RunResult, ScenarioResult, attribute, summarize
 from keepstep.chaos.schedule import RunPlan
 from keepstep.chaos.target import RunOutcome
 
@@ -52,6 +55,29 @@ def test_the_json_has_the_fields_the_issue_names(tmp_path: Path) -> None:
     assert recovery["fault"] == 0 and recovery["detect_from_fault_s"] is not None
     assert data["goodput"]["ratio"] is not None
     json.dumps(data)  # serialisable as it is
+
+
+def test_recoveries_are_timed_from_the_fault_that_explains_them(tmp_path: Path) -> None:
+    """Faults the launcher did not inject are timed too; a slowed node or a join applied
+    before the failure does not take the credit for it."""
+    summary, events = make_run({s: 1 for s in range(3, 6)})
+
+    def applied(index: int, kind: str, t: float | None) -> dict[str, Any]:
+        return {"index": index, "kind": kind, "node": "n1", "spec": f"{kind}:1@time=1s",
+                "via": "injector", "t": t, "step": 3, "skipped": None, "detail": {}}  # fmt: skip
+
+    faults = (
+        applied(0, "join-node", T0 + 0.1),
+        applied(1, "slow-node", T0 + 0.2),
+        applied(2, "kill-node", None),  # skipped: never applied
+        applied(3, "hang-node", T0 + 0.25),
+    )
+    seen = Observation(0, T0 + 2, faults)
+    (recovery,) = attribute(RunOutcome(tmp_path / "run-000", summary, events, seen, T0 - 5))
+    assert recovery["fault"] == 3
+    assert recovery["detect_from_fault_s"] == pytest.approx(0.05)  # to the agreement
+    assert recovery["mttr_from_fault_s"] == pytest.approx(0.15)  # to the first commit
+    assert recovery["mttr_s"] == 0.2  # the summary's own figures are kept
 
 
 def test_the_html_page_is_self_contained(tmp_path: Path) -> None:

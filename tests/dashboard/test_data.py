@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from keepstep.agent.protocol.events import EventKind
 from keepstep.dashboard.data import RunInputs, build_view
 from keepstep.dashboard.reader import RunReader, find_runs
 from keepstep.launch.summary import build_summary
@@ -112,7 +113,7 @@ def test_live_run_view_has_recoveries_before_the_summary() -> None:
 
 
 def test_recovery_still_in_progress() -> None:
-    events = [e for e in run_events() if not (e["kind"] == "commit" and e["epoch"] == 1)]
+    events = [e for e in run_events() if not (e["kind"] == EventKind.COMMIT and e["epoch"] == 1)]
     (r,) = build_view(RunInputs("demo", events), now=T + 2)["recoveries"]
     assert r["mttr_s"] is None and r["end"] is None
     assert r["phases"]["first-step"] == 0.0

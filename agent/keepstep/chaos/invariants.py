@@ -26,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from keepstep.agent.protocol.events import EventKind
+from keepstep.agent.protocol.recovery import PHASES
 from keepstep.chaos.model import Checks, FaultKind, Job
 
 Event = Mapping[str, Any]
@@ -38,11 +40,11 @@ INVARIANTS = (
     "every_recovery_recorded",
     "clean_exit",
 )
-_PHASES = ("detect_s", "agree_s", "communicator_s", "restore_s", "replan_s", "mttr_s")
+_PHASES = (*(f"{p}_s" for p in PHASES[:-1]), "mttr_s")  # a summary record's times
 _SHOWN = 5  # per-step violations listed before the rest is counted
-_KILLED = frozenset({"kill-node", "hang-node"})
+_KILLED = frozenset({FaultKind.KILL_NODE.value, FaultKind.HANG_NODE.value})
 # A joining node starts its processes first (seconds): its admission may come much later.
-_LATE_RECOVERY = frozenset({"join-node"})
+_LATE_RECOVERY = frozenset({FaultKind.JOIN_NODE})
 
 
 @dataclass(frozen=True)
@@ -81,15 +83,25 @@ class Verdict:
         return all(self.invariants.values())
 
 
+def explaining(faults: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The applied faults that can explain a recovery, in the order they were applied: only
+    those that change the membership (a restarted operator or a slowed node must not take
+    the credit for an epoch). The run summary and `runner.attribute` match epochs to these."""
+    applied = [f for f in faults if f.get("t") is not None]
+    return sorted(
+        (f for f in applied if FaultKind(f["kind"]).expects_recovery), key=lambda f: float(f["t"])
+    )
+
+
 def final_commits(events: Sequence[Event]) -> dict[int, list[Event]]:
     """Per step, the commits of its newest epoch (what the final parameters came from)."""
     newest: dict[int, int] = {}
     for e in events:
-        if e["kind"] == "commit":
+        if e["kind"] == EventKind.COMMIT:
             newest[e["step"]] = max(newest.get(e["step"], -1), e["epoch"])
     out: dict[int, list[Event]] = {}
     for e in events:
-        if e["kind"] == "commit" and e["epoch"] == newest[e["step"]]:
+        if e["kind"] == EventKind.COMMIT and e["epoch"] == newest[e["step"]]:
             out.setdefault(e["step"], []).append(e)
     return out
 
@@ -121,8 +133,8 @@ def samples_per_s(events: Sequence[Event], job: Job) -> float | None:
     """Committed samples over the training window: from the first commit to the first
     finish (the final epoch's members finish together; a member restarted after that
     adds no work)."""
-    commits = [float(e["t"]) for e in events if e["kind"] == "commit"]
-    finishes = [float(e["t"]) for e in events if e["kind"] == "finish"]
+    commits = [float(e["t"]) for e in events if e["kind"] == EventKind.COMMIT]
+    finishes = [float(e["t"]) for e in events if e["kind"] == EventKind.FINISH]
     if not commits or not finishes or min(finishes) <= min(commits):
         return None
     return job.steps * job.global_batch / (min(finishes) - min(commits))
@@ -280,11 +292,10 @@ def _samples(
 
 
 def _no_hang(events: Sequence[Event], seen: Observation, checks: Checks) -> list[str]:
-    finishes = [float(e["t"]) for e in events if e["kind"] == "finish"]
+    finishes = [float(e["t"]) for e in events if e["kind"] == EventKind.FINISH]
     done = min(finishes, default=float("inf"))  # the job's work is over at the first finish
-    times = sorted(
-        float(e["t"]) for e in events if e["kind"] in ("commit", "finish") and e["t"] <= done
-    )
+    steps = (EventKind.COMMIT, EventKind.FINISH)
+    times = sorted(float(e["t"]) for e in events if e["kind"] in steps and e["t"] <= done)
     out = []
     for a, b in itertools.pairwise(times):
         if b - a > checks.detection_bound_s:
@@ -309,10 +320,10 @@ def _recoveries(
 ) -> list[str]:
     agreed: dict[int, float] = {}
     for e in events:
-        if e["kind"] == "epoch-agreed" and e["epoch"] > 0:
+        if e["kind"] == EventKind.EPOCH_AGREED and e["epoch"] > 0:
             agreed.setdefault(int(e["epoch"]), float(e["t"]))
     records = {int(r["epoch"]): r for r in (summary or {}).get("recoveries", [])}
-    done = min((float(e["t"]) for e in events if e["kind"] == "finish"), default=None)
+    done = min((float(e["t"]) for e in events if e["kind"] == EventKind.FINISH), default=None)
     out = []
     for epoch in sorted(agreed):
         r = records.get(epoch)
@@ -331,12 +342,13 @@ def _recoveries(
             )
     last = max((float(e["t"]) for e in events), default=seen.ended_t)
     for fault in seen.faults:
-        if fault.get("t") is None or not FaultKind(fault["kind"]).expects_recovery:
+        kind = FaultKind(fault["kind"])
+        if fault.get("t") is None or not kind.expects_recovery:
             continue
-        if fault["kind"] == "corrupt-snapshot" and not fault.get("detail", {}).get("killed"):
+        if kind is FaultKind.CORRUPT_SNAPSHOT and not fault.get("detail", {}).get("killed"):
             continue  # nobody had to load the corrupted slot
         t = float(fault["t"])
-        until = last if fault["kind"] in _LATE_RECOVERY else t + checks.detection_bound_s
+        until = last if kind in _LATE_RECOVERY else t + checks.detection_bound_s
         if not any(t <= at <= until for at in agreed.values()):
             out.append(
                 f"fault #{fault['index']} {fault['spec']} (t={t:.3f}) was not followed by "

@@ -17,9 +17,11 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 
+from keepstep.agent.protocol.events import EventKind
+from keepstep.agent.protocol.recovery import PHASES
 from keepstep.chaos.runner import RunResult, ScenarioResult
 
-_PHASES = ("detect_s", "agree_s", "communicator_s", "restore_s", "replan_s")
+_PHASES = tuple(f"{p}_s" for p in PHASES[:-1])  # the summary's phase fields
 
 
 def write(result: ScenarioResult, data: dict[str, Any], path: Path) -> Path:
@@ -103,7 +105,7 @@ def _progress(run: RunResult) -> go.Figure:
     # One point per step and epoch (its first commit): members commit a step together.
     firsts: dict[tuple[int, int], dict[str, Any]] = {}
     for e in run.outcome.events:
-        if e["kind"] == "commit":
+        if e["kind"] == EventKind.COMMIT:
             firsts.setdefault((e["step"], e["epoch"]), e)
     commits = sorted(firsts.values(), key=lambda e: float(e["t"]))
     fig = go.Figure()
@@ -122,7 +124,7 @@ def _progress(run: RunResult) -> go.Figure:
             fig.add_vline(x=f["t"] - start, line={"color": "red", "dash": "dot"})
             fig.add_annotation(x=f["t"] - start, y=1, yref="paper", text=f["kind"], showarrow=False)
     for e in run.outcome.events:
-        if e["kind"] == "epoch-agreed" and e.get("epoch", 0) > 0:
+        if e["kind"] == EventKind.EPOCH_AGREED and e.get("epoch", 0) > 0:
             fig.add_vline(x=e["t"] - start, line={"color": "green", "width": 1})
     fig.update_layout(
         title="committed steps over time (red: faults, green: new epochs)",

@@ -16,9 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from keepstep.agent.durable.storage import CheckpointInfo
-from keepstep.elastic.errors import KeepstepError
+from keepstep.agent.protocol.events import EventKind, kind_of
+from keepstep.errors import KeepstepError
 
-DETECTIONS = ("fault-detected", "drain-requested", "epoch-agreed")
+# What shows that the job noticed a fault (a `during_recovery_of` trigger fires on it).
+DETECTIONS = frozenset(
+    {EventKind.FAULT_DETECTED, EventKind.DRAIN_REQUESTED, EventKind.EPOCH_AGREED}
+)
 CHECKPOINTS = "checkpoints"  # the run's durable checkpoints, when the job asks for them
 
 
@@ -78,19 +82,19 @@ class RunView:
             self.checkpoints[step] = info.sha256
 
     def _apply(self, e: dict[str, Any]) -> None:
-        kind = e["kind"]
-        if kind == "commit":
+        kind = kind_of(e)
+        if kind is EventKind.COMMIT:
             self.step = max(self.step, int(e["step"]) + 1)
             if self.first_commit_t is None:
                 self.first_commit_t = float(e["t"])
-        elif kind == "agent-started":
+        elif kind is EventKind.AGENT_STARTED:
             self.agents[str(e["node"])] = int(e["pid"])
-        elif kind == "worker-started":
+        elif kind is EventKind.WORKER_STARTED:
             self.workers[str(e["member"])] = int(e["pid"])
-        elif kind == "worker-exited":
+        elif kind is EventKind.WORKER_EXITED:
             if self.workers.get(str(e["member"])) == int(e["pid"]):
                 del self.workers[str(e["member"])]
-        elif kind == "finish":
+        elif kind is EventKind.FINISH:
             self.finished += 1
         if kind in DETECTIONS:
             self.detections.append(float(e["t"]))

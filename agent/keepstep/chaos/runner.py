@@ -11,26 +11,28 @@ of one job share one fault-free run.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import keepstep.elastic
 from keepstep.agent.protocol.events import read_events
+from keepstep.agent.protocol.recovery import recoveries
 from keepstep.chaos.invariants import (
     Observation,
     Reference,
     Verdict,
     check,
+    explaining,
     reference_from,
 )
-from keepstep.chaos.model import FaultKind, Job, Scenario
-from keepstep.chaos.rundir import DETECTIONS
+from keepstep.chaos.model import Job, Scenario
 from keepstep.chaos.schedule import RunPlan, expand
 from keepstep.chaos.target import RunOutcome, Target
-from keepstep.elastic.errors import KeepstepError
+from keepstep.errors import KeepstepError
+from keepstep.launch.summary import injected_faults
 
 _REFERENCE_FORMAT = 3  # bump when `Reference` changes: old cache entries are not read
 
@@ -72,8 +74,12 @@ def job_key(job: Job) -> str:
         h.update(Path(job.script).read_bytes())
     except OSError as error:
         raise ChaosError(f"training script {job.script!r}: {error.strerror}") from None
-    for path in sorted(Path(next(iter(keepstep.elastic.__path__))).glob("*.py")):
-        h.update(path.name.encode() + path.read_bytes())
+    # The library decides the numbers too; found without importing it (that imports torch).
+    spec = importlib.util.find_spec("keepstep.elastic")
+    assert spec is not None and spec.submodule_search_locations, "keepstep.elastic is a package"
+    library = Path(next(iter(spec.submodule_search_locations)))
+    for path in sorted(library.rglob("*.py")):
+        h.update(str(path.relative_to(library)).encode() + path.read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -229,43 +235,19 @@ def summarize(result: ScenarioResult) -> dict[str, Any]:
 def attribute(outcome: RunOutcome) -> list[dict[str, Any]]:
     """The summary's recoveries, each with the fault it followed (`fault`: its index in the
     run's list) and, timed from that fault's injection, `detect_from_fault_s` and
-    `mttr_from_fault_s` (the summary can only time the faults the launcher injected)."""
-    events = outcome.events
-    agreed: dict[int, float] = {}
-    for e in events:
-        if e["kind"] == "epoch-agreed" and e["epoch"] > 0:
-            agreed.setdefault(int(e["epoch"]), float(e["t"]))
-    faults = sorted(
-        (f for f in outcome.seen.faults if f.get("t") is not None), key=lambda f: float(f["t"])
-    )
-    used: set[int] = set()
+    `mttr_from_fault_s`. The summary can only time the faults the launcher injected; these
+    are the same fold (`protocol.recovery`) given every fault the run applied that changes
+    the membership, so they time the injector's faults too."""
+    applied = explaining(outcome.seen.faults)
+    folded = {r.epoch: r for r in recoveries(outcome.events, injected_faults(applied))}
     out = []
     for rec in (outcome.summary or {}).get("recoveries", []):
         rec = dict(rec)
-        at = agreed.get(int(rec["epoch"]))
-        fault = next(
-            (
-                f
-                for f in faults
-                if f["index"] not in used
-                and at is not None
-                and float(f["t"]) <= at
-                and FaultKind(f["kind"]).expects_recovery
-            ),
-            None,
-        )
-        if fault is not None and at is not None:
-            used.add(fault["index"])
-            t = float(fault["t"])
-            detected = [float(e["t"]) for e in events if e["kind"] in DETECTIONS and e["t"] >= t]
-            after = [
-                float(e["t"])
-                for e in events
-                if e["kind"] == "commit" and e["epoch"] >= rec["epoch"] and e["t"] >= at
-            ]
-            rec["fault"] = fault["index"]
-            rec["detect_from_fault_s"] = min(detected) - t if detected else None
-            rec["mttr_from_fault_s"] = min(after) - t if after else None
+        r = folded.get(int(rec["epoch"]))
+        if r is not None and r.fault is not None:
+            rec["fault"] = applied[r.fault]["index"]
+            rec["detect_from_fault_s"] = r.detect_s
+            rec["mttr_from_fault_s"] = r.mttr_s
         out.append(rec)
     return out
 

@@ -3,9 +3,10 @@
 `build_view(inputs, now)` turns the event logs (and, once the run ended, its summary)
 into JSON-ready series: throughput and world size over time, one record per recovery
 with its MTTR split into phases, and goodput. It works on a live run as well: the
-recoveries come from the same `build_summary` the launcher runs at the end, applied to
-the events so far. Times are seconds since training started (the first agreed epoch);
-`t0` is that moment in wall-clock seconds.
+recoveries are the fold the run summary is made of (`keepstep.agent.protocol.recovery`,
+given the run's fault log once the launcher wrote it), applied to the events so far.
+Times are seconds since training started (the first agreed epoch); `t0` is that moment
+in wall-clock seconds.
 
 Goodput is the share of the training window (first agreed epoch to last commit) not
 lost to recoveries (fault to first commit after it) or to steps that were committed
@@ -18,9 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from keepstep.launch.summary import build_summary
+from keepstep.agent.protocol import recovery
+from keepstep.agent.protocol.events import EventKind
+from keepstep.launch.summary import injected_faults
 
-PHASES = ("detect", "agree", "communicator", "restore", "replan", "first-step")
 # Intervals (distinct steps) the throughput line averages over: one slow step does not
 # spike the line, and a change of world size shows within a few steps.
 RATE_WINDOW = 4
@@ -50,10 +52,10 @@ class _Commit:
 def build_view(inputs: RunInputs, now: float) -> dict[str, Any]:
     events = sorted(inputs.events, key=lambda e: float(e["t"]))
     commits = _first_commits(events)
-    agreed = [e for e in events if e["kind"] == "epoch-agreed"]
+    agreed = [e for e in events if e["kind"] == EventKind.EPOCH_AGREED]
     t0 = float(agreed[0]["t"]) if agreed else (commits[0].t if commits else 0.0)
     status = _status(inputs, events, now)
-    recoveries = _recoveries(inputs, events, commits, t0)
+    recoveries = _recoveries(inputs, events, t0)
     last_t = commits[-1].t if commits else t0
     final = _final_steps(commits)
     return {
@@ -93,7 +95,7 @@ def _first_commits(events: Sequence[Mapping[str, Any]]) -> list[_Commit]:
     """One record per (epoch, step): its first commit, whichever member wrote it."""
     seen: dict[tuple[int, int], _Commit] = {}
     for e in events:
-        if e["kind"] != "commit":
+        if e["kind"] != EventKind.COMMIT:
             continue
         key = (int(e["epoch"]), int(e["step"]))
         if key in seen:
@@ -142,54 +144,27 @@ def _throughput(commits: Sequence[_Commit], t0: float) -> dict[str, list[Any]]:
 
 
 def _recoveries(
-    inputs: RunInputs,
-    events: Sequence[Mapping[str, Any]],
-    commits: Sequence[_Commit],
-    t0: float,
+    inputs: RunInputs, events: Sequence[Mapping[str, Any]], t0: float
 ) -> list[dict[str, Any]]:
-    if inputs.summary is not None:
-        records = list(inputs.summary.get("recoveries", []))
-    elif commits:
-        # The batch sizes only size the sample ledger, which the page does not show.
-        gb = max(max(c.samples for c in commits), 1)
-        live = build_summary(
-            [dict(e) for e in events],
-            [dict(f) for f in inputs.faults],
-            steps=max(c.step for c in commits) + 1,
-            global_batch=gb,
-            micro_batch=gb,
-        )
-        records = live["recoveries"]
-    else:
-        records = []
-    agreed_t: dict[int, float] = {}
-    for e in events:
-        if e["kind"] == "epoch-agreed":
-            agreed_t.setdefault(int(e["epoch"]), float(e["t"]))
+    # The summary holds the fault log too: a run directory may have it without faults.json.
+    faults = inputs.faults or (inputs.summary or {}).get("faults") or ()
     out = []
-    for index, r in enumerate(records):
-        # The summary times phases, not moments: the fault lies detect_s + agree_s
-        # before the epoch was agreed.
-        epoch = int(r["epoch"])
-        start = agreed_t.get(epoch, t0) - float(r["detect_s"]) - float(r["agree_s"])
-        mttr = r.get("mttr_s")
-        phases = {p: float(r.get(f"{p}_s", 0.0)) for p in PHASES[:-1]}
-        rest = (float(mttr) - sum(phases.values())) if mttr is not None else 0.0
-        phases["first-step"] = max(rest, 0.0)
+    for index, r in enumerate(recovery.recoveries(events, injected_faults(faults))):
+        tiled = recovery.phases(r)
         out.append(
             {
                 "index": index + 1,
-                "label": f"#{index + 1} {r['cause']} {r.get('node') or ''}".rstrip(),
-                "cause": r["cause"],
-                "node": r.get("node"),
-                "epoch": epoch,
-                "step": r.get("step"),
-                "start": start - t0,
-                "end": (start - t0 + float(mttr)) if mttr is not None else None,
-                "mttr_s": mttr,
-                "phases": phases,
-                "rolled_back_steps": r.get("rolled_back_steps", 0),
-                "reason": r.get("reason", ""),
+                "label": f"#{index + 1} {r.cause} {r.node or ''}".rstrip(),
+                "cause": r.cause,
+                "node": r.node,
+                "epoch": r.epoch,
+                "step": r.step,
+                "start": r.start_t - t0,
+                "end": (r.start_t - t0 + r.mttr_s) if r.mttr_s is not None else None,
+                "mttr_s": r.mttr_s,
+                "phases": {p.name: p.seconds for p in tiled},
+                "rolled_back_steps": r.rolled_back_steps,
+                "reason": r.reason,
             }
         )
     return out

@@ -3,18 +3,21 @@
 Built from the nodes' event logs and the launcher's fault log. A step may be committed
 more than once (members that committed it before a failure rolled back and redid it);
 only its commits in the newest epoch count, so the ledger shows what the final
-parameters were trained on: every micro-batch of every step exactly once.
+parameters were trained on: every micro-batch of every step exactly once. Its
+recoveries are the one fold of the event logs (`keepstep.agent.protocol.recovery`),
+given the launcher's faults so that each is timed from the fault injected.
 """
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from keepstep.agent.protocol import node_of
+from keepstep.agent.protocol.events import EventKind
+from keepstep.agent.protocol.recovery import Effect, InjectedFault, recoveries
+from keepstep.launch.faults import FaultKind
 
 
 def build_summary(
@@ -29,7 +32,7 @@ def build_summary(
     """`start_step` > 0 for a job resumed from a durable checkpoint: the steps before it
     are accounted for by the run that wrote the checkpoint."""
     n_micro = global_batch // micro_batch
-    commits = [e for e in events if e["kind"] == "commit"]
+    commits = [e for e in events if e["kind"] == EventKind.COMMIT]
     final_epoch: dict[int, int] = {}
     for c in commits:
         final_epoch[c["step"]] = max(final_epoch.get(c["step"], -1), c["epoch"])
@@ -58,10 +61,10 @@ def build_summary(
     duplicated = sum(n - 1 for n in seen.values() if n > 1)
     lost = sum(1 for slot in slots if slot not in seen)
 
-    shas = sorted({e["params_sha256"] for e in events if e["kind"] == "finish"})
-    finished = [e["done"] for e in events if e["kind"] == "finish"]
-    recoveries = _recoveries(events, faults)
-    mttrs = [r["mttr_s"] for r in recoveries if r["mttr_s"] is not None]
+    shas = sorted({e["params_sha256"] for e in events if e["kind"] == EventKind.FINISH})
+    finished = [e["done"] for e in events if e["kind"] == EventKind.FINISH]
+    records = _recoveries(events, faults)
+    mttrs = [r["mttr_s"] for r in records if r["mttr_s"] is not None]
     return {
         "params_sha256": shas[0] if len(shas) == 1 else None,
         "params_sha256_disagree": shas if len(shas) > 1 else [],
@@ -70,7 +73,7 @@ def build_summary(
         "micro_batch": micro_batch,
         "start_step": start_step,
         "world_size_by_step": [world.get(s, 0) for s in range(steps)],
-        "recoveries": recoveries,
+        "recoveries": records,
         "mttr_p50_s": statistics.median(mttrs) if mttrs else None,
         "samples": {
             "expected": len(slots) * micro_batch,
@@ -83,103 +86,53 @@ def build_summary(
     }
 
 
-_PLANNED = {"join-node", "drain-node"}
+_EFFECTS = {FaultKind.JOIN_NODE.value: Effect.JOIN, FaultKind.DRAIN_NODE.value: Effect.DRAIN}
 
 
-def _changed_nodes(agreed: dict[str, Any], field: str, word: str) -> list[str]:
-    """The nodes whose workers an epoch admitted (`field` "admitted", `word` "admit") or
-    drained ("removed", "drain"): from the event's field, or from its reason ("admit
-    n1/0,n4/0; drain n2/0") in event logs written before the field existed."""
-    members = agreed.get(field)
-    if members is None:
-        found = re.search(rf"\b{word} ([^;]+)", str(agreed.get("reason", "")))
-        members = found.group(1).split(",") if found else []
-    return sorted({node_of(str(m).strip()) for m in members})
-
-
-def _matching_fault(
-    agreed: dict[str, Any], faults: Sequence[dict[str, Any]], used: set[int]
-) -> dict[str, Any] | None:
-    """The earliest unused fault, injected before this epoch was agreed, of a kind that
-    explains it: a planned change (admit, drain) or a failure (kill, hang). A join is
-    matched to the admission of its own node, not to a restarted worker coming back."""
-    planned = bool(agreed.get("planned"))
-    reason = str(agreed.get("reason", ""))
-    admitted = _changed_nodes(agreed, "admitted", "admit")
-    for index, fault in enumerate(faults):
-        if index in used or fault["t"] > agreed["t"]:
-            continue
-        kind = fault["kind"]
-        joined = kind == "join-node" and (
-            fault.get("node") in admitted if fault.get("node") else bool(admitted)
+def injected_faults(faults: Iterable[Mapping[str, Any]]) -> list[InjectedFault]:
+    """Fault-log records (the launcher's, or any with its `kind`, `t` and `node`) as the
+    recovery fold takes them; a kind the launcher does not know (the chaos injector's
+    partitions, corrupted snapshots) is a failure. Records never applied (no `t`) are left
+    out, so an index into the result is one into the applied records, in order."""
+    return [
+        InjectedFault(
+            kind=str(f["kind"]),
+            t=float(f["t"]),
+            effect=_EFFECTS.get(str(f["kind"]), Effect.FAILURE),
+            node=None if f.get("node") is None else str(f["node"]),
         )
-        if planned and (joined or (kind == "drain-node" and "drain" in reason)):
-            used.add(index)
-            return fault
-        if not planned and kind not in _PLANNED:
-            used.add(index)
-            return fault
-    return None
+        for f in faults
+        if f.get("t") is not None
+    ]
+
+
+# The keys of a summary's recovery: a contract that tests and tools read. The record's
+# other fields (wall-clock times, members, the fault's index) stay out of it.
+_SUMMARY_FIELDS = (
+    "cause",
+    "node",
+    "epoch",
+    "step",
+    "detect_s",
+    "agree_s",
+    "communicator_s",
+    "restore_s",
+    "replan_s",
+    "mttr_s",
+    "rolled_back_steps",
+    "reason",
+)
 
 
 def _recoveries(
-    events: Sequence[dict[str, Any]], faults: Sequence[dict[str, Any]]
+    events: Sequence[Mapping[str, Any]], faults: Sequence[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
-    """One record per epoch after the first: its cause and each phase's duration.
-
-    A re-admission without a fault of its own (a restarted worker coming back) has cause
-    "rejoin" and names the node admitted; a failure nobody injected keeps the cause (and
-    node) its detector recorded.
-    """
-    agreed: dict[int, dict[str, Any]] = {}
-    for e in events:
-        if e["kind"] == "epoch-agreed" and e["epoch"] > 0 and e["epoch"] not in agreed:
-            agreed[e["epoch"]] = e
-    out = []
-    used: set[int] = set()
-    previous_t = min((e["t"] for e in events), default=0.0)
-    for epoch in sorted(agreed):
-        a = agreed[epoch]
-        fault = _matching_fault(a, faults, used)
-        detected = [
-            e for e in events if e["kind"] == "fault-detected" and previous_t <= e["t"] <= a["t"]
-        ]
-        if a.get("planned"):
-            detected = []  # planned changes are announced, not detected
-        recon = [e for e in events if e["kind"] == "reconfigured" and e["epoch"] == epoch]
-        after = [e["t"] for e in events if e["kind"] == "commit" and e["epoch"] >= epoch]
-        start = fault["t"] if fault else (detected[0]["t"] if detected else a["t"])
-        detect_t = detected[0]["t"] if detected else (start if fault is None else a["t"])
-        if fault is not None:
-            cause = fault["kind"]
-        elif detected:
-            cause = detected[0]["cause"]
-        else:
-            cause = "rejoin" if "admit" in str(a.get("reason", "")) else "planned"
-        if fault is not None:
-            node = fault.get("node")
-        elif detected:
-            node = detected[0]["node"]
-        else:  # a worker back after a restart, or a drain nobody injected
-            changed = _changed_nodes(a, "admitted", "admit") or _changed_nodes(
-                a, "removed", "drain"
-            )
-            node = ",".join(changed) or None
-        out.append(
-            {
-                "cause": cause,
-                "node": node,
-                "epoch": epoch,
-                "step": min((r["resume_step"] for r in recon), default=a.get("step")),
-                "detect_s": max(detect_t - start, 0.0),
-                "agree_s": max(a["t"] - detect_t, 0.0),
-                "communicator_s": max((r["communicator_s"] for r in recon), default=0.0),
-                "restore_s": max((r["restore_s"] for r in recon), default=0.0),
-                "replan_s": max((r["replan_s"] for r in recon), default=0.0),
-                "mttr_s": (min(after) - start) if after else None,
-                "rolled_back_steps": max((r["rolled_back_steps"] for r in recon), default=0),
-                "reason": a.get("reason", ""),
-            }
-        )
-        previous_t = a["t"]
-    return out
+    """One record per epoch after the first (`protocol.recovery`), timed from the injected
+    fault that explains it, else from its detection. A re-admission without a fault of its
+    own (a restarted worker coming back) has cause "rejoin" and names the node admitted (a
+    join or drain nobody injected: "join", "drain"); a failure nobody injected keeps the
+    cause (and node) its detector recorded."""
+    return [
+        {name: getattr(r, name) for name in _SUMMARY_FIELDS}
+        for r in recoveries(events, injected_faults(faults))
+    ]

@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from keepstep.chaos.model import FaultKind, Job
+from keepstep.chaos.invariants import explaining
+from keepstep.chaos.model import Job
 from keepstep.launch.summary import build_summary
 
 IMAGE = "keepstep/agent:chaos"  # the node runner ignores images: pods run this checkout
@@ -91,14 +92,11 @@ def run_summary(
     job: Job,
     codes: Mapping[str, int],
 ) -> dict[str, Any]:
-    """summary.json as `keepstep run` writes it. Only faults that change the membership
-    explain an epoch: a restarted operator or a slowed node must not take the credit."""
-    explaining = [
-        dict(f) for f in applied if f.get("t") is not None and FaultKind(f["kind"]).expects_recovery
-    ]
+    """summary.json as `keepstep run` writes it, its recoveries explained by the faults
+    that change the membership (`chaos.invariants.explaining`), as the chaos report's are."""
     summary = build_summary(
         events,
-        sorted(explaining, key=lambda f: float(f["t"])),
+        [dict(f) for f in explaining(applied)],
         steps=job.steps,
         global_batch=job.global_batch,
         micro_batch=job.micro_batch,

@@ -20,10 +20,12 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from keepstep.agent.protocol.events import EventLog, read_events
+from keepstep.agent.protocol.events import EventKind, EventLog, read_events
+from keepstep.agent.protocol.recovery import recoveries
 from keepstep.agent.telemetry.config import ExporterKind, TelemetryConfig, parse_headers
 from keepstep.agent.telemetry.export import TelemetryError
 from keepstep.agent.telemetry.otel import Telemetry, create_telemetry
+from keepstep.agent.telemetry.recovery import RecoveryTracker
 from keepstep.elastic.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[3]
@@ -189,11 +191,29 @@ def test_takes_what_event_log_writes(tmp_path: Path, memory: Any) -> None:
     log = EventLog(tmp_path / "events-n0.jsonl")
     for e in recovery_events():
         fields = {k: v for k, v in e.items() if k not in ("t", "kind")}
-        log.write(e["kind"], **fields)
+        log.write(EventKind(e["kind"]), **fields)
     log.close()
     for e in read_events(tmp_path):
         tel.on_event(e)
     assert points(reader)["keepstep.recoveries"][0].value == 1
+
+
+def test_the_tracker_reports_what_the_fold_makes_of_the_log() -> None:
+    """Fed one event at a time, the tracker yields the fold's records of the node's whole log,
+    each at the commit that ends it; a fault during a recovery ends both at once."""
+    events = [e for e in recovery_events() if e["t"] < T + 1.5]  # up to epoch 1's start
+    events += [
+        {"t": T + 1.4, "kind": "fault-detected", "cause": "worker-exit", "node": "n0",
+         "epoch": 1, "reason": "worker n0/1 exited"},
+        {"t": T + 1.45, "kind": "epoch-agreed", "epoch": 2, "members": ["n0/0"],
+         "reason": "lost n2/0", "planned": False, "step": 3},
+        commit(1.6, 2, 3, 1),
+        commit(1.7, 2, 4, 1),
+    ]  # fmt: skip
+    tracker = RecoveryTracker()
+    reported = [(e["t"], r) for e in events for r in tracker.observe(e)]
+    assert [r for _, r in reported] == recoveries(events)
+    assert [(t, r.epoch) for t, r in reported] == [(T + 1.6, 1), (T + 1.6, 2)]
 
 
 def test_config_from_env() -> None:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from keepstep.agent.durable.writer import CheckpointWriter
-from keepstep.agent.protocol.events import EventLog
+from keepstep.agent.protocol.events import EventKind, EventLog
 from keepstep.elastic.errors import SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
 
@@ -28,7 +28,7 @@ def seed_snapshot(path: Path, blob: bytes, events: EventLog, member: str) -> Non
         info = SnapshotStore(buffer, background=False).import_(blob)
     finally:
         buffer.close()
-    events.write("resumed", member=member, step=info.step)
+    events.write(EventKind.RESUMED, member=member, step=info.step)
 
 
 def export_step(path: Path, step: int, attempts: int = 40) -> bytes | None:
@@ -62,7 +62,7 @@ class DurableCheckpoints:
             log.warning("no verified snapshot of step %d to checkpoint", done)
             return
         self.writer.submit(done, blob)
-        self.events.write("checkpoint-submitted", step=done, url=self.writer.url)
+        self.events.write(EventKind.CHECKPOINT_SUBMITTED, step=done, url=self.writer.url)
 
     def close(self, timeout: float) -> None:
         for thread in self._threads:

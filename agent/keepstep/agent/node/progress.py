@@ -43,7 +43,15 @@ class ProgressPublisher:
 
     def fault(self, epoch: int) -> None:
         """A fault was detected in `epoch`: the next commit in a later epoch ends its MTTR
-        as this node saw it (from its detection; the run summary measures from the fault)."""
+        as this node saw it (from its detection; the run summary measures from the fault).
+
+        The end is the fold's (`protocol.recovery`: the first commit after the failed
+        epoch), but the fold itself is not run here. It builds a recovery around the
+        `epoch-agreed` event, which only the agreeing node writes, and starts it at a
+        `fault-detected` event, which a node does not write when a worker reports a
+        failure of an epoch already replaced: every node still needs its own figure (its
+        members publish it with their recovery records, and the operator takes the
+        slowest). This runs on every commit, so it stays two numbers, not a fold."""
         with self._lock:
             if self._fault is None or self._fault[1] != epoch:
                 self._fault = (time.time(), epoch)

@@ -9,9 +9,13 @@ JSON; every field has a type and a default so that old readers survive new field
     /keepstep/jobs/<job>/pending/<member> PendingRecord a worker waiting to be admitted
     /keepstep/jobs/<job>/leaving/<node>   LeavingRecord a node draining at the next boundary
     /keepstep/jobs/<job>/progress/<node>  ProgressRecord committed step, rates
-    /keepstep/jobs/<job>/recoveries/<e-m> what member m measured entering epoch e
-                                                  (communicator_s, restore_s, replan_s, ...)
+    /keepstep/jobs/<job>/recoveries/<e-m> what member m measured entering epoch e: its
+                                          "reconfigured" event's fields, and mttr_s (from
+                                          its node's detection) once it committed there
     /keepstep/jobs/<job>/done/<node>-<r>  DoneRecord    a worker (member <node>/<r>) finished
+
+A whole recovery (cause, every phase, MTTR) is not stored in etcd: no member sees all of
+it. `protocol.recovery.RecoveryRecord` is folded from the event logs instead.
 """
 
 from __future__ import annotations
@@ -122,21 +126,6 @@ class ProgressRecord:
     samples_per_s: float = 0.0
     last_mttr_s: float | None = None
     updated_at: float = 0.0
-
-
-@dataclass(frozen=True)
-class RecoveryRecord:
-    cause: str
-    node: str
-    step: int
-    epoch: int
-    detect_s: float
-    agree_s: float
-    communicator_s: float
-    restore_s: float
-    replan_s: float
-    mttr_s: float
-    rolled_back_steps: int
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,11 @@
 
 The agent's `EventLog` hands every event it writes to `Telemetry.on_event` (the same
 dict that goes into `events-<node>.jsonl`). Commits feed step time, snapshot time, world
-size, the last step and samples/s; worker exits count failures; the pieces of a
-recovery (see `telemetry_recovery`) become one span with a child span per phase, the
-MTTR and phase histograms and the recovery counter. `create_telemetry` wires the
-exporters a `TelemetryConfig` names (`telemetry_export`); tests pass in-memory readers.
+size, the last step and samples/s; worker exits count failures; each recovery this node
+agreed (`telemetry.recovery`, over the one fold `protocol.recovery`) becomes one span with
+a child span per phase, the MTTR and phase histograms and the recovery counter.
+`create_telemetry` wires the exporters a `TelemetryConfig` names (`telemetry.export`);
+tests pass in-memory readers.
 
 Metric names (OTel; the Prometheus name in brackets):
     keepstep.step.duration          histogram s   [keepstep_step_duration_seconds]
@@ -36,8 +37,10 @@ from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 
+from keepstep.agent.protocol.events import EventKind, kind_of
+from keepstep.agent.protocol.recovery import RecoveryRecord, phases
 from keepstep.agent.telemetry.config import TelemetryConfig
-from keepstep.agent.telemetry.recovery import RecoveryTrace, RecoveryTracker
+from keepstep.agent.telemetry.recovery import RecoveryTracker
 
 log = logging.getLogger(__name__)
 
@@ -199,10 +202,14 @@ class Telemetry:
                 log.warning("telemetry skipped a malformed %r event: %r", event.get("kind"), error)
 
     def _dispatch(self, event: Mapping[str, Any]) -> None:
-        kind = event.get("kind")
-        if kind == "commit":
+        kind = kind_of(event)
+        if kind is EventKind.COMMIT:
             self._on_commit(event)
-        elif kind == "worker-exited" and int(event["code"]) != 0 and not event.get("finished"):
+        elif (
+            kind is EventKind.WORKER_EXITED
+            and int(event["code"]) != 0
+            and not event.get("finished")
+        ):
             self._counters[Metric.WORKER_FAILURES].add(1)
         for recovery in self._tracker.observe(event):
             self._on_recovery(recovery)
@@ -227,27 +234,30 @@ class Telemetry:
             if span > 0:
                 self._gauges[Metric.SAMPLES_RATE].set(samples / span)
 
-    def _on_recovery(self, r: RecoveryTrace) -> None:
+    def _on_recovery(self, r: RecoveryRecord) -> None:
+        tiled = phases(r)
+        start, end = tiled[0].start, tiled[-1].end
+        mttr = end - start  # what the span covers (clamped, as its phases are)
         attrs: dict[str, str | bool] = {"cause": r.cause, "planned": r.planned}
         self._counters[Metric.RECOVERIES].add(1, attrs)
-        self._histograms[Metric.MTTR].record(r.mttr_s, attrs)
+        self._histograms[Metric.MTTR].record(mttr, attrs)
         self._counters[Metric.ROLLED_BACK].add(r.rolled_back_steps, attrs)
         span = self._tracer.start_span(
             "keepstep.recovery",
-            start_time=_ns(r.start),
+            start_time=_ns(start),
             attributes={
                 "keepstep.epoch": r.epoch,
                 "keepstep.cause": r.cause,
                 "keepstep.planned": r.planned,
                 "keepstep.members": list(r.members),
                 "keepstep.reason": r.reason,
-                "keepstep.resume_step": -1 if r.resume_step is None else r.resume_step,
+                "keepstep.resume_step": -1 if r.step is None else r.step,
                 "keepstep.rolled_back_steps": r.rolled_back_steps,
-                "keepstep.mttr_s": r.mttr_s,
+                "keepstep.mttr_s": mttr,
             },
         )
         parent = trace.set_span_in_context(span)
-        for phase in r.phases:
+        for phase in tiled:
             self._histograms[Metric.PHASE_TIME].record(phase.seconds, {"phase": phase.name})
             child = self._tracer.start_span(
                 f"keepstep.recovery.{phase.name}",
@@ -256,7 +266,7 @@ class Telemetry:
                 attributes={"keepstep.phase": phase.name},
             )
             child.end(end_time=_ns(phase.end))
-        span.end(end_time=_ns(r.end))
+        span.end(end_time=_ns(end))
 
     def flush(self, timeout_s: float = 5.0) -> None:
         self._tracers.force_flush(int(timeout_s * 1000))
