@@ -13,12 +13,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from keepstep.elastic.errors import KeepstepError
-from keepstep.launch.selfcheck import selfcheck
+from keepstep.errors import KeepstepError
 
 
 def _ranks(text: str) -> list[int]:
@@ -34,6 +32,8 @@ def _ranks(text: str) -> list[int]:
 
 
 def _cmd_selfcheck(args: argparse.Namespace) -> int:
+    from keepstep.launch.selfcheck import selfcheck  # imports torch: only when asked to
+
     runs = selfcheck(args.ranks, steps=args.steps, mode=args.mode)
     identical = len({r.params_sha256 for r in runs}) == 1
     if args.json:
@@ -60,6 +60,7 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from keepstep.agent.durable.storage import storage_options_from_env
     from keepstep.launch.etcd_server import find_etcd
     from keepstep.launch.faults import parse_fault
     from keepstep.launch.run import Launcher, RunConfig
@@ -83,7 +84,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         checkpoint_url=args.checkpoint,
         checkpoint_every=args.checkpoint_every,
         resume=args.resume,
-        storage_options=_storage_options(os.environ),
+        storage_options=storage_options_from_env(os.environ),
         lease_ttl=args.hang_timeout,
         warm_spare=args.warm_spare,
         netns=args.netns,
@@ -127,12 +128,6 @@ def _show_failure(run_dir: Path) -> None:
             tail = text[text.rindex("Traceback") :].splitlines()[-12:]
             print(f"--- {log.name}:\n" + "\n".join(tail), file=sys.stderr)
             return
-
-
-def _storage_options(env: Mapping[str, str]) -> dict[str, Any]:
-    """Object-store settings for durable checkpoints (credentials come from AWS_* as usual)."""
-    endpoint = env.get("KEEPSTEP_S3_ENDPOINT")
-    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -2,8 +2,9 @@
 
 Each package is a place the code runs, or a boundary it talks across:
 
-    protocol   the etcd key layout and records, the local link to workers, the event log
-               (imports neither torch nor grpc: the operator and the tools read it)
+    protocol   the etcd key layout and records, the typed messages of the local link to
+               workers and their framing, the event log (imports neither torch nor grpc:
+               the operator and the tools read it)
     kv         the key-value interface, its in-memory fake, and the etcd client (the only
                etcd code)
     node       the per-node daemon (in a pod, or a simulated node of `keepstep run`)

@@ -32,11 +32,11 @@ from keepstep.agent import protocol
 from keepstep.agent.durable.writer import latest_checkpoint
 from keepstep.agent.kv import KVError
 from keepstep.agent.kv.etcd import EtcdKV
-from keepstep.agent.node.config import AgentConfig, dump_config
+from keepstep.agent.node.config import AgentConfig, dump_config, worker_env
 from keepstep.agent.protocol import NodeRecord, ProgressRecord
 from keepstep.agent.protocol.events import read_events
-from keepstep.elastic.errors import ConfigError, KeepstepError
 from keepstep.elastic.plan import micro_batch_count
+from keepstep.errors import ConfigError, KeepstepError
 from keepstep.launch.etcd_cluster import MEMBER_COUNTS, start_etcd
 from keepstep.launch.faults import FaultKind, FaultSpec, check_faults
 from keepstep.launch.netns import MAX_NODES, NodeNetworks
@@ -203,16 +203,15 @@ class Launcher:
             script_args=cfg.script_args,
             nproc=cfg.nproc_per_node,
             run_dir=cfg.run_dir.resolve(),
-            worker_env={
-                "KEEPSTEP_GLOBAL_BATCH": str(cfg.global_batch),
-                "KEEPSTEP_MICRO_BATCH": str(cfg.micro_batch),
-                "KEEPSTEP_STEPS": str(cfg.steps),
-                "KEEPSTEP_SEED": str(cfg.seed),
-                "KEEPSTEP_MODE": cfg.mode,
-                # The address the workers' gloo binds and publishes: the node's own.
-                "KEEPSTEP_HOST": host,
-                **cfg.extra_env,
-            },
+            worker_env=worker_env(
+                global_batch=cfg.global_batch,
+                micro_batch=cfg.micro_batch,
+                steps=cfg.steps,
+                seed=cfg.seed,
+                mode=cfg.mode,
+                host=host,
+                extra=cfg.extra_env,
+            ),
             expected_nodes=cfg.nodes,
             min_nodes=cfg.min_nodes,
             lease_ttl=cfg.lease_ttl,

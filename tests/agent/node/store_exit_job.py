@@ -17,7 +17,7 @@ from datetime import timedelta
 
 from torch._C._distributed_c10d import TCPStore
 
-from keepstep.agent.node import stores
+from keepstep.agent.worker import stores
 from keepstep.elastic.comm import Communicator, abort_epoch
 from keepstep.elastic.errors import PeerLost
 

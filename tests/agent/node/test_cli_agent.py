@@ -41,6 +41,9 @@ def test_flags_become_the_agent_configuration(tmp_path: Path) -> None:
     assert cfg.worker_env["KEEPSTEP_GLOBAL_BATCH"] == "32"
     assert cfg.worker_env["KEEPSTEP_SEED"] == "5"
     assert cfg.worker_env["KEEPSTEP_HOST"] == "127.0.2.7"  # what the workers' gloo binds
+    assert cfg.admission_timeout == 3600.0  # generous: pods may take minutes to start
+    later = build_parser().parse_args(["agent", "--admission-timeout", "120", *argv[1:]])
+    assert from_flags(later).admission_timeout == 120.0
 
 
 @pytest.mark.slow

@@ -25,7 +25,6 @@ import pytest
 
 from keepstep.agent import protocol
 from keepstep.agent.kv.memory import MemoryKV
-from keepstep.agent.node import stores
 from keepstep.agent.node.agent import NodeAgent
 from keepstep.agent.node.config import AgentConfig
 from keepstep.agent.node.supervisor import (
@@ -37,7 +36,10 @@ from keepstep.agent.node.supervisor import (
 )
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.events import read_events
-from keepstep.agent.protocol.link import LinkClient, socket_address
+from keepstep.agent.protocol.link import socket_address
+from keepstep.agent.protocol.messages import Hello, Ok
+from keepstep.agent.worker import stores
+from keepstep.agent.worker.link_client import LinkClient
 from keepstep.elastic.comm import abort_key
 
 HERE = Path(__file__).resolve().parent
@@ -135,7 +137,8 @@ def test_an_epoch_naming_a_worker_that_is_not_ready_here_is_ended_at_once(
     job, address = node.cfg.job, node.store_host.address
     link = LinkClient(socket_address(job, "n0"), lambda message: None, 5.0)
     try:
-        link.request("hello", 5.0, member="n0/1")  # n0/1 is ready; n0/0 is not (yet)
+        # n0/1 is ready; n0/0 is not (yet)
+        assert link.request(Hello("n0/1"), 5.0) == Ok()
         store = stores.connect(address, 5.0)
 
         def agree(epoch: int, members: list[str]) -> None:
@@ -171,7 +174,7 @@ def test_a_killed_worker_of_a_late_agent_is_not_waited_for(tmp_path: Path) -> No
             *keepstep_run(run_dir, steps=60),
             "--fault",
             "kill-worker:1@step=15",
-            str(HERE.parents[1] / "examples" / "mlp.py"),
+            str(HERE.parents[2] / "examples" / "mlp.py"),
             "--sleep",
             "0.05",
         ],
@@ -249,7 +252,7 @@ def keepstep_run(run_dir: Path, steps: int, nodes: int = 3) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "keepstep.agent",
+        "keepstep",
         "run",
         "--nodes",
         str(nodes),

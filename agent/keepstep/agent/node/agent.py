@@ -2,9 +2,11 @@
 
 Roles, each in its own module: the job's records in etcd as one watched view (`view`),
 decisions on the next epoch (`healer`, over the pure `agreement`), the store this node
-hosts for process groups (`stores`), worker processes (`supervisor`), the local link to
-them (`link`), liveness probes (`probe`), this node's leased record (`registration`).
-This module wires them and answers the workers.
+hosts for process groups (`stores`), worker processes (`supervisor`) and what the agent
+knows of each (`workers`), the local link to them (`link_server`) and the answers on it
+(`requests`, with the reports a worker sends published by `reports`), liveness probes
+(`probe`), this node's leased record (`registration`). This module wires them, and acts
+on what etcd and the supervisor tell it.
 
 Detection that does not wait for a collective to fail: a worker that exits (the
 supervisor sees it at once) and a member node whose lease expired (hang, partition)
@@ -14,7 +16,6 @@ collective within milliseconds.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -30,19 +31,24 @@ from keepstep.agent.kv import KVError, KVStore, WatchEvent
 from keepstep.agent.node import agreement
 from keepstep.agent.node.config import AgentConfig, snapshot_path, worker_spec
 from keepstep.agent.node.durable import DurableCheckpoints, seed_snapshot
-from keepstep.agent.node.healer import Healer, JobCannotContinue
+from keepstep.agent.node.healer import Healer
+from keepstep.agent.node.link_server import LinkServer
 from keepstep.agent.node.probe import ProbeServer
 from keepstep.agent.node.progress import ProgressPublisher
 from keepstep.agent.node.registration import Registration
+from keepstep.agent.node.reports import Reports
+from keepstep.agent.node.requests import WorkerRequests
 from keepstep.agent.node.spare import SparePool
 from keepstep.agent.node.stores import StoreClients, StoreHost
 from keepstep.agent.node.supervisor import ExitAction, Supervisor, after_exit, describe_exit
 from keepstep.agent.node.view import JobView
+from keepstep.agent.node.workers import WorkerPhase, WorkerTable
 from keepstep.agent.protocol import EpochRecord, NodeRecord, key
-from keepstep.agent.protocol.events import EventLog
-from keepstep.agent.protocol.link import Connection, LinkClosed, LinkServer, Message, socket_address
+from keepstep.agent.protocol.events import EventKind, EventLog
+from keepstep.agent.protocol.link import LinkClosed, socket_address
+from keepstep.agent.protocol.messages import PendingPush
 from keepstep.agent.telemetry.otel import Telemetry
-from keepstep.elastic.errors import KeepstepError
+from keepstep.errors import KeepstepError
 
 log = logging.getLogger("keepstep.agent")
 
@@ -58,15 +64,10 @@ class NodeAgent:
             cfg.run_dir / f"events-{cfg.node}.jsonl",
             telemetry.on_event if telemetry is not None else None,
         )
-        self.lock = threading.RLock()
+        self.lock = threading.Lock()  # guards `draining`
         self.view = JobView(cfg.job, cfg.node)
-        self.ready: dict[str, Connection] = {}
-        self.flag = False
+        self.workers = WorkerTable(self.members())
         self.draining = False
-        self.exit_codes: dict[str, int] = {}
-        self.finished: set[str] = set()
-        self.restarts: dict[str, int] = {}
-        self.entered: dict[str, dict[str, Any]] = {}  # member -> its last "reconfigured"
         self.done = threading.Event()
         self.closing = False  # workers stopped by close() are not restarted
         self.failed: str | None = None
@@ -78,7 +79,7 @@ class NodeAgent:
             SparePool(
                 worker_spec(cfg, "", "", Path()).env,
                 cfg.run_dir / f"spare-{cfg.node}.log",
-                lambda pid: self.events.write("spare-ready", node=cfg.node, pid=pid),
+                lambda pid: self.events.write(EventKind.SPARE_READY, node=cfg.node, pid=pid),
             )
             if cfg.warm_spare
             else None
@@ -90,13 +91,8 @@ class NodeAgent:
         self.healer = Healer(
             cfg, kv, self.view, self.events, self.registration, lambda: self.draining
         )
-        self.link = LinkServer(socket_address(cfg.job, cfg.node), self._handle, self._on_disconnect)
         self.progress = ProgressPublisher(
-            kv,
-            key(cfg.job, "progress", cfg.node),
-            cfg.node,
-            int(cfg.worker_env.get("KEEPSTEP_GLOBAL_BATCH", "0")),
-            cfg.op_timeout,
+            kv, key(cfg.job, "progress", cfg.node), cfg.node, cfg.global_batch, cfg.op_timeout
         )
         self.durable = (
             DurableCheckpoints(
@@ -111,6 +107,15 @@ class NodeAgent:
             )
             if cfg.checkpoint_url
             else None
+        )
+        reports = Reports(
+            cfg, kv, self.events, self.view, self.workers, self.progress, self.durable
+        )
+        self.requests = WorkerRequests(
+            self.workers, self.healer, reports, self.progress, self.events, self._fail
+        )
+        self.link = LinkServer(
+            socket_address(cfg.job, cfg.node), self.requests.handle, self.workers.disconnected
         )
 
     # -- lifecycle --------------------------------------------------------------------
@@ -135,7 +140,10 @@ class NodeAgent:
         if self.spares is not None:
             self.spares.start()
         self.events.write(
-            "agent-started", node=self.cfg.node, pid=os.getpid(), store=self.store_host.address
+            EventKind.AGENT_STARTED,
+            node=self.cfg.node,
+            pid=os.getpid(),
+            store=self.store_host.address,
         )
 
     def _node_record(self) -> NodeRecord:
@@ -152,7 +160,7 @@ class NodeAgent:
     def _reregister(self) -> None:
         """This node's record vanished (its lease expired while it was stopped or cut
         off): register again, retrying while etcd cannot be reached, until it closes."""
-        self.events.write("lease-lost", node=self.cfg.node)
+        self.events.write(EventKind.LEASE_LOST, node=self.cfg.node)
         while not self.done.is_set():
             try:
                 self.registration.renew()
@@ -162,6 +170,8 @@ class NodeAgent:
                 self.done.wait(REREGISTER_RETRY_S)
 
     def _spawn(self, member: str) -> None:
+        """Start the member's process; its state is STARTING already (a new table, or
+        `restarted`), so that its hello, however early, finds it there."""
         spec = worker_spec(
             self.cfg,
             member,
@@ -170,7 +180,7 @@ class NodeAgent:
         )
         spare = self.spares.take(spec.argv, spec.env, spec.log_path) if self.spares else None
         pid = self.supervisor.start(spec, spare)
-        self.events.write("worker-started", member=member, pid=pid, warm=spare is not None)
+        self.events.write(EventKind.WORKER_STARTED, member=member, pid=pid, warm=spare is not None)
         try:
             self.registration.publish()
         except KVError as error:
@@ -185,12 +195,15 @@ class NodeAgent:
             if self.draining:
                 return
             self.draining = True
-        self.events.write("drain-requested", node=self.cfg.node)
+        self.events.write(EventKind.DRAIN_REQUESTED, node=self.cfg.node)
         self.kv.put(
             key(self.cfg.job, "leaving", self.cfg.node),
             protocol.encode(protocol.LeavingRecord(self.cfg.node, time.time())),
             self.cfg.op_timeout,
         )
+
+    def _fail(self, reason: str) -> None:
+        self.failed = reason
 
     def close(self) -> None:
         self.closing = True
@@ -241,26 +254,19 @@ class NodeAgent:
 
     def _offered(self) -> list[str]:
         """The workers this node offers to an epoch: ready (they said hello) and alive."""
-        with self.lock:
-            members = sorted(self.ready)
-        return [m for m in members if self.supervisor.alive(m)]
+        return [m for m in self.workers.ready() if self.supervisor.alive(m)]
 
     def _update_flag(self) -> None:
         flag = self.view.change_pending()
-        with self.lock:
-            if flag == self.flag:
-                return
-            self.flag = flag
-            conns = list(self.ready.values())
-        for conn in conns:
+        for conn in self.workers.set_flag(flag):
             try:
-                conn.send({"op": "pending", "value": flag})
+                conn.send(PendingPush(flag))
             except LinkClosed:
                 pass
 
     def _abort(self, epoch: EpochRecord, cause: str, reason: str, node: str) -> None:
         self.events.write(
-            "fault-detected", cause=cause, node=node, epoch=epoch.epoch, reason=reason
+            EventKind.FAULT_DETECTED, cause=cause, node=node, epoch=epoch.epoch, reason=reason
         )
         self.progress.fault(epoch.epoch)
         if epoch.store:
@@ -270,20 +276,14 @@ class NodeAgent:
     def _status(self) -> dict[str, Any]:
         return {"node": self.cfg.node, "ready": self._offered(), "draining": self.draining}
 
-    def _on_disconnect(self, conn: Connection) -> None:
-        with self.lock:
-            for member, c in list(self.ready.items()):
-                if c is conn:
-                    del self.ready[member]
-
     def _on_worker_exit(self, member: str, pid: int, code: int) -> None:
-        with self.lock:
-            self.ready.pop(member, None)
-            self.exit_codes[member] = code
-            finished = member in self.finished
+        state = self.workers.exited(member, code)
         if self.closing:
             return
-        self.events.write("worker-exited", member=member, pid=pid, code=code, finished=finished)
+        finished = state.phase is WorkerPhase.FINISHED
+        self.events.write(
+            EventKind.WORKER_EXITED, member=member, pid=pid, code=code, finished=finished
+        )
         cur = self.view.current
         decision = after_exit(
             member,
@@ -291,12 +291,12 @@ class NodeAgent:
             finished=finished,
             in_epoch=cur is not None and member in cur.members,
             draining=self.draining,
-            restarts=self.restarts.get(member, 0),
+            restarts=state.restarts,
             max_restarts=self.cfg.max_restarts,
         )
         if finished and code != 0:
             self.events.write(
-                "worker-abnormal-exit",
+                EventKind.WORKER_ABNORMAL_EXIT,
                 member=member,
                 pid=pid,
                 code=code,
@@ -306,95 +306,13 @@ class NodeAgent:
         if decision.abort and cur is not None:
             self._abort(cur, "worker-exit", f"worker {member} exited with {code}", self.cfg.node)
         if decision.action is ExitAction.RESTART:
-            self.restarts[member] = self.restarts.get(member, 0) + 1
+            self.workers.restarted(member)
             self._spawn(member)
             return
         if decision.action is ExitAction.GIVE_UP:
             self.failed = decision.reason
         if self.supervisor.running() == 0:
             self.done.set()
-
-    def _handle(self, conn: Connection, message: Message) -> Message | None:
-        op = message.get("op")
-        member = str(message.get("member", ""))
-        if op == "hello":
-            # The worker imported everything and built its model: it can be admitted.
-            self.events.write("worker-ready", member=member)
-            with self.lock:
-                self.ready[member] = conn
-                flag = self.flag
-            conn.send({"op": "pending", "value": flag})
-            return {"ok": True}
-        if op == "initial":
-            return self.healer.admit(member)
-        if op == "boundary":
-            return self.healer.boundary(member, int(message["done"]))
-        if op == "failure":
-            self.progress.fault(int(message["epoch"]))
-            try:
-                return self.healer.failure(
-                    member,
-                    int(message["epoch"]),
-                    int(message["done"]),
-                    str(message.get("reason", "")),
-                )
-            except JobCannotContinue as error:
-                self.failed = str(error)
-                raise
-        if op in ("commit", "reconfigured"):
-            self._on_record(op, member, message["record"])
-            return None
-        if op == "finish":
-            with self.lock:
-                # From here on the worker is done, whatever its exit status turns out to be.
-                self.finished.add(member)
-            self.events.write(
-                "finish",
-                member=member,
-                done=message["done"],
-                params_sha256=message["params_sha256"],
-            )
-            self.progress.flush()
-            done = protocol.DoneRecord(member, int(message["done"]), str(message["params_sha256"]))
-            self.kv.put(
-                key(self.cfg.job, "done", member.replace("/", "-")),
-                protocol.encode(done),
-                self.cfg.op_timeout,
-            )
-            return {"ok": True}
-        raise KeepstepError(f"unknown link operation {op!r}")
-
-    def _on_record(self, op: str, member: str, record: dict[str, Any]) -> None:
-        self.events.write(op, member=member, **record)
-        if op == "commit":
-            # A worker that trains again is healthy: only crashes in a row count against
-            # max_restarts (a crash loop), not crashes spread over a long job.
-            self.restarts.pop(member, None)
-            cur = self.view.current
-            first = cur.members[0] if cur is not None else None
-            mttr = self.progress.record(record, leads=first in self.members())
-            entered = self.entered.get(member)
-            if mttr is not None and entered is not None and entered["epoch"] == record["epoch"]:
-                self._publish_recovery(member, {**entered, "mttr_s": mttr})
-            # One writer per job: the first worker of the epoch's first node.
-            if self.durable is not None and first == member:
-                self.durable.after_commit(self.snapshot_path(member), int(record["step"]) + 1)
-        elif int(record["epoch"]) > 0:
-            # What this member measured entering the epoch, for the operator's status; the
-            # MTTR is added at its first commit in the epoch.
-            self.entered[member] = record
-            self._publish_recovery(member, record)
-
-    def _publish_recovery(self, member: str, record: dict[str, Any]) -> None:
-        name = f"{record['epoch']}-{member.replace('/', '-')}"
-        try:
-            self.kv.put(
-                key(self.cfg.job, "recoveries", name),
-                json.dumps(record).encode(),
-                self.cfg.op_timeout,
-            )
-        except KVError as error:
-            log.warning("recovery record not published: %s", error)
 
 
 def run_agent(cfg: AgentConfig, kv: KVStore, telemetry: Telemetry | None = None) -> int:
@@ -406,10 +324,8 @@ def run_agent(cfg: AgentConfig, kv: KVStore, telemetry: Telemetry | None = None)
         agent.done.wait()
     finally:
         agent.close()
-    codes = agent.exit_codes
-    ok = agent.failed is None and all(
-        codes.get(m) == 0 or m in agent.finished for m in agent.members()
-    )
+    ok = agent.failed is None and agent.workers.ended_well()
     if not ok:
-        print(f"keepstep agent {cfg.node}: {agent.failed or codes}", file=sys.stderr)
+        why = agent.failed or agent.workers.exit_codes()
+        print(f"keepstep agent {cfg.node}: {why}", file=sys.stderr)
     return 0 if ok else 1

@@ -76,6 +76,14 @@ def register(sub: Any) -> None:
         help="start from the newest durable checkpoint under URL, if there is one",
     )
     agent.add_argument("--hang-timeout", type=int, default=1, metavar="SECONDS")
+    agent.add_argument(
+        "--admission-timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="how long a worker waits to be admitted (the job's start, a join) before it "
+        "gives up [3600]",
+    )
     agent.add_argument("--warm-spare", action="store_true", help="keep a warm spare worker")
     agent.add_argument("--run-dir", help="event log and worker logs [a temporary folder]")
     agent.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
@@ -105,7 +113,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
 
 def from_flags(args: argparse.Namespace) -> Any:
     """The agent configuration of a pod's command line; names every missing value."""
-    from keepstep.agent.node.config import AgentConfig
+    from keepstep.agent.node.config import AgentConfig, worker_env
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -141,18 +149,18 @@ def from_flags(args: argparse.Namespace) -> Any:
         command=tuple(command),
         nproc=args.nproc,
         run_dir=run_dir,
-        worker_env={
-            "KEEPSTEP_GLOBAL_BATCH": str(args.global_batch),
-            "KEEPSTEP_MICRO_BATCH": str(args.micro_batch),
-            "KEEPSTEP_STEPS": str(args.steps),
-            "KEEPSTEP_SEED": str(args.seed),
-            "KEEPSTEP_MODE": args.mode,
-            # The workers' gloo binds and publishes the node's address, as the agent does.
-            "KEEPSTEP_HOST": args.host,
-        },
+        worker_env=worker_env(
+            global_batch=args.global_batch,
+            micro_batch=args.micro_batch,
+            steps=args.steps,
+            seed=args.seed,
+            mode=args.mode,
+            host=args.host,
+        ),
         expected_nodes=args.nodes,
         min_nodes=args.min_nodes or args.nodes,
         lease_ttl=args.hang_timeout,
+        admission_timeout=args.admission_timeout,
         host=args.host,
         steps=args.steps,
         checkpoint_url=args.checkpoint,

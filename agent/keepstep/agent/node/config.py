@@ -1,19 +1,26 @@
 """The node agent's configuration: what `keepstep run` (or a pod's entrypoint) hands it.
 
 It travels as a JSON file, so that a node's whole setup is visible in its run directory.
+The environment of a worker is built here too, and only here: the job's settings
+(`worker_env`, which `keepstep run` and `keepstep agent` both use) and what the agent
+adds per worker (`worker_spec`), among it how long the worker waits for each of the
+agent's answers (`answer_bounds`, derived from the agent's own bounds).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from keepstep.agent.node.supervisor import WorkerSpec
-from keepstep.elastic.errors import ConfigError
+from keepstep.agent.protocol.link import AnswerBounds
+from keepstep.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -31,7 +38,14 @@ class AgentConfig:
     min_nodes: int = 1
     lease_ttl: float = 1.0
     probe_timeout: float = 0.3
+    # Epoch 0 starts without the missing nodes (if min_nodes are there) after this long.
     admission_grace: float = 30.0
+    # A worker waits at most this long to be admitted (epoch 0, a join, or back after an
+    # exclusion). Generous: pods may take minutes to be scheduled and pull their image, and
+    # a joiner waits for the next step boundary. Past it the worker gets AdmissionTimeout.
+    admission_timeout: float = 3600.0
+    # An epoch agreed (by this agent or another) reaches this agent's view within this.
+    epoch_timeout: float = 30.0
     op_timeout: float = 5.0
     max_restarts: int = 3
     snapshot_dir: Path = Path("/dev/shm")
@@ -55,6 +69,67 @@ class AgentConfig:
             )
         if self.lease_ttl < 1:
             raise ConfigError(f"lease_ttl={self.lease_ttl} must be >= 1 s (etcd leases)")
+        for name in ("probe_timeout", "admission_timeout", "epoch_timeout", "op_timeout"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name}={value!r} must be a number of seconds > 0")
+        if not self.admission_grace >= 0:
+            raise ConfigError(f"admission_grace={self.admission_grace!r} must be >= 0 s")
+
+    @property
+    def global_batch(self) -> int:
+        """The job's global batch, as its workers are told it (0 when not set)."""
+        return int(self.worker_env.get(GLOBAL_BATCH_ENV, "0"))
+
+
+GLOBAL_BATCH_ENV = "KEEPSTEP_GLOBAL_BATCH"
+
+# What a worker adds to the agent's own bounds before it takes a silent agent for wedged:
+# the link's round trip and the agent's threads running late on a loaded machine.
+ANSWER_SLACK_S = 10.0
+
+
+def worker_env(
+    *,
+    global_batch: int,
+    micro_batch: int,
+    steps: int,
+    seed: int,
+    mode: str,
+    host: str,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The job's settings as every worker reads them (`keepstep.init` checks its own
+    arguments against them): `AgentConfig.worker_env`. `host` is the node's address,
+    which the workers' gloo binds and publishes, as the agent does; `extra` comes last."""
+    env = {
+        GLOBAL_BATCH_ENV: str(global_batch),
+        "KEEPSTEP_MICRO_BATCH": str(micro_batch),
+        "KEEPSTEP_STEPS": str(steps),
+        "KEEPSTEP_SEED": str(seed),
+        "KEEPSTEP_MODE": mode,
+        "KEEPSTEP_HOST": host,
+    }
+    env.update(extra or {})
+    return env
+
+
+def answer_bounds(cfg: AgentConfig) -> AnswerBounds:
+    """How long this agent's workers wait for its answers: the agent's own bounds on the
+    same work, plus slack, so that the agent's answer (a typed error included) comes first
+    and only a wedged agent meets a worker's bound."""
+    # hello and finish: a few etcd writes at most (the progress, the done record).
+    reply = 4 * cfg.op_timeout + ANSWER_SLACK_S
+    # boundary and failure: the decisions of this node's other members ahead of it under
+    # the agree lock (probes and a compare-and-set each), its own, the epoch appearing.
+    decision = (
+        cfg.epoch_timeout
+        + (cfg.nproc + 1) * (cfg.probe_timeout + 2 * cfg.op_timeout)
+        + ANSWER_SLACK_S
+    )
+    # initial: writing and removing the pending key around the wait itself.
+    admission = cfg.admission_timeout + 3 * cfg.op_timeout + ANSWER_SLACK_S
+    return AnswerBounds(reply=reply, decision=decision, admission=admission)
 
 
 def snapshot_path(cfg: AgentConfig, member: str) -> Path:
@@ -73,6 +148,7 @@ def worker_spec(cfg: AgentConfig, member: str, link: str, snapshot: Path) -> Wor
         KEEPSTEP_SNAPSHOT=str(snapshot),
         OMP_NUM_THREADS="1",
     )
+    env.update(answer_bounds(cfg).env())
     local = member.rpartition("/")[2]
     return WorkerSpec(
         member,

@@ -10,6 +10,13 @@ Each decision is a pure function in `agreement`; this module observes (the job v
 the probes), applies the decision with a compare-and-set on the epoch key, names the
 store the new epoch rendezvouses on, and waits until the agreed epoch is visible. Two
 agents deciding at once is harmless: one write wins and both adopt it.
+
+Every wait has its bound in the agent's configuration: admission `admission_timeout`
+(then AdmissionTimeout), the agreed epoch reaching the view `epoch_timeout` (then
+EpochTimeout). The agree lock covers deciding only (observe, probe, compare-and-set),
+so that one decision is made per failed epoch on this node; nobody holds it while
+waiting for the epoch to appear, which would add one member's wait to the next one's.
+A worker the next epoch leaves out is told so (`Excluded`) and asks to be admitted again.
 """
 
 from __future__ import annotations
@@ -27,13 +34,16 @@ from keepstep.agent.node.probe import probe_all
 from keepstep.agent.node.registration import Registration
 from keepstep.agent.node.view import JobView
 from keepstep.agent.protocol import EpochRecord, key, node_of
-from keepstep.agent.protocol.events import EventLog
-from keepstep.agent.protocol.link import Message
-from keepstep.elastic.errors import KeepstepError
+from keepstep.agent.protocol.events import EventKind, EventLog
+from keepstep.agent.protocol.messages import (
+    AdmissionTimeout,
+    Excluded,
+    JobCannotContinue,
+    MembershipReply,
+    NoChange,
+)
 
-
-class JobCannotContinue(KeepstepError):
-    """Too few members are left (or none can be probed) to form the next epoch."""
+__all__ = ["Healer", "JobCannotContinue"]
 
 
 class Healer:
@@ -49,17 +59,12 @@ class Healer:
         self.cfg, self.kv, self.view, self.events = cfg, kv, view, events
         self._registration, self._draining = registration, draining
         self._agree_lock = threading.Lock()
+        self._decided = -1  # the newest failed epoch this agent made its decision for
         self._started = time.monotonic()
 
     @staticmethod
-    def membership(record: EpochRecord) -> Message:
-        return {
-            "membership": {
-                "epoch": record.epoch,
-                "members": record.members,
-                "store": record.store,
-            }
-        }
+    def membership(record: EpochRecord) -> MembershipReply:
+        return MembershipReply(record.epoch, tuple(record.members), record.store)
 
     def _stamp(self, record: EpochRecord) -> EpochRecord:
         return agreement.with_store(record, self.view.observe().nodes)
@@ -78,7 +83,7 @@ class Healer:
             extra["admitted"] = sorted(set(record.members) - set(previous.members))
             extra["removed"] = sorted(set(previous.members) - set(record.members))
         self.events.write(
-            "epoch-agreed",
+            EventKind.EPOCH_AGREED,
             epoch=record.epoch,
             members=record.members,
             reason=reason,
@@ -87,27 +92,40 @@ class Healer:
         )
 
     # -- admission ----------------------------------------------------------------------
-    def admit(self, member: str) -> Message:
-        """Block until an epoch includes `member` (announcing it as pending meanwhile)."""
+    def admit(self, member: str) -> MembershipReply:
+        """Wait until an epoch includes `member`, announcing it as pending meanwhile, at
+        most `admission_timeout`. If the job ends meanwhile, the answer is an epoch without
+        the worker: it leaves without training."""
         pending_key = key(self.cfg.job, "pending", member)
         # Under the node's lease, renewed first if it expired while the node was stopped.
         pending = protocol.encode(protocol.PendingRecord(member, time.time()))
         self._registration.put(pending_key, pending)
+        try:
+            record = self._wait_admitted(member)
+        finally:
+            self.kv.delete(pending_key, self.cfg.op_timeout)
+        if member not in record.members:
+            return MembershipReply(record.epoch, (), "")
+        return self.membership(record)
+
+    def _wait_admitted(self, member: str) -> EpochRecord:
+        """The epoch that admits `member`, or the current one once the job has finished."""
+        deadline = time.monotonic() + self.cfg.admission_timeout
         view = self.view
         while True:
             with view.changed:
                 cur = view.current
-                if cur is not None and member in cur.members:
-                    break
-                if cur is not None and view.job_finished:
-                    # The job ended while this worker waited: it leaves without training.
-                    self.kv.delete(pending_key, self.cfg.op_timeout)
-                    return {"membership": {"epoch": cur.epoch, "members": [], "store": ""}}
-                view.changed.wait(0.1)
+                if cur is not None and (member in cur.members or view.job_finished):
+                    return cur
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise AdmissionTimeout(
+                        f"{member} was not admitted within {self.cfg.admission_timeout:g} s "
+                        "(admission_timeout)"
+                    )
+                view.changed.wait(min(left, 0.1))
             if cur is None:
                 self._maybe_first_epoch()
-        self.kv.delete(pending_key, self.cfg.op_timeout)
-        return self.membership(cur)
 
     def _maybe_first_epoch(self) -> None:
         record, reason = agreement.first_epoch(
@@ -124,15 +142,16 @@ class Healer:
         if self.kv.create(key(self.cfg.job, "epoch"), protocol.encode(record), self.cfg.op_timeout):
             self._agreed(record, reason)
 
-    def _settle(self, member: str, record: EpochRecord) -> Message:
-        """Answer with `record` if it includes the worker (or the node drains); else wait."""
+    def _settle(self, member: str, record: EpochRecord) -> MembershipReply | Excluded:
+        """Answer with `record` if it includes the worker (or its node drains: the worker
+        leaves); else the worker is excluded for now and asks to be admitted again."""
         if member in record.members or (self._draining() and node_of(member) == self.cfg.node):
             return self.membership(record)
-        self.events.write("excluded", member=member, epoch=record.epoch)
-        return self.admit(member)
+        self.events.write(EventKind.EXCLUDED, member=member, epoch=record.epoch)
+        return Excluded(record.epoch)
 
     # -- planned changes ------------------------------------------------------------------
-    def boundary(self, member: str, done: int) -> Message:
+    def boundary(self, member: str, done: int) -> MembershipReply | Excluded | NoChange:
         seen = self.view.observe()
         cur = seen.current
         assert cur is not None, "a worker at a boundary is a member of an epoch"
@@ -153,43 +172,45 @@ class Healer:
             assert got is not None, "a decision key, once created, is never deleted"
             record = None if got.value == b"null" else protocol.decode(EpochRecord, got.value)
         if record is None:
-            return {"membership": None}
-        return self._settle(member, self.view.wait_epoch_after(cur.epoch, self.cfg.admission_grace))
+            return NoChange()
+        return self._settle(member, self.view.wait_epoch_after(cur.epoch, self.cfg.epoch_timeout))
 
     # -- failures ---------------------------------------------------------------------------
-    def failure(self, member: str, epoch: int, done: int, reason: str) -> Message:
+    def failure(
+        self, member: str, epoch: int, done: int, reason: str
+    ) -> MembershipReply | Excluded:
         with self._agree_lock:
-            seen = self.view.observe()
-            cur = seen.current
-            assert cur is not None, "a failed worker was a member of an epoch"
-            if cur.epoch <= epoch:
-                self.events.write(
-                    "fault-detected",
-                    cause="collective",
-                    node=self.cfg.node,
-                    epoch=epoch,
-                    reason=reason,
-                )
-                t0 = time.monotonic()
-                wanted = {*cur.nodes(), *(node_of(m) for m in seen.pending)}
-                targets = {
-                    n: (rec.host, rec.probe_port) for n, rec in seen.nodes.items() if n in wanted
-                }
-                probes = probe_all(targets, self.cfg.probe_timeout)
-                record, why = agreement.after_failure(
-                    cur, probes, seen.pending, seen.leaving, done, time.time()
-                )
-                if record is None:
-                    raise JobCannotContinue(f"the job cannot continue: {why}")
-                record = agreement.with_store(record, seen.nodes)
-                if self.kv.compare_and_put(
-                    key(self.cfg.job, "epoch"),
-                    protocol.encode(record),
-                    seen.revision,
-                    self.cfg.op_timeout,
-                ):
-                    self._agreed(
-                        record, why, cur, planned=False, step=done, agree_s=time.monotonic() - t0
-                    )
-            new = self.view.wait_epoch_after(epoch, self.cfg.admission_grace)
-        return self._settle(member, new)
+            # One decision per failed epoch on this node: the other members whose collective
+            # failed in it wait for the epoch that decision (or another agent's) agreed.
+            if epoch > self._decided:
+                self._decide_after_failure(epoch, done, reason)
+                self._decided = epoch
+        return self._settle(member, self.view.wait_epoch_after(epoch, self.cfg.epoch_timeout))
+
+    def _decide_after_failure(self, epoch: int, done: int, reason: str) -> None:
+        seen = self.view.observe()
+        cur = seen.current
+        assert cur is not None, "a failed worker was a member of an epoch"
+        if cur.epoch > epoch:
+            return  # the next epoch is agreed already (seen through the watch)
+        self.events.write(
+            EventKind.FAULT_DETECTED,
+            cause="collective",
+            node=self.cfg.node,
+            epoch=epoch,
+            reason=reason,
+        )
+        t0 = time.monotonic()
+        wanted = {*cur.nodes(), *(node_of(m) for m in seen.pending)}
+        targets = {n: (rec.host, rec.probe_port) for n, rec in seen.nodes.items() if n in wanted}
+        probes = probe_all(targets, self.cfg.probe_timeout)
+        record, why = agreement.after_failure(
+            cur, probes, seen.pending, seen.leaving, done, time.time()
+        )
+        if record is None:
+            raise JobCannotContinue(f"the job cannot continue: {why}")
+        record = agreement.with_store(record, seen.nodes)
+        if self.kv.compare_and_put(
+            key(self.cfg.job, "epoch"), protocol.encode(record), seen.revision, self.cfg.op_timeout
+        ):
+            self._agreed(record, why, cur, planned=False, step=done, agree_s=time.monotonic() - t0)

@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from keepstep.agent import protocol
 from keepstep.agent.kv import WatchEvent
 from keepstep.agent.protocol import EpochRecord, NodeRecord
-from keepstep.elastic.errors import KeepstepError
+from keepstep.errors import KeepstepError
+
+
+class EpochTimeout(KeepstepError):
+    """No newer epoch reached this agent's view within the bound (`wait_epoch_after`)."""
 
 
 @dataclass(frozen=True)
@@ -104,11 +108,12 @@ class JobView:
             )
 
     def wait_epoch_after(self, epoch: int, timeout: float) -> EpochRecord:
+        """The first epoch newer than `epoch` this view holds; EpochTimeout past `timeout`."""
         deadline = time.monotonic() + timeout
         with self.changed:
             while self.current is None or self.current.epoch <= epoch:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise KeepstepError(f"no epoch after {epoch} was agreed within {timeout} s")
+                    raise EpochTimeout(f"no epoch after {epoch} was agreed within {timeout} s")
                 self.changed.wait(min(left, 0.1))
             return self.current

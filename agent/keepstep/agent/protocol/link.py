@@ -1,39 +1,58 @@
-"""The local channel between a node agent and its training processes.
+"""The local channel between a node agent and its training processes: the shared framing.
 
 A Unix socket in the abstract namespace (no file to clean up, no path-length limit),
-carrying one JSON object per line. Workers send requests (`op`, `id`) and get a reply
-with the same `id`; some requests are notifications and get none. The agent can also
-push messages (no `id`), which the worker's reader thread hands to a callback.
+carrying one JSON object per line: a typed message (`messages`) and, on a request and
+its reply, the request's `id`. Reports (commits) carry no id and get no reply; the agent
+pushes messages with no id, which the worker's reader hands to a callback.
+
+Where it sits: the agent's half (accepting workers, one thread per request) is
+`node/link_server`, the worker's half (request and wait, bounded) `worker/link_client`;
+both speak through `Connection` here. `AnswerBounds` is how long the worker waits for
+each kind of answer: the agent computes it from its own bounds and hands it over in the
+worker's environment, so that both sides agree when a silent agent is wedged.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import socket
 import threading
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-from keepstep.elastic.errors import KeepstepError
-
-log = logging.getLogger(__name__)
-
-Message = dict[str, Any]
+from keepstep.agent.protocol.messages import BadMessage, Message, decode, encode
+from keepstep.errors import ConfigError, KeepstepError
 
 
 class LinkClosed(KeepstepError):
     """The other side of the link went away."""
 
 
+class BadFrame(BadMessage):
+    """A line that does not decode; `ident` is its request id when that much was readable,
+    so the agent can still answer the request with an error."""
+
+    def __init__(self, ident: int | None, error: BadMessage) -> None:
+        super().__init__(error.field, error.problem)
+        self.ident = ident
+
+
 def socket_address(job: str, node: str) -> str:
     """Written with a leading "@" (it travels in environment variables, which cannot hold
-    the NUL byte that starts an abstract socket name); `_native` converts it."""
+    the NUL byte that starts an abstract socket name); `native_address` converts it."""
     return f"@keepstep/{job}/{node}"
 
 
-def _native(address: str) -> str:
+def native_address(address: str) -> str:
     return "\0" + address[1:] if address.startswith("@") else address
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One line of the link: a message, and the id of the request it is or answers."""
+
+    message: Message
+    ident: int | None = None
 
 
 class Connection:
@@ -44,152 +63,94 @@ class Connection:
         self._send_lock = threading.Lock()
         self._reader = sock.makefile("rb")
 
-    def send(self, message: Message) -> None:
-        data = (json.dumps(message) + "\n").encode()
+    def send(self, message: Message, ident: int | None = None) -> None:
+        obj = encode(message)
+        if ident is not None:
+            obj["id"] = ident
+        data = (json.dumps(obj) + "\n").encode()
         with self._send_lock:
             try:
                 self.sock.sendall(data)
             except OSError as error:
                 raise LinkClosed(str(error)) from error
 
-    def receive(self) -> Message | None:
+    def receive(self) -> Frame | None:
+        """The next frame; None once the other side closed. BadFrame for a line that does
+        not decode (the link stays usable: the next line is the next message)."""
         try:
             line = self._reader.readline()
         except OSError:
             return None
         if not line:
             return None
-        message: Message = json.loads(line)
-        return message
+        try:
+            obj = json.loads(line)
+        except ValueError as error:
+            raise BadFrame(None, BadMessage(None, f"not JSON: {error}")) from None
+        ident = obj.pop("id", None) if isinstance(obj, dict) else None
+        if ident is not None and (isinstance(ident, bool) or not isinstance(ident, int)):
+            raise BadFrame(None, BadMessage("id", f"expected int, got {ident!r}"))
+        try:
+            return Frame(decode(obj), ident)
+        except BadMessage as error:
+            raise BadFrame(ident, error) from None
 
     def close(self) -> None:
         try:
-            self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in receive()
         except OSError:
             pass
         self.sock.close()
+        # The socket is released only once its file is closed too (the file holds it).
+        self._reader.close()
 
 
-Handler = Callable[[Connection, Message], Message | None]
+# The environment variables that carry `AnswerBounds` to a worker.
+REPLY_TIMEOUT_ENV = "KEEPSTEP_REPLY_TIMEOUT"
+DECISION_TIMEOUT_ENV = "KEEPSTEP_DECISION_TIMEOUT"
+ADMISSION_TIMEOUT_ENV = "KEEPSTEP_ADMISSION_TIMEOUT"
 
 
-class LinkServer:
-    """Agent side: accepts workers; each request runs `handler` on its own thread.
+@dataclass(frozen=True)
+class AnswerBounds:
+    """How long a worker waits for each kind of answer (seconds). Past one, the agent is
+    taken for wedged and the worker raises AgentUnresponsive instead of hanging.
 
-    A handler returns the reply (sent with the request's id) or None for notifications.
-    Requests may block (waiting for an epoch); they never hold up other requests.
+    reply      hello, finish: answered at once
+    decision   boundary, failure: probes, a few etcd writes, the agreed epoch appearing
+    admission  initial: until an epoch admits the worker (a joiner waits for a boundary)
     """
 
-    def __init__(
-        self,
-        address: str,
-        handler: Handler,
-        on_disconnect: Callable[[Connection], None] | None = None,
-    ) -> None:
-        self.address = address
-        self.handler = handler
-        self.on_disconnect = on_disconnect
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(_native(address))
-        self._sock.listen(64)
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name="link-accept", daemon=True)
-        self._thread.start()
+    reply: float = 30.0
+    decision: float = 90.0
+    admission: float = 3700.0
 
-    def _accept(self) -> None:
-        while not self._closed.is_set():
+    def __post_init__(self) -> None:
+        for name in ("reply", "decision", "admission"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise ConfigError(f"AnswerBounds.{name}={value!r}: must be seconds > 0")
+
+    def env(self) -> dict[str, str]:
+        return {
+            REPLY_TIMEOUT_ENV: repr(self.reply),
+            DECISION_TIMEOUT_ENV: repr(self.decision),
+            ADMISSION_TIMEOUT_ENV: repr(self.admission),
+        }
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> AnswerBounds:
+        """The bounds the agent set; a variable that is absent keeps its default."""
+        default = cls()
+        values: dict[str, float] = {}
+        for name, var in (
+            ("reply", REPLY_TIMEOUT_ENV),
+            ("decision", DECISION_TIMEOUT_ENV),
+            ("admission", ADMISSION_TIMEOUT_ENV),
+        ):
+            text = env.get(var)
             try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return
-            conn = Connection(sock)
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: Connection) -> None:
-        while True:
-            message = conn.receive()
-            if message is None:
-                break
-            threading.Thread(target=self._dispatch, args=(conn, message), daemon=True).start()
-        if self.on_disconnect is not None:
-            self.on_disconnect(conn)
-
-    def _dispatch(self, conn: Connection, message: Message) -> None:
-        try:
-            reply = self.handler(conn, message)
-        except Exception as error:  # a handler bug must not kill the link: report it
-            log.exception("link handler failed for %s", message.get("op"))
-            reply = {"error": f"{type(error).__name__}: {error}"}
-        if reply is not None and "id" in message:
-            reply = dict(reply, id=message["id"])
-            try:
-                conn.send(reply)
-            except LinkClosed:
-                pass
-
-    def close(self) -> None:
-        self._closed.set()
-        self._sock.close()
-
-
-class LinkClient:
-    """Worker side: request/reply over the link, plus pushed messages to a callback."""
-
-    def __init__(self, address: str, on_push: Callable[[Message], None], timeout: float) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(_native(address))
-        except OSError as error:
-            raise LinkClosed(f"cannot reach the node agent at {address!r}: {error}") from error
-        sock.settimeout(None)
-        self.conn = Connection(sock)
-        self.on_push = on_push
-        self._next = 0
-        self._lock = threading.Lock()
-        self._waiting: dict[int, tuple[threading.Event, list[Message]]] = {}
-        self._closed = threading.Event()
-        threading.Thread(target=self._read, name="link-read", daemon=True).start()
-
-    def _read(self) -> None:
-        while True:
-            message = self.conn.receive()
-            if message is None:
-                break
-            if "id" in message:
-                with self._lock:
-                    slot = self._waiting.pop(message["id"], None)
-                if slot is not None:
-                    slot[1].append(message)
-                    slot[0].set()
-            else:
-                self.on_push(message)
-        self._closed.set()
-        with self._lock:
-            for event, _ in self._waiting.values():
-                event.set()
-
-    def request(self, op: str, timeout: float, **fields: Any) -> Message:
-        event: threading.Event = threading.Event()
-        box: list[Message] = []
-        with self._lock:
-            self._next += 1
-            ident = self._next
-            self._waiting[ident] = (event, box)
-        self.conn.send({"op": op, "id": ident, **fields})
-        if not event.wait(timeout):
-            with self._lock:
-                self._waiting.pop(ident, None)
-            raise TimeoutError(f"node agent did not answer {op!r} within {timeout:.1f} s")
-        if not box:
-            raise LinkClosed(f"node agent went away during {op!r}")
-        reply = box[0]
-        if "error" in reply:
-            raise KeepstepError(f"node agent failed {op!r}: {reply['error']}")
-        return reply
-
-    def notify(self, op: str, **fields: Any) -> None:
-        self.conn.send({"op": op, **fields})
-
-    def close(self) -> None:
-        self.conn.close()
+                values[name] = float(text) if text is not None else getattr(default, name)
+            except ValueError:
+                raise ConfigError(f"{var}={text!r}: must be a number of seconds") from None
+        return cls(**values)

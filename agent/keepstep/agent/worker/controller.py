@@ -2,8 +2,14 @@
 
 `keepstep.init` builds it from the environment the agent sets
 (KEEPSTEP_CONTROLLER=keepstep.agent.worker.controller:controller_from_env). Every decision is
-the agent's; this side only asks over the local link and caches the agent's
-"change pending" flag, which the job reads at every commit.
+the agent's; this side only asks over the local link (`link_client`, typed messages) and
+caches the agent's "change pending" flag, which the job reads at every commit.
+
+Every question has its bound (`AnswerBounds`, set by the agent from its own bounds): an
+agent that stays silent past it is wedged, and the worker raises AgentUnresponsive rather
+than hang; an agent that gives up (no admission in time, too few members left) answers
+with the error's type. A worker the next epoch leaves out (`Excluded`) asks again to be
+admitted, under the admission bound, which is long: it may have to wait for a boundary.
 
 When the worker's part in the job is over (it finished, or a membership leaves it out)
 it releases its connections to the epochs' stores, so that no thread of it is still in a
@@ -12,50 +18,77 @@ store call when the interpreter exits (see `stores.release_connections`).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Mapping
-from typing import Any
 
 from torch._C._distributed_c10d import Store
 
-from keepstep.agent.node import stores
-from keepstep.agent.protocol.link import LinkClient, Message
+from keepstep.agent.protocol.link import AnswerBounds
+from keepstep.agent.protocol.messages import (
+    AgentError,
+    Boundary,
+    Commit,
+    ErrorCode,
+    Excluded,
+    Failure,
+    Finish,
+    Hello,
+    Initial,
+    MembershipReply,
+    Message,
+    NoChange,
+    PendingPush,
+    Reconfigured,
+    Reply,
+)
+from keepstep.agent.worker import stores
+from keepstep.agent.worker.link_client import LinkClient
 from keepstep.elastic.control import CommitRecord, Membership, Reconfiguration
 from keepstep.elastic.errors import PeerLost
 
-ADMISSION_TIMEOUT = 24 * 3600.0  # a joiner may wait for a long time; the agent bounds it
 STORE_CONNECT_TIMEOUT = 3.0  # a healthy store answers in milliseconds
 RELEASE_TIMEOUT = 2.0  # for threads woken from a store call to end, when the worker is done
 
 
 class AgentController:
-    def __init__(self, link: str, member: str, timeout: float = 30.0) -> None:
+    def __init__(
+        self,
+        link: str,
+        member: str,
+        timeout: float = 30.0,
+        bounds: AnswerBounds | None = None,
+    ) -> None:
+        """`timeout` bounds the store clients' calls; `bounds` the agent's answers."""
         self.member = member
         self.timeout = timeout
+        self.bounds = bounds or AnswerBounds()
         self._pending = threading.Event()
-        self._client = LinkClient(link, self._on_push, timeout)
+        self._client = LinkClient(link, self._on_push, self.bounds.reply)
         # Each epoch names the store its group rendezvouses on (hosted by one of its
         # nodes); consecutive epochs usually share it, so connections are kept.
         self._store_of: dict[int, str] = {}
         self._stores: dict[str, Store] = {}
-        self._client.request("hello", timeout, member=member)
+        self._client.request(Hello(member), self.bounds.reply)
 
     def _on_push(self, message: Message) -> None:
-        if message.get("op") == "pending":
-            if message.get("value"):
+        if isinstance(message, PendingPush):
+            if message.pending:
                 self._pending.set()
             else:
                 self._pending.clear()
 
-    def _membership(self, reply: Message) -> Membership | None:
-        record = reply.get("membership")
-        if record is None:
+    def _membership(self, reply: Reply) -> Membership | None:
+        """The membership a reply names (None: no change at this boundary). An exclusion
+        turns into a request to be admitted again."""
+        if isinstance(reply, Excluded):
+            reply = self._client.request(Initial(self.member), self.bounds.admission)
+        if isinstance(reply, NoChange):
             return None
-        epoch = int(record["epoch"])
-        if record.get("store"):
-            self._store_of[epoch] = str(record["store"])
-        membership = Membership(epoch, tuple(record["members"]), self.member)
+        if not isinstance(reply, MembershipReply):
+            raise AgentError(ErrorCode.FAILED, f"unexpected answer {reply.OP.value!r}")
+        if reply.store:
+            self._store_of[reply.epoch] = reply.store
+        membership = Membership(reply.epoch, reply.members, self.member)
         if not membership.includes_me:
             self._release()  # the job goes on without this worker: it leaves now
         return membership
@@ -75,7 +108,9 @@ class AgentController:
         return client
 
     def initial(self, timeout: float) -> Membership:
-        reply = self._client.request("initial", ADMISSION_TIMEOUT, member=self.member)
+        # The agent bounds admission itself (a joiner may wait long for a boundary), so
+        # the library's collective timeout does not apply here.
+        reply = self._client.request(Initial(self.member), self.bounds.admission)
         membership = self._membership(reply)
         assert membership is not None, "the agent answers initial with a membership"
         return membership
@@ -86,33 +121,52 @@ class AgentController:
     def poll(self, done: int, announced: bool) -> Membership | None:
         if not announced:
             return None
-        reply = self._client.request("boundary", ADMISSION_TIMEOUT, member=self.member, done=done)
+        reply = self._client.request(Boundary(self.member, done), self.bounds.decision)
         return self._membership(reply)
 
     def on_failure(self, epoch: int, done: int, error: PeerLost, timeout: float) -> Membership:
-        reply = self._client.request(
-            "failure",
-            ADMISSION_TIMEOUT,
-            member=self.member,
-            epoch=epoch,
-            done=done,
-            reason=error.reason,
-        )
-        membership = self._membership(reply)
+        request = Failure(self.member, epoch, done, error.reason)
+        membership = self._membership(self._client.request(request, self.bounds.decision))
         assert membership is not None, "the agent answers a failure with a membership"
         return membership
 
     def on_reconfigured(self, record: Reconfiguration) -> None:
-        self._client.notify("reconfigured", member=self.member, record=_plain(record))
+        self._client.report(
+            Reconfigured(
+                member=self.member,
+                epoch=record.epoch,
+                members=tuple(record.members),
+                communicator_s=record.communicator_s,
+                restore_s=record.restore_s,
+                replan_s=record.replan_s,
+                resume_step=record.resume_step,
+                rolled_back_steps=record.rolled_back_steps,
+                received_state=record.received_state,
+            )
+        )
 
     def on_commit(self, record: CommitRecord) -> None:
-        self._client.notify("commit", member=self.member, record=_plain(record))
+        self._client.report(
+            Commit(
+                member=self.member,
+                step=record.step,
+                epoch=record.epoch,
+                world_size=record.world_size,
+                micro_batches=tuple(record.micro_batches),
+                samples=tuple(record.samples),
+                step_s=record.step_s,
+                assignment={k: tuple(v) for k, v in record.assignment.items()},
+                snapshot_s=record.snapshot_s,
+            )
+        )
 
     def on_finish(self, done: int, params_sha256: str) -> None:
-        self._client.request(
-            "finish", self.timeout, member=self.member, done=done, params_sha256=params_sha256
-        )
+        self._client.request(Finish(self.member, done, params_sha256), self.bounds.reply)
         self._release()
+
+    def close(self) -> None:
+        """Close the link (a worker's closes with its process; tests close it early)."""
+        self._client.close()
 
 
 def _connect(epoch: int, address: str, timeout: float) -> Store:
@@ -138,19 +192,9 @@ def _connect(epoch: int, address: str, timeout: float) -> Store:
     raise PeerLost(epoch, f"store {address} did not answer{why}")
 
 
-def _plain(record: Any) -> dict[str, Any]:
-    """A record's fields for the link's JSON: tuples as lists, a mapping as a dict. Shallow:
-    `dataclasses.asdict` deep-copies every field, on the training path once a step."""
-    out: dict[str, Any] = {}
-    for f in dataclasses.fields(record):
-        value = getattr(record, f.name)
-        if isinstance(value, tuple):
-            value = list(value)
-        elif isinstance(value, Mapping):
-            value = {k: list(v) if isinstance(v, tuple) else v for k, v in value.items()}
-        out[f.name] = value
-    return out
-
-
 def controller_from_env(env: Mapping[str, str]) -> AgentController:
-    return AgentController(link=env["KEEPSTEP_LINK"], member=env["KEEPSTEP_MEMBER"])
+    return AgentController(
+        link=env["KEEPSTEP_LINK"],
+        member=env["KEEPSTEP_MEMBER"],
+        bounds=AnswerBounds.from_env(env),
+    )

@@ -33,11 +33,11 @@ if "--config" in sys.argv and (_STARVE or _EPOCH_DELAY):
             time.sleep(_STARVE)
         return result
 
-    def _receive(self: link.Connection) -> link.Message | None:
-        message = real_receive(self)
-        if message is None:
+    def _receive(self: link.Connection) -> link.Frame | None:
+        frame = real_receive(self)
+        if frame is None:
             time.sleep(_STARVE)
-        return message
+        return frame
 
     def _apply(self: view.JobView, event: Any) -> view.Change:
         if event.key.endswith("/epoch") and self.current is not None:

@@ -1,0 +1,107 @@
+"""What a worker's reports publish: commits, epochs entered, and its finish.
+
+Where it sits: `node/requests` hands every Commit, Reconfigured and Finish from the link
+here. Each goes to the node's event log (the run summary and the dashboard read it), and:
+
+    Reconfigured  the member's entry into an epoch after the first, as a recovery record
+                  in etcd for the operator's status (its MTTR is added at the first commit)
+    Commit        the node's progress record; the recovery record again, with the MTTR, at
+                  the first commit of an epoch; a durable checkpoint when one is due
+    Finish        the member's done record (after the progress it depends on)
+
+A commit also clears the worker's crash count (`WorkerTable.committed`): a worker that
+trains again is healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from keepstep.agent import protocol
+from keepstep.agent.kv import KVError, KVStore
+from keepstep.agent.node.config import AgentConfig, snapshot_path
+from keepstep.agent.node.durable import DurableCheckpoints
+from keepstep.agent.node.progress import ProgressPublisher
+from keepstep.agent.node.view import JobView
+from keepstep.agent.node.workers import WorkerTable
+from keepstep.agent.protocol import key
+from keepstep.agent.protocol.events import EventKind, EventLog
+from keepstep.agent.protocol.messages import Commit, Finish, Reconfigured, encode
+
+log = logging.getLogger(__name__)
+
+
+def record_fields(report: Commit | Reconfigured) -> dict[str, Any]:
+    """A report's record as plain JSON values: its fields but the op and the member."""
+    fields = encode(report)
+    del fields["op"], fields["member"]
+    return fields
+
+
+class Reports:
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        kv: KVStore,
+        events: EventLog,
+        view: JobView,
+        workers: WorkerTable,
+        progress: ProgressPublisher,
+        durable: DurableCheckpoints | None,
+    ) -> None:
+        self.cfg, self.kv, self.events, self.view = cfg, kv, events, view
+        self.workers, self.progress, self.durable = workers, progress, durable
+        self.members = {protocol.member_id(cfg.node, r) for r in range(cfg.nproc)}  # this node's
+
+    def reconfigured(self, report: Reconfigured) -> None:
+        record = record_fields(report)
+        self.events.write(EventKind.RECONFIGURED, member=report.member, **record)
+        if report.epoch > 0:
+            # What this member measured entering the epoch, for the operator's status; the
+            # MTTR is added at its first commit in the epoch.
+            self.workers.entering(report.member, report)
+            self._publish_recovery(report.member, record)
+
+    def commit(self, report: Commit) -> None:
+        record = record_fields(report)
+        self.events.write(EventKind.COMMIT, member=report.member, **record)
+        # Only crashes in a row count against max_restarts (a crash loop), not crashes
+        # spread over a long job.
+        state = self.workers.committed(report.member)
+        cur = self.view.current
+        first = cur.members[0] if cur is not None else None
+        mttr = self.progress.record(record, leads=first in self.members)
+        entered = state.entered
+        if mttr is not None and entered is not None and entered.epoch == report.epoch:
+            self._publish_recovery(report.member, {**record_fields(entered), "mttr_s": mttr})
+        # One writer per job: the first worker of the epoch's first node.
+        if self.durable is not None and first == report.member:
+            self.durable.after_commit(snapshot_path(self.cfg, report.member), report.step + 1)
+
+    def finished(self, report: Finish) -> None:
+        self.events.write(
+            EventKind.FINISH,
+            member=report.member,
+            done=report.done,
+            params_sha256=report.params_sha256,
+        )
+        self.progress.flush()
+        done = protocol.DoneRecord(report.member, report.done, report.params_sha256)
+        self.kv.put(
+            key(self.cfg.job, "done", report.member.replace("/", "-")),
+            protocol.encode(done),
+            self.cfg.op_timeout,
+        )
+
+    def _publish_recovery(self, member: str, record: dict[str, Any]) -> None:
+        name = f"{record['epoch']}-{member.replace('/', '-')}"
+        try:
+            self.kv.put(
+                key(self.cfg.job, "recoveries", name),
+                json.dumps(record).encode(),
+                self.cfg.op_timeout,
+            )
+        except KVError as error:
+            log.warning("recovery record not published: %s", error)

@@ -1,0 +1,94 @@
+"""The agent's answers to its workers, dispatched on the type of each link message.
+
+Where it sits: `node/link_server` decodes a worker's message and calls `handle` on a
+thread of its own (so a request that waits never holds up another). What each does:
+
+    Hello          the worker is ready: offered to epochs from now, and told whether a
+                   planned change is pending
+    Initial        the healer admits it (waits until an epoch includes it, bounded)
+    Boundary       the healer agrees the planned change announced in the last step
+    Failure        the healer agrees the survivors of a failed epoch
+    Finish         the worker is done, whatever its exit status turns out to be
+    Commit, Reconfigured   reports, published by `node/reports`; not answered
+
+The answers are typed replies; an error raised here reaches the worker as its type
+(`link_server` turns it into an ErrorReply).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from keepstep.agent.node.healer import Healer
+from keepstep.agent.node.progress import ProgressPublisher
+from keepstep.agent.node.reports import Reports
+from keepstep.agent.node.workers import WorkerTable
+from keepstep.agent.protocol.events import EventKind, EventLog
+from keepstep.agent.protocol.link import Connection
+from keepstep.agent.protocol.messages import (
+    BadMessage,
+    Boundary,
+    Commit,
+    Failure,
+    Finish,
+    Hello,
+    Initial,
+    JobCannotContinue,
+    Message,
+    Ok,
+    PendingPush,
+    Reconfigured,
+    Reply,
+)
+
+
+class WorkerRequests:
+    def __init__(
+        self,
+        workers: WorkerTable,
+        healer: Healer,
+        reports: Reports,
+        progress: ProgressPublisher,
+        events: EventLog,
+        on_fatal: Callable[[str], None],
+    ) -> None:
+        """`on_fatal(reason)` is told when the job cannot go on (the agent then fails)."""
+        self.workers, self.healer, self.reports = workers, healer, reports
+        self.progress, self.events, self.on_fatal = progress, events, on_fatal
+
+    def handle(self, conn: Connection, message: Message) -> Reply | None:
+        if isinstance(message, Reply | PendingPush):
+            raise BadMessage("op", f"{message.OP.value!r} is not a worker's message")
+        if message.member not in self.workers:
+            raise BadMessage("member", f"{message.member!r} is not a worker of this node")
+        match message:
+            case Hello():
+                # The worker imported everything and built its model: it can be admitted.
+                self.events.write(EventKind.WORKER_READY, member=message.member)
+                _, pending = self.workers.hello(message.member, conn)
+                conn.send(PendingPush(pending))
+                return Ok()
+            case Initial():
+                return self.healer.admit(message.member)
+            case Boundary():
+                return self.healer.boundary(message.member, message.done)
+            case Failure():
+                self.progress.fault(message.epoch)
+                try:
+                    return self.healer.failure(
+                        message.member, message.epoch, message.done, message.reason
+                    )
+                except JobCannotContinue as error:
+                    self.on_fatal(str(error))
+                    raise
+            case Finish():
+                # From here on the worker is done, whatever its exit status turns out to be.
+                self.workers.finished(message.member)
+                self.reports.finished(message)
+                return Ok()
+            case Commit():
+                self.reports.commit(message)
+                return None
+            case Reconfigured():
+                self.reports.reconfigured(message)
+                return None

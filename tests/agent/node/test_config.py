@@ -1,0 +1,62 @@
+"""The agent's configuration: its bounds, and the one place a worker's environment is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from keepstep.agent.node.config import (
+    AgentConfig,
+    answer_bounds,
+    dump_config,
+    load_config,
+    worker_env,
+    worker_spec,
+)
+from keepstep.agent.protocol.link import AnswerBounds
+from keepstep.errors import ConfigError
+
+
+def config(**kw: object) -> AgentConfig:
+    return AgentConfig(job="j", node="n0", etcd="127.0.0.1:2379", script="train.py", **kw)  # type: ignore[arg-type]
+
+
+def test_the_job_settings_of_a_worker_come_from_one_function() -> None:
+    env = worker_env(global_batch=64, micro_batch=4, steps=9, seed=5, mode="exact", host="10.0.0.7")
+    assert env == {
+        "KEEPSTEP_GLOBAL_BATCH": "64",
+        "KEEPSTEP_MICRO_BATCH": "4",
+        "KEEPSTEP_STEPS": "9",
+        "KEEPSTEP_SEED": "5",
+        "KEEPSTEP_MODE": "exact",
+        "KEEPSTEP_HOST": "10.0.0.7",
+    }
+    extra = {"KEEPSTEP_HOST": "10.0.0.8", "X": "1"}
+    later = worker_env(
+        global_batch=64, micro_batch=4, steps=9, seed=5, mode="fast", host="h", extra=extra
+    )
+    assert later["KEEPSTEP_HOST"] == "10.0.0.8" and later["X"] == "1"  # extra comes last
+    assert config(worker_env=env).global_batch == 64 and config().global_batch == 0
+
+
+def test_a_worker_waits_longer_than_its_agent_for_each_answer(tmp_path: Path) -> None:
+    cfg = config(nproc=2, admission_timeout=600.0, epoch_timeout=20.0, run_dir=tmp_path)
+    bounds = answer_bounds(cfg)
+    # The agent's answer, a typed error included, comes before the worker gives up on it.
+    assert bounds.admission > cfg.admission_timeout + 3 * cfg.op_timeout
+    assert bounds.decision > cfg.epoch_timeout + 3 * (cfg.probe_timeout + 2 * cfg.op_timeout)
+    assert bounds.reply > 2 * cfg.op_timeout
+    spec = worker_spec(cfg, "n0/1", "@keepstep/j/n0", tmp_path / "snap")
+    assert AnswerBounds.from_env(spec.env) == bounds
+
+
+def test_every_bound_is_checked_and_travels_in_the_config_file(tmp_path: Path) -> None:
+    for name in ("admission_timeout", "epoch_timeout", "probe_timeout", "op_timeout"):
+        with pytest.raises(ConfigError, match=f"{name}=0 must be a number of seconds > 0"):
+            config(**{name: 0})
+    with pytest.raises(ConfigError, match="admission_grace=-1"):
+        config(admission_grace=-1)
+    cfg = config(admission_timeout=90.0, epoch_timeout=7.5, run_dir=tmp_path)
+    dump_config(cfg, tmp_path / "agent.json")
+    assert load_config(tmp_path / "agent.json") == cfg

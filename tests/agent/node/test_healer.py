@@ -1,0 +1,253 @@
+"""The healer's answers to racing and waiting workers: one epoch per decision, and every
+wait within its bound, on the in-memory KV with real agents and real links.
+
+- Two agents handling the failure of the same epoch at once agree exactly one next epoch,
+  and both answer their workers with it.
+- A member's wait for the agreed epoch holds no lock: two members of a node failing at
+  once each get their answer within the epoch bound (one used to wait for the other).
+- A worker that no epoch admits gets AdmissionTimeout within the admission bound.
+- A worker whose agent never answers gets AgentUnresponsive within its bound.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keepstep.agent import protocol
+from keepstep.agent.kv.memory import MemoryKV
+from keepstep.agent.node import healer, probe
+from keepstep.agent.node.agent import NodeAgent
+from keepstep.agent.node.config import AgentConfig
+from keepstep.agent.node.link_server import LinkServer
+from keepstep.agent.node.view import Change
+from keepstep.agent.protocol.events import read_events
+from keepstep.agent.protocol.link import AnswerBounds, Connection, socket_address
+from keepstep.agent.protocol.messages import (
+    AdmissionTimeout,
+    AgentError,
+    AgentUnresponsive,
+    Excluded,
+    Failure,
+    Hello,
+    Initial,
+    MembershipReply,
+    Message,
+    Ok,
+    PendingPush,
+    Reply,
+)
+from keepstep.agent.worker.controller import AgentController
+from keepstep.agent.worker.link_client import LinkClient
+from keepstep.elastic.errors import PeerLost
+
+T = 10.0  # generous for a loaded machine; the bounds under test are far shorter
+
+
+def job_name(tag: str) -> str:
+    return f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Callable[..., NodeAgent]]:
+    """Start NodeAgents on one MemoryKV (each its own client), whose workers never say
+    hello themselves (`sleep`): the test speaks for them over their links."""
+    kv = MemoryKV()
+    started: list[NodeAgent] = []
+
+    def start(job: str, node: str, **kw: Any) -> NodeAgent:
+        cfg = AgentConfig(
+            job=job,
+            node=node,
+            etcd="",
+            script="",
+            command=("sleep", "60"),
+            run_dir=tmp_path,
+            snapshot_dir=tmp_path,
+            **kw,
+        )
+        agent = NodeAgent(cfg, kv.client())
+        agent.start()
+        started.append(agent)
+        return agent
+
+    try:
+        yield start
+    finally:
+        for agent in started:
+            agent.close()
+
+
+def link(job: str, node: str) -> LinkClient:
+    return LinkClient(socket_address(job, node), lambda message: None, T)
+
+
+def admitted(clients: dict[str, LinkClient]) -> dict[str, Reply]:
+    """Each worker says hello, then all wait for their first epoch together."""
+    for member, client in clients.items():
+        assert client.request(Hello(member), T) == Ok()
+    with ThreadPoolExecutor(len(clients)) as pool:
+        futures = {m: pool.submit(c.request, Initial(m), T) for m, c in clients.items()}
+        return {m: f.result() for m, f in futures.items()}
+
+
+def test_two_agents_failing_at_once_agree_one_epoch_and_both_answer(
+    agents: Callable[..., NodeAgent], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = job_name("race")
+    n0, n1 = agents(job, "n0", expected_nodes=2), agents(job, "n1", expected_nodes=2)
+    clients = {"n0/0": link(job, "n0"), "n1/0": link(job, "n1")}
+    try:
+        first = admitted(clients)
+        both = ("n0/0", "n1/0")
+        epoch0 = MembershipReply(0, both, n0.store_host.address)
+        assert first == {"n0/0": epoch0, "n1/0": epoch0}
+        # Both agents observe epoch 0 before either writes: hold each at its probes until
+        # the other has got there too, so that both propose and the CAS decides.
+        probing = threading.Barrier(2, timeout=T)
+
+        def probe_all(*args: Any) -> Any:
+            probing.wait()
+            return probe.probe_all(*args)
+
+        monkeypatch.setattr(healer, "probe_all", probe_all)
+        with ThreadPoolExecutor(2) as pool:
+            futures = {
+                m: pool.submit(c.request, Failure(m, 0, 5, "peer lost"), T)
+                for m, c in clients.items()
+            }
+            answers = {m: f.result() for m, f in futures.items()}
+    finally:
+        for client in clients.values():
+            client.close()
+    expected = MembershipReply(1, both, n0.store_host.address)
+    assert answers == {"n0/0": expected, "n1/0": expected}
+    events = read_events(tmp_path)
+    proposed = [e["node"] for e in events if e["kind"] == "fault-detected"]
+    assert sorted(proposed) == ["n0", "n1"]  # both decided ...
+    agreed = [e for e in events if e["kind"] == "epoch-agreed" and e["epoch"] == 1]
+    assert len(agreed) == 1, agreed  # ... one write won
+    assert agreed[0]["members"] == list(both) and agreed[0]["step"] == 5
+    stored = n1.kv.get(protocol.key(job, "epoch"), T)
+    assert stored is not None and protocol.decode(protocol.EpochRecord, stored.value).epoch == 1
+
+
+def test_members_waiting_for_the_epoch_each_get_their_answer_within_the_bound(
+    agents: Callable[..., NodeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = job_name("bound")
+    bound = 2.0
+    node = agents(job, "n0", nproc=2, epoch_timeout=bound)
+    clients = {"n0/0": link(job, "n0"), "n0/1": link(job, "n0")}
+    try:
+        admitted(clients)
+        # From here on the agent's view never learns of a new epoch (a watch that stalls):
+        # the epoch agreed after the failure is written but never seen.
+        monkeypatch.setattr(node.view, "apply", lambda event: Change())
+        t0 = time.monotonic()
+
+        def fail(member: str) -> tuple[Exception | None, float]:
+            try:
+                clients[member].request(Failure(member, 0, 3, "peer lost"), T)
+            except Exception as error:
+                return error, time.monotonic() - t0
+            return None, time.monotonic() - t0
+
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(fail, clients))
+    finally:
+        for client in clients.values():
+            client.close()
+    for error, took in results:
+        assert isinstance(error, AgentError) and "EpochTimeout" in str(error), error
+        # Each within its own bound; the second used to wait for the first's to end.
+        assert bound <= took < 1.75 * bound, results
+
+
+def test_a_worker_no_epoch_admits_gets_admission_timeout_within_the_bound(
+    agents: Callable[..., NodeAgent],
+) -> None:
+    job = job_name("admit")
+    node = agents(job, "n0", expected_nodes=2, admission_timeout=0.5)  # n1 never comes
+    client = link(job, "n0")
+    try:
+        assert client.request(Hello("n0/0"), T) == Ok()
+        t0 = time.monotonic()
+        with pytest.raises(AdmissionTimeout, match=r"n0/0 was not admitted within 0\.5 s"):
+            client.request(Initial("n0/0"), T)
+        assert time.monotonic() - t0 < 0.5 + 2.0
+    finally:
+        client.close()
+    # It no longer waits: nobody must admit it at the next boundary.
+    assert node.kv.get(protocol.key(job, "pending", "n0/0"), T) is None
+
+
+class FakeAgent:
+    """An agent's link with scripted answers; None from `answer` means it never answers."""
+
+    def __init__(self, answer: Callable[[Connection, Message], Reply | None]) -> None:
+        self.address = socket_address(job_name("fake"), "n0")
+        self.release = threading.Event()
+        self.answer = answer
+        self.server = LinkServer(self.address, self._handle)
+
+    def _handle(self, conn: Connection, message: Message) -> Reply | None:
+        if isinstance(message, Hello):
+            conn.send(PendingPush(True))
+            return Ok()
+        reply = self.answer(conn, message)
+        if reply is None:
+            self.release.wait(T)  # wedged
+        return reply
+
+    def close(self) -> None:
+        self.release.set()
+        self.server.close()
+
+
+def test_a_worker_whose_agent_never_answers_gets_agent_unresponsive_within_the_bound() -> None:
+    agent = FakeAgent(lambda conn, message: None)
+    bounds = AnswerBounds(reply=T, decision=0.3, admission=0.6)
+    controller = AgentController(agent.address, "n0/0", bounds=bounds)
+    try:
+        calls: list[tuple[Callable[[], object], float]] = [
+            (lambda: controller.initial(timeout=60.0), bounds.admission),
+            (lambda: controller.poll(7, announced=True), bounds.decision),
+            (lambda: controller.on_failure(0, 7, PeerLost(0, "lost"), 60.0), bounds.decision),
+        ]
+        for call, bound in calls:
+            t0 = time.monotonic()
+            with pytest.raises(AgentUnresponsive, match="did not answer"):
+                call()
+            assert bound <= time.monotonic() - t0 < bound + 1.0
+    finally:
+        controller.close()
+        agent.close()
+
+
+def test_an_excluded_worker_asks_to_be_admitted_again() -> None:
+    asked: list[Message] = []
+
+    def answer(conn: Connection, message: Message) -> Reply | None:
+        asked.append(message)
+        if isinstance(message, Failure):
+            return Excluded(2)
+        return MembershipReply(3, ("n0/0", "n1/0"), "127.0.0.1:1")
+
+    agent = FakeAgent(answer)
+    controller = AgentController(agent.address, "n0/0", bounds=AnswerBounds(reply=T))
+    try:
+        membership = controller.on_failure(1, 9, PeerLost(1, "lost"), 60.0)
+        assert (membership.epoch, membership.members) == (3, ("n0/0", "n1/0"))
+        assert asked == [Failure("n0/0", 1, 9, "lost"), Initial("n0/0")]
+        assert controller.change_pending()  # the flag the agent pushed at hello
+    finally:
+        controller.close()
+        agent.close()
