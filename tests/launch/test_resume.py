@@ -48,7 +48,7 @@ def run(run_dir: Path, steps: int, env: dict[str, str], *args: str) -> dict[str,
     cmd = [
         sys.executable,
         "-m",
-        "keepstep.agent",
+        "keepstep",
         "run",
         "--nodes",
         "2",
@@ -110,7 +110,7 @@ def test_resume_from_an_empty_location_is_refused(tmp_path: Path) -> None:
     cmd = [
         sys.executable,
         "-m",
-        "keepstep.agent",
+        "keepstep",
         "run",
         "--nodes",
         "1",

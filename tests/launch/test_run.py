@@ -34,7 +34,7 @@ def keepstep_run(
     cmd = [
         sys.executable,
         "-m",
-        "keepstep.agent",
+        "keepstep",
         "run",
         "--nodes",
         str(nodes),

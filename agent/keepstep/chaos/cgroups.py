@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from keepstep.elastic.errors import KeepstepError
+from keepstep.errors import KeepstepError
 
 ROOT = Path("/sys/fs/cgroup")
 PREFIX = "keepstep-chaos-"  # the name of every group the harness makes starts so

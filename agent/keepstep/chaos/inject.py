@@ -32,7 +32,7 @@ from typing import Any
 from keepstep.chaos import actions, cgroups
 from keepstep.chaos.model import Fault, FaultKind
 from keepstep.chaos.rundir import RunView, alive, children_matching, process_group
-from keepstep.elastic.errors import KeepstepError
+from keepstep.errors import KeepstepError
 from keepstep.launch import netns
 
 log = logging.getLogger("keepstep.chaos")

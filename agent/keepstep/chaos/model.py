@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from keepstep.elastic.errors import ConfigError
+from keepstep.errors import ConfigError
 from keepstep.launch.faults import FaultKind as LauncherKind
 from keepstep.launch.faults import FaultSpec
 

@@ -36,7 +36,7 @@ from keepstep.chaos.model import (
     Scenario,
     Trigger,
 )
-from keepstep.elastic.errors import ConfigError
+from keepstep.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ import random
 from dataclasses import dataclass
 
 from keepstep.chaos.model import Fault, FaultKind, Job, RandomFaults, Scenario, Trigger
-from keepstep.elastic.errors import ConfigError
+from keepstep.errors import ConfigError
 
 # A node hit by a worker fault is steady again after this long in time-driven schedules
 # (its worker restarts and is re-admitted); step-driven schedules never count on it.

@@ -17,7 +17,7 @@ from typing import Any
 
 from keepstep.dashboard.server import DashboardApp, DashboardServer
 from keepstep.dashboard.trainjobs import KubeTrainJobs
-from keepstep.elastic.errors import ConfigError
+from keepstep.errors import ConfigError
 
 
 def register(sub: Any) -> None:

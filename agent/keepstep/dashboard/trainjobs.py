@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from keepstep.elastic.errors import KeepstepError
+from keepstep.errors import KeepstepError
 
 GROUP, VERSION, PLURAL = "keepstep.dev", "v1alpha1", "trainjobs"
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
-from keepstep.elastic.errors import ConfigError
+from keepstep.errors import ConfigError
 from keepstep.launch.etcd_server import (
     EtcdServer,
     EtcdServerError,

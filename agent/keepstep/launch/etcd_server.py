@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
-from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.errors import ConfigError, KeepstepError
 
 MIN_VERSION = (3, 5, 13)
 _VERSION = re.compile(r"etcd Version:\s*(\d+)\.(\d+)\.(\d+)")

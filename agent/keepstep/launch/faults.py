@@ -17,7 +17,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from keepstep.elastic.errors import ConfigError
+from keepstep.errors import ConfigError
 
 
 class FaultKind(enum.Enum):

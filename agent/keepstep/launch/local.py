@@ -25,7 +25,7 @@ from typing import Any
 from torch._C._distributed_c10d import TCPStore
 
 from keepstep.elastic.control import CommitRecord, ScheduleController
-from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.errors import ConfigError, KeepstepError
 
 CONTROLLER_SPEC = "keepstep.launch.local:controller_from_env"
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.errors import ConfigError, KeepstepError
 
 PLAN_FILE = "netns.json"  # in the run directory: what the chaos side needs to find
 SUBNETS = "10.201"  # each run takes a free 10.201.X.0/24

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from keepstep.elastic.errors import ConfigError
+from keepstep.errors import ConfigError
 from keepstep.launch import selfcheck_job
 from keepstep.launch.local import LocalRun, agreed_sha, run_local
 

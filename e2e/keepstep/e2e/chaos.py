@@ -28,7 +28,7 @@ from keepstep.chaos.schedule import expand
 from keepstep.e2e.chaos_cluster import ClusterTarget, nodes_needed
 from keepstep.e2e.chaos_env import ChaosCluster, ChaosClusterError
 from keepstep.e2e.procs import ProcessError
-from keepstep.elastic.errors import KeepstepError
+from keepstep.errors import KeepstepError
 
 
 def main(argv: list[str] | None = None) -> int:

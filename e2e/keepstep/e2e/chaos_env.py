@@ -126,7 +126,7 @@ class ChaosCluster:
     def start(cls, work_dir: Path, nodes: int, timeout: float = 180.0) -> ChaosCluster:
         """Start a control plane and a job etcd in `work_dir` too (the command line)."""
         # Imported here: the agent's modules are only needed once a cluster starts.
-        from keepstep.elastic.errors import ConfigError
+        from keepstep.errors import ConfigError
         from keepstep.launch.etcd_server import EtcdServer, find_etcd
 
         work_dir = work_dir.resolve()

@@ -7,48 +7,67 @@
         step.commit()
 
 Micro-batch plan (plan.py) -> keyed RNG and sample order (rng.py) -> order-invariant
-reduction (reduce.py) over a per-epoch communicator (comm.py) -> snapshot (snapshot.py,
-state.py). job.py ties them into the loop; control.py is the boundary to the agent.
+reduction (reduce.py) over a per-epoch communicator (comm/) -> snapshot of what a process
+holds (train_state.py) into double-buffered shared memory (snapshot_store.py). job.py ties
+them into the loop; control.py is the boundary to the agent.
+
+The names below are resolved on first use, so that a torch-free tool can import a torch-free
+module of this package (snapshot_layout, errors) without importing torch.
 """
 
-from keepstep.elastic.api import init
-from keepstep.elastic.config import JobConfig
-from keepstep.elastic.control import (
-    CommitRecord,
-    Controller,
-    Membership,
-    Reconfiguration,
-    ScheduleController,
-)
-from keepstep.elastic.errors import (
-    ConfigError,
-    KeepstepError,
-    PeerLost,
-    SnapshotCorrupt,
-    SnapshotMissing,
-    StateShapeError,
-)
-from keepstep.elastic.job import Job
-from keepstep.elastic.reduce import ReduceMode
-from keepstep.elastic.step import MicroBatch, NonFiniteGradient, Step
+from __future__ import annotations
 
-__all__ = [
-    "CommitRecord",
-    "ConfigError",
-    "Controller",
-    "Job",
-    "JobConfig",
-    "KeepstepError",
-    "Membership",
-    "MicroBatch",
-    "NonFiniteGradient",
-    "PeerLost",
-    "Reconfiguration",
-    "ReduceMode",
-    "ScheduleController",
-    "SnapshotCorrupt",
-    "SnapshotMissing",
-    "StateShapeError",
-    "Step",
-    "init",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from keepstep.elastic.api import init as init
+    from keepstep.elastic.config import JobConfig as JobConfig
+    from keepstep.elastic.control import CommitRecord as CommitRecord
+    from keepstep.elastic.control import Controller as Controller
+    from keepstep.elastic.control import Membership as Membership
+    from keepstep.elastic.control import Reconfiguration as Reconfiguration
+    from keepstep.elastic.control import ScheduleController as ScheduleController
+    from keepstep.elastic.errors import ConfigError as ConfigError
+    from keepstep.elastic.errors import KeepstepError as KeepstepError
+    from keepstep.elastic.errors import PeerLost as PeerLost
+    from keepstep.elastic.errors import SnapshotCorrupt as SnapshotCorrupt
+    from keepstep.elastic.errors import SnapshotMissing as SnapshotMissing
+    from keepstep.elastic.errors import StateShapeError as StateShapeError
+    from keepstep.elastic.job import Job as Job
+    from keepstep.elastic.reduce import ReduceMode as ReduceMode
+    from keepstep.elastic.step import MicroBatch as MicroBatch
+    from keepstep.elastic.step import NonFiniteGradient as NonFiniteGradient
+    from keepstep.elastic.step import Step as Step
+
+_WHERE = {
+    "init": "api",
+    "JobConfig": "config",
+    "CommitRecord": "control",
+    "Controller": "control",
+    "Membership": "control",
+    "Reconfiguration": "control",
+    "ScheduleController": "control",
+    "ConfigError": "errors",
+    "KeepstepError": "errors",
+    "PeerLost": "errors",
+    "SnapshotCorrupt": "errors",
+    "SnapshotMissing": "errors",
+    "StateShapeError": "errors",
+    "Job": "job",
+    "ReduceMode": "reduce",
+    "MicroBatch": "step",
+    "NonFiniteGradient": "step",
+    "Step": "step",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'keepstep.elastic' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"keepstep.elastic.{module}"), name)
+    globals()[name] = value  # resolved once
+    return value

@@ -2,7 +2,7 @@
 
 Where it sits: at the bottom of the snapshot flow. The node agent creates a ``FileBuffer``
 under /dev/shm (``SHM_DIR``) so that a crashed worker loses nothing; the worker's
-``SnapshotStore`` (snapshot.py) lays slots out in it (snapshot_format.py) and a restarted
+``SnapshotStore`` (snapshot_store.py) lays slots out in it (snapshot_layout.py) and a restarted
 worker or the agent opens the same file to load. ``MemoryBuffer`` is the in-process fake
 for unit tests and single-process runs. A buffer only grows: another process may have it
 mapped, and shrinking a mapped file would kill that process with SIGBUS.

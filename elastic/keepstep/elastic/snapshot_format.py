@@ -1,73 +1,20 @@
-"""The on-buffer snapshot format: file and slot headers, slot states, the tensor index and
-the checksum; reading a payload back.
+"""Reading a snapshot payload back: the tensor index and the tensors as views of it.
 
-Where it sits: between ``SnapshotStore`` (snapshot.py), which decides which slot to write
-and when, and the raw memory of a ``SnapshotBuffer`` (snapshot_buffer.py). What a byte offset means
-lives here; how a step's tensors get there is snapshot_write.py.
-
-Layout (little endian; every offset below is a multiple of 64)::
-
-    file header   64 B        magic "KSTEPSNP", version, slot size
-    slot 0        slot size   64 B slot header + payload
-    slot 1        slot size
-
-    slot header   magic, state (WRITING/VALID), step, payload length, checksum, generation
-    payload       u64 index length, u64 meta length, index (JSON), meta, zero padding, then
-                  each tensor's bytes at an offset aligned to 64 (zero padded)
-
-A write marks its slot WRITING, fills the payload, computes the checksum and only then sets
-the state VALID (``finish_slot``), so a crash mid-write leaves the other slot loadable. The
-checksum is the 64-bit XXH3 (the xxhash package) of the step, the payload length and the
-payload; the generation only orders the two slots. Every step checksums the whole state,
-so its speed bounds the snapshot: XXH3 runs at memory speed (~35 GB/s on one core here,
-CRC-32 ~4 GB/s; bench/snapshot_cost.py measures both). Version 1 buffers used CRC-32.
-
+Where it sits: between ``SnapshotStore`` (snapshot_store.py), which decides which slot to
+read, and the byte layout (snapshot_layout.py). How a step's tensors get into a payload is
+snapshot_write.py.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import struct
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from keepstep.elastic.errors import SnapshotCorrupt
-
-ALIGN = 64
-FILE_STRUCT = struct.Struct("<8sIIQ")  # magic, version, reserved, slot size
-# magic, state, reserved, step, payload length, crc, generation
-SLOT_STRUCT = struct.Struct("<8sIIqQQQ")
-_STATE_AT = 8  # byte offset of the state field inside a slot header
-_SIGNED = struct.Struct("<qQ")  # step and payload length, folded into the checksum
-LENGTHS = struct.Struct("<QQ")  # index length, meta length at the start of a payload
-FILE_MAGIC = b"KSTEPSNP"
-SLOT_MAGIC = b"KSSLOT\x00\x01"
-VERSION = 2
-HEADER = 64  # size of the file header and of each slot header
-ZEROS = bytes(ALIGN)
-
-
-class SlotState(enum.IntEnum):
-    """A slot is EMPTY until written; WRITING while a copy is in flight (or was cut off)."""
-
-    EMPTY = 0
-    WRITING = 1
-    VALID = 2
-
-
-@dataclass(frozen=True)
-class SlotHeader:
-    """A slot header as read from the buffer."""
-
-    slot: int
-    state: SlotState
-    step: int
-    nbytes: int
-    checksum: int
-    generation: int
+from keepstep.elastic.snapshot_layout import LENGTHS, align
 
 
 @dataclass(frozen=True)
@@ -77,13 +24,6 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int  # from the start of the payload
     nbytes: int
-
-
-def finish_slot(view: memoryview, at: int, crc: int) -> None:
-    """Write the checksum, then flip the state to VALID: the last write of a slot."""
-    magic, _, _, step, nbytes, _, gen = SLOT_STRUCT.unpack_from(view, at)
-    SLOT_STRUCT.pack_into(view, at, magic, SlotState.WRITING, 0, step, nbytes, crc, gen)
-    struct.pack_into("<I", view, at + _STATE_AT, SlotState.VALID)
 
 
 def read_index(step: int, payload: memoryview) -> tuple[list[TensorEntry], bytes]:
@@ -127,13 +67,3 @@ def decode_payload(step: int, payload: memoryview) -> tuple[dict[str, torch.Tens
         for e in entries
     }
     return tensors, meta
-
-
-def payload_checksum(payload: memoryview, step: int) -> int:
-    digest = xxhash.xxh3_64(_SIGNED.pack(step, len(payload)))
-    digest.update(payload)
-    return int(digest.intdigest())
-
-
-def align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN

@@ -9,9 +9,9 @@ joining node receives a peer's slot through ``export`` / ``import_``.
 
 This module holds the store: which slot to write, growing the slots, verifying and loading.
 The memory itself is a ``SnapshotBuffer`` (snapshot_buffer.py); the bytes in it, their
-headers and checksum are snapshot_format.py; the per-step plan and copy job are
-snapshot_write.py. The names callers need are re-exported here, so they import from this
-module only.
+headers and checksum are snapshot_layout.py, reading a payload back snapshot_format.py; the
+per-step plan and copy job are snapshot_write.py. The names callers need are re-exported
+here, so they import from this module only.
 
 A buffer has one writer (the worker) and any number of readers; a store is used from one
 thread (plus its own copy thread).
@@ -30,7 +30,8 @@ import torch
 
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.snapshot_buffer import SHM_DIR, FileBuffer, MemoryBuffer, SnapshotBuffer
-from keepstep.elastic.snapshot_format import (
+from keepstep.elastic.snapshot_format import decode_payload, read_index
+from keepstep.elastic.snapshot_layout import (
     ALIGN,
     FILE_MAGIC,
     FILE_STRUCT,
@@ -40,10 +41,8 @@ from keepstep.elastic.snapshot_format import (
     VERSION,
     SlotHeader,
     SlotState,
-    decode_payload,
     finish_slot,
     payload_checksum,
-    read_index,
 )
 from keepstep.elastic.snapshot_write import CopyJob, PayloadPlanner, SlotViews, check_tensors
 

@@ -1,7 +1,7 @@
 """Writing a snapshot: the payload plan, the slot's destination tensors and the copy job.
 
-Where it sits: between ``SnapshotStore`` (snapshot.py), which picks the slot and calls
-these on every commit, and the format (snapshot_format.py), which says where each byte
+Where it sits: between ``SnapshotStore`` (snapshot_store.py), which picks the slot and calls
+these on every commit, and the layout (snapshot_layout.py), which says where each byte
 goes. Every step writes the same layout again, so the per-step work is kept small: a
 ``PayloadPlanner`` builds the index and entries once per layout, a ``SlotViews`` keeps each
 slot's destination tensors, and a ``CopyJob`` makes one batched copy and one checksum pass
@@ -17,11 +17,11 @@ import torch
 
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.snapshot_buffer import SnapshotBuffer
-from keepstep.elastic.snapshot_format import (
+from keepstep.elastic.snapshot_format import TensorEntry
+from keepstep.elastic.snapshot_layout import (
     HEADER,
     LENGTHS,
     ZEROS,
-    TensorEntry,
     align,
     finish_slot,
     payload_checksum,

@@ -1,7 +1,7 @@
 """What a snapshot holds for one training process, and putting it back.
 
 Where it sits: after each optimizer step the Job calls ``capture`` and hands the tensors to
-``SnapshotStore.commit`` (snapshot.py); after a failure or on joining, it calls
+``SnapshotStore.commit`` (snapshot_store.py); after a failure or on joining, it calls
 ``restore(store.load(step), model, optimizer)``. ``layout_signature`` / ``check_layout``
 catch a model whose state changed shape between steps.
 

@@ -48,7 +48,7 @@ from keepstep.agent.durable.storage import (
     info_name,
     step_files,
 )
-from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.errors import ConfigError, KeepstepError
 
 __all__ = [
     "LATEST",

@@ -125,7 +125,7 @@ def main() -> None:
     # The slow part a cold worker pays before it can do anything.
     import torch  # noqa: F401
 
-    import keepstep.elastic  # noqa: F401
+    import keepstep.elastic.api  # noqa: F401  (the library the script will import)
     from keepstep.elastic.reduce_kernels import preload
 
     preload()  # the exact reduction's compiled loops, a second more on a busy machine

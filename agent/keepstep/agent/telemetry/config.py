@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-from keepstep.elastic.errors import ConfigError
+from keepstep.errors import ConfigError
 
 
 class ExporterKind(enum.Enum):

@@ -34,7 +34,7 @@ from opentelemetry.sdk.trace.export import (
 )
 
 from keepstep.agent.telemetry.config import ExporterKind, TelemetryConfig
-from keepstep.elastic.errors import KeepstepError
+from keepstep.errors import KeepstepError
 
 # Resource attributes copied onto every Prometheus series as labels (the others go to
 # target_info), so a dashboard can select one job and tell nodes apart.
