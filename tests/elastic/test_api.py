@@ -124,6 +124,12 @@ def test_membership_must_be_sorted() -> None:
         Membership(0, ("b", "a"), "a")
 
 
+@pytest.mark.parametrize("scale", [0.5, 0.0, float("nan"), float("inf")])
+def test_membership_timeouts_can_only_be_raised(scale: float) -> None:
+    with pytest.raises(ConfigError, match=f"timeout_scale={scale} must be a number >= 1"):
+        Membership(0, ("a",), "a", timeout_scale=scale)
+
+
 def test_a_failed_step_leaves_its_reduction_buffer_to_the_dead_epoch() -> None:
     # The failed all-reduce of step 3 keeps its tensor (a stopped peer can complete it
     # later, see test_comm); its late writes must not reach the repeated step.

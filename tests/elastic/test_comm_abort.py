@@ -273,3 +273,42 @@ def test_the_listener_gives_up_when_the_store_goes_away() -> None:
     del server  # its node went away: the listener's connection is closed under it
     (reason,) = _settled([watch], 5.0)
     assert reason is not None and reason.startswith("the epoch's store failed"), reason
+
+
+class SlowStore(CountingStore):
+    """A store whose reads take `delay` s to answer (its node is busy, not gone)."""
+
+    def __init__(self, inner: HashStore, delay: float) -> None:
+        super().__init__(inner)
+        self.delay = delay
+
+    def check(self, keys: list[str]) -> bool:
+        time.sleep(self.delay)
+        return super().check(keys)
+
+
+@pytest.mark.parametrize(
+    ("store_timeout", "aborted"), [(0.2, True), (1.0, False)], ids=["default", "raised"]
+)
+def test_a_raised_store_timeout_outlasts_a_slow_store(store_timeout: float, aborted: bool) -> None:
+    # A read answered in 0.5 s: within a raised bound the epoch goes on; within the
+    # default one (scaled down here to keep the test short) it is taken for a lost store.
+    store = SlowStore(HashStore(), delay=0.5)
+    watch = AbortWatch(store, 0, 0, 1, store_timeout=timedelta(seconds=store_timeout))
+    try:
+        deadline = time.monotonic() + 1.5
+        reason = watch.poll(wait=0.01)
+        while reason is None and time.monotonic() < deadline and store.reads == 0:
+            reason = watch.poll(wait=0.05)
+        reason = watch.poll()
+    finally:
+        watch.close()
+    if aborted:
+        assert reason == "the epoch's store did not answer within 0.2 s (its node died or hangs)"
+    else:
+        assert reason is None and store.reads >= 1
+
+
+def test_a_store_timeout_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="store_timeout"):
+        AbortWatch(CountingStore(HashStore()), 0, 0, 1, store_timeout=timedelta(0))

@@ -121,6 +121,7 @@ _SUMMARY_FIELDS = (
     "mttr_s",
     "rolled_back_steps",
     "reason",
+    "timeout_scale",
 )
 
 

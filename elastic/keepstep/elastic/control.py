@@ -9,6 +9,7 @@ membership change comes back through `on_reconfigured` as a `Reconfiguration` re
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -28,10 +29,15 @@ class Membership:
     members: tuple[str, ...]
     me: str
     weights: Mapping[str, float] | None = None
+    # The epoch's store and collective timeouts, as a multiple of their defaults: raised by
+    # the agents after an epoch that ended while nothing was lost (a loaded machine).
+    timeout_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.epoch < 0:
             raise ConfigError(f"epoch={self.epoch} must be >= 0")
+        if not (math.isfinite(self.timeout_scale) and self.timeout_scale >= 1.0):
+            raise ConfigError(f"timeout_scale={self.timeout_scale} must be a number >= 1")
         if list(self.members) != sorted(set(self.members)):
             raise ConfigError(f"members={list(self.members)} must be sorted and unique")
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.data import default_collate
 
-from keepstep.elastic.comm import Communicator
+from keepstep.elastic.comm import WATCH_TIMEOUT, Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
@@ -215,6 +215,10 @@ class Job:
             self.config.micro_batch,
             membership.weights,
         )
+        # After a false alarm the agents raise the epoch's timeouts (see timeout_scale):
+        # every collective of the epoch, and each read of its store, waits that much longer.
+        scale = membership.timeout_scale
+        self.collective_timeout = timedelta(seconds=self.config.collective_timeout) * scale
         self.comm = Communicator.create(
             self.controller.store(membership.epoch),
             membership.epoch,
@@ -222,6 +226,7 @@ class Job:
             membership.me,
             self.collective_timeout,
             host=self.config.host,
+            store_timeout=WATCH_TIMEOUT * scale,
         )
         t1 = time.perf_counter()
         before = self.done

@@ -69,3 +69,38 @@ def test_an_epoch_names_workers_this_node_does_not_offer() -> None:
     assert agreement.not_offered(record, "n0", ["n0/1"]) == ["n0/0"]
     assert agreement.not_offered(record, "n0", ["n0/0", "n0/1"]) == []
     assert agreement.not_offered(record, "n2", []) == []
+
+
+def test_a_failure_that_lost_nothing_raises_the_timeouts_up_to_a_cap() -> None:
+    # A timeout fired although every member still answers (a loaded machine): the same
+    # bounds would fire again, so each such epoch doubles them.
+    cur = EpochRecord(4, FOUR)
+    rec, why = agreement.after_failure(cur, alive(*FOUR), set(), set(), done=0, now=0.0)
+    assert rec is not None and rec.members == FOUR and rec.timeout_scale == 2.0
+    assert why == "lost nothing; timeouts raised to 2x (a timeout fired while all answered)"
+    scales = []
+    for _ in range(6):
+        rec, _ = agreement.after_failure(rec, alive(*FOUR), set(), set(), done=0, now=0.0)
+        assert rec is not None
+        scales.append(rec.timeout_scale)
+    assert scales == [4.0, 8.0, 16.0, 16.0, 16.0, 16.0]
+    assert agreement.MAX_TIMEOUT_SCALE == 16.0
+
+
+def test_a_real_loss_or_a_planned_change_keeps_the_raised_timeouts() -> None:
+    cur = EpochRecord(4, FOUR, timeout_scale=4.0)
+    probes = alive("n0/0", "n1/0", "n2/0")
+    probes["n3"] = ProbeResult("n3", False, (), "unreachable: Connection refused")
+    rec, why = agreement.after_failure(cur, probes, set(), set(), done=7, now=0.0)
+    assert rec is not None and rec.timeout_scale == 4.0 and "raised" not in why
+    rec, _ = agreement.at_boundary(cur, {"n4/0"}, set(), done=7, now=0.0)
+    assert rec is not None and rec.timeout_scale == 4.0
+    first, _ = agreement.first_epoch(FOUR, 4, 4, 0.0, 30.0, 0.0)
+    assert first is not None and first.timeout_scale == 1.0
+
+
+def test_only_nodes_that_let_the_probe_time_out_are_probed_again() -> None:
+    probes = alive("n0/0")
+    probes["n1"] = ProbeResult("n1", False, (), "no answer within 0.3 s (hung?)", timed_out=True)
+    probes["n2"] = ProbeResult("n2", False, (), "unreachable: Connection refused")
+    assert agreement.suspects(probes) == ["n1"]

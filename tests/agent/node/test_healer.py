@@ -127,7 +127,9 @@ def test_two_agents_failing_at_once_agree_one_epoch_and_both_answer(
     finally:
         for client in clients.values():
             client.close()
-    expected = MembershipReply(1, both, n0.store_host.address)
+    # Both members still answer, so the epoch lost nothing: a false alarm, whose next epoch
+    # waits twice as long before it takes a silent store or collective for a loss.
+    expected = MembershipReply(1, both, n0.store_host.address, timeout_scale=2.0)
     assert answers == {"n0/0": expected, "n1/0": expected}
     events = read_events(tmp_path)
     proposed = [e["node"] for e in events if e["kind"] == "fault-detected"]
@@ -251,3 +253,31 @@ def test_an_excluded_worker_asks_to_be_admitted_again() -> None:
     finally:
         controller.close()
         agent.close()
+
+
+def test_a_node_too_slow_for_the_probe_is_probed_again_before_it_is_blamed(
+    agents: Callable[..., NodeAgent], tmp_path: Path
+) -> None:
+    # n1's agent answers probes late (a loaded machine), but its lease is alive: it is
+    # probed again for as long as its lease lasts, and nothing is lost.
+    job = job_name("slow-probe")
+    n0 = agents(job, "n0", expected_nodes=2, probe_timeout=0.3, lease_ttl=1.0)
+    n1 = agents(job, "n1", expected_nodes=2, probe_timeout=0.3, lease_ttl=1.0)
+    clients = {"n0/0": link(job, "n0"), "n1/0": link(job, "n1")}
+    try:
+        admitted(clients)
+        status = n1.probe_server.status
+
+        def late() -> dict[str, Any]:
+            time.sleep(0.6)
+            return status()
+
+        n1.probe_server.status = late
+        answer = clients["n0/0"].request(Failure("n0/0", 0, 4, "peer lost"), T)
+    finally:
+        for client in clients.values():
+            client.close()
+    assert answer == MembershipReply(1, ("n0/0", "n1/0"), n0.store_host.address, timeout_scale=2.0)
+    agreed = [e for e in read_events(tmp_path) if e["kind"] == "epoch-agreed" and e["epoch"] == 1]
+    assert agreed[0]["reason"].startswith("lost nothing; timeouts raised to 2x"), agreed
+    assert agreed[0]["timeout_scale"] == 2.0

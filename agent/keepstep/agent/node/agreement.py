@@ -3,6 +3,13 @@
 Each returns the proposed `EpochRecord` (or None for "no change") and a reason that
 tests and logs read. Agents apply a decision with a compare-and-set on the epoch key, so
 when two agents decide at once exactly one proposal wins and everyone adopts it.
+
+Backing off: a timeout that fired while nothing was lost (every member answered the
+probes and is still ready) was a false alarm, most likely a machine too loaded to answer
+within the default bounds. Retrying the same bounds could fire again forever, so the next
+epoch doubles its `timeout_scale` (the store and collective timeouts of the workers, up to
+`MAX_TIMEOUT_SCALE` times their defaults). A real loss or a planned change keeps the scale:
+the machine is as loaded as before.
 """
 
 from __future__ import annotations
@@ -12,6 +19,10 @@ from dataclasses import replace
 
 from keepstep.agent.node.probe import ProbeResult
 from keepstep.agent.protocol import EpochRecord, NodeRecord, node_of
+
+# The longest a false alarm can stretch the epoch's timeouts: 16 x the 2 s store bound is
+# 32 s, past which a store that does not answer is taken as gone whatever the load.
+MAX_TIMEOUT_SCALE = 16.0
 
 
 def first_epoch(
@@ -55,7 +66,10 @@ def at_boundary(
     if gone:
         parts.append("drain " + ",".join(gone))
     reason = "; ".join(parts)
-    return EpochRecord(current.epoch + 1, members, reason, done, now), reason
+    record = EpochRecord(
+        current.epoch + 1, members, reason, done, now, timeout_scale=current.timeout_scale
+    )
+    return record, reason
 
 
 def after_failure(
@@ -92,7 +106,22 @@ def after_failure(
     )
     if not members:
         return None, reason + "; no worker left to train"
-    return EpochRecord(current.epoch + 1, members, reason, done, now), reason
+    scale = current.timeout_scale
+    if not lost and scale < MAX_TIMEOUT_SCALE:
+        scale = min(scale * 2, MAX_TIMEOUT_SCALE)
+        reason += f"; timeouts raised to {scale:g}x (a timeout fired while all answered)"
+    record = EpochRecord(current.epoch + 1, members, reason, done, now, timeout_scale=scale)
+    return record, reason
+
+
+def suspects(probes: Mapping[str, ProbeResult]) -> list[str]:
+    """Nodes to probe again before they are blamed: those that let the probe time out.
+
+    A killed node refuses the connection at once; a node that accepted but did not answer
+    in time is hung, or only slow on a loaded machine. Its lease in etcd is still alive
+    (a node whose lease expired is not probed at all), so it gets a second, longer chance.
+    """
+    return sorted(node for node, result in probes.items() if result.timed_out)
 
 
 def not_offered(record: EpochRecord, node: str, offered: Collection[str]) -> list[str]:

@@ -64,7 +64,9 @@ class Healer:
 
     @staticmethod
     def membership(record: EpochRecord) -> MembershipReply:
-        return MembershipReply(record.epoch, tuple(record.members), record.store)
+        return MembershipReply(
+            record.epoch, tuple(record.members), record.store, record.timeout_scale
+        )
 
     def _stamp(self, record: EpochRecord) -> EpochRecord:
         return agreement.with_store(record, self.view.observe().nodes)
@@ -89,6 +91,7 @@ class Healer:
             reason=reason,
             **extra,
             store=record.store,
+            timeout_scale=record.timeout_scale,
         )
 
     # -- admission ----------------------------------------------------------------------
@@ -203,7 +206,17 @@ class Healer:
         t0 = time.monotonic()
         wanted = {*cur.nodes(), *(node_of(m) for m in seen.pending)}
         targets = {n: (rec.host, rec.probe_port) for n, rec in seen.nodes.items() if n in wanted}
-        probes = probe_all(targets, self.cfg.probe_timeout)
+        probes = probe_all(targets, self.cfg.probe_timeout * cur.timeout_scale)
+        again = agreement.suspects(probes)
+        if again:
+            # Probed again before blamed, for as long as the lease it still holds.
+            longer = self.cfg.lease_ttl * cur.timeout_scale
+            probes.update(probe_all({n: targets[n] for n in again}, longer))
+            latest = self.view.observe()  # a hung node's lease may have expired meanwhile
+            if latest.current != cur:
+                return  # another agent agreed the next epoch while this one probed
+            seen = latest
+            probes = {n: p for n, p in probes.items() if n in seen.nodes}
         record, why = agreement.after_failure(
             cur, probes, seen.pending, seen.leaving, done, time.time()
         )

@@ -25,6 +25,7 @@ class ProbeResult:
     ready: tuple[str, ...] = ()
     detail: str = ""
     seconds: float = 0.0
+    timed_out: bool = False  # it accepted (or did not refuse) but did not answer in time
 
 
 class ProbeServer:
@@ -66,7 +67,11 @@ def probe(node: str, host: str, port: int, timeout: float) -> ProbeResult:
                 data += chunk
     except TimeoutError:
         return ProbeResult(
-            node, False, detail="no answer (hung?)", seconds=time.perf_counter() - start
+            node,
+            False,
+            detail=f"no answer within {timeout:g} s (hung?)",
+            seconds=time.perf_counter() - start,
+            timed_out=True,
         )
     except OSError as error:
         return ProbeResult(

@@ -80,6 +80,9 @@ class EpochRecord:
     start_step: int = 0
     created_at: float = 0.0
     store: str = ""  # host:port of the store the epoch's process group rendezvouses on
+    # How much longer than their defaults the epoch's store and collective waits are: raised
+    # after an epoch that ended although every member still answered (a loaded machine).
+    timeout_scale: float = 1.0
 
     def nodes(self) -> list[str]:
         return sorted({node_of(m) for m in self.members})

@@ -44,7 +44,9 @@ class EventKind(enum.StrEnum):
         resumed              member, step (seeded from a durable checkpoint)
         checkpoint-submitted step, url
     The healer (the agent whose proposal won the compare-and-set):
-        epoch-agreed         epoch, members, reason, store; after the first epoch also
+        epoch-agreed         epoch, members, reason, store, timeout_scale (the epoch's
+                             timeouts x their defaults; absent before it existed: 1);
+                             after the first epoch also
                              admitted and removed (members; absent in logs written before
                              they existed: the reason names them, "admit a,b; drain c"),
                              planned (a step-boundary change, not a failure), step (the

@@ -174,6 +174,7 @@ class MembershipReply:
     epoch: int
     members: tuple[str, ...]
     store: str  # host:port of the store the epoch's process group rendezvouses on
+    timeout_scale: float = 1.0  # the epoch's store and collective timeouts, x their defaults
 
 
 @dataclass(frozen=True)

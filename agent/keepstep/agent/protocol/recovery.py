@@ -102,6 +102,7 @@ class RecoveryRecord:
     start_t: float = 0.0
     end_t: float | None = None
     fault: int | None = None
+    timeout_scale: float = 1.0  # the new epoch's timeouts x their defaults (> 1: raised)
 
 
 @dataclass(frozen=True)
@@ -222,6 +223,7 @@ def _record(
         start_t=start,
         end_t=end,
         fault=index,
+        timeout_scale=float(a.get("timeout_scale", 1.0)),
     )
 
 

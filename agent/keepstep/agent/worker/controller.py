@@ -67,6 +67,7 @@ class AgentController:
         # Each epoch names the store its group rendezvouses on (hosted by one of its
         # nodes); consecutive epochs usually share it, so connections are kept.
         self._store_of: dict[int, str] = {}
+        self._scale_of: dict[int, float] = {}  # each epoch's timeout_scale
         self._stores: dict[str, Store] = {}
         self._client.request(Hello(member), self.bounds.reply)
 
@@ -88,7 +89,10 @@ class AgentController:
             raise AgentError(ErrorCode.FAILED, f"unexpected answer {reply.OP.value!r}")
         if reply.store:
             self._store_of[reply.epoch] = reply.store
-        membership = Membership(reply.epoch, reply.members, self.member)
+        self._scale_of[reply.epoch] = reply.timeout_scale
+        membership = Membership(
+            reply.epoch, reply.members, self.member, timeout_scale=reply.timeout_scale
+        )
         if not membership.includes_me:
             self._release()  # the job goes on without this worker: it leaves now
         return membership
@@ -103,7 +107,7 @@ class AgentController:
             raise PeerLost(epoch, f"epoch {epoch} names no process-group store")
         client = self._stores.get(address)
         if client is None:
-            client = _connect(epoch, address, self.timeout)
+            client = _connect(epoch, address, self.timeout, self._scale_of.get(epoch, 1.0))
             self._stores = {address: client}  # older epochs' stores are not needed again
         return client
 
@@ -169,10 +173,12 @@ class AgentController:
         self._client.close()
 
 
-def _connect(epoch: int, address: str, timeout: float) -> Store:
+def _connect(epoch: int, address: str, timeout: float, scale: float) -> Store:
     """A client of the epoch's store. Connecting to a stopped node blocks with no timeout
     (the kernel accepts, nobody answers the handshake), so it runs on a thread of its own
-    and a silent store is given up after `STORE_CONNECT_TIMEOUT`: the epoch is over."""
+    and a silent store is given up after `STORE_CONNECT_TIMEOUT` (x the epoch's
+    `timeout_scale`): the epoch is over."""
+    bound = STORE_CONNECT_TIMEOUT * scale
     stores.parse_address(address)  # a malformed address is a bug: say so here, not later
     box: list[Store] = []
     errors: list[RuntimeError] = []
@@ -185,10 +191,10 @@ def _connect(epoch: int, address: str, timeout: float) -> Store:
 
     thread = threading.Thread(target=connect, name=f"keepstep-store-{epoch}", daemon=True)
     thread.start()
-    thread.join(min(timeout, STORE_CONNECT_TIMEOUT))
+    thread.join(min(timeout, bound))
     if box:
         return box[0]
-    why = f": {errors[0]}" if errors else f" within {STORE_CONNECT_TIMEOUT:.0f} s"
+    why = f": {errors[0]}" if errors else f" within {bound:g} s"
     raise PeerLost(epoch, f"store {address} did not answer{why}")
 
 

@@ -18,5 +18,6 @@ reaper, the stop at interpreter exit) belongs to the one ``ExitGuard`` of the pr
 
 from keepstep.elastic.comm.abort import abort_epoch, abort_key, wake_key
 from keepstep.elastic.comm.communicator import Communicator
+from keepstep.elastic.comm.watch import WATCH_TIMEOUT
 
-__all__ = ["Communicator", "abort_epoch", "abort_key", "wake_key"]
+__all__ = ["WATCH_TIMEOUT", "Communicator", "abort_epoch", "abort_key", "wake_key"]

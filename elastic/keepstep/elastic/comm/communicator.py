@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import AllgatherOptions, Store
 from keepstep.elastic.comm.abort import short_reason
 from keepstep.elastic.comm.exit_guard import EXIT_GUARD, ExitGuard
 from keepstep.elastic.comm.group import EpochSpec, GroupBuild, check_timeout
-from keepstep.elastic.comm.watch import AbortWatch, Outcome
+from keepstep.elastic.comm.watch import WATCH_TIMEOUT, AbortWatch, Outcome
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
 
 _REAP_GRACE_S = 5.0  # beyond the op timeout, after which a reaper drops the group anyway
@@ -87,11 +87,14 @@ class Communicator:
         me: str,
         timeout: timedelta = timedelta(seconds=30),
         host: str = "127.0.0.1",
+        store_timeout: timedelta = WATCH_TIMEOUT,
     ) -> Communicator:
         """Build the group of ``epoch``; every member calls this with the same arguments.
 
         Blocks until all members joined; ``PeerLost`` if ``timeout`` passes first or the
-        epoch is aborted. ``timeout`` is also every collective's default timeout.
+        epoch is aborted. ``timeout`` is also every collective's default timeout;
+        ``store_timeout`` bounds each read of the abort key (a store silent that long is
+        taken as gone: the epoch is over).
         """
         start = time.perf_counter()
         spec = EpochSpec(epoch, tuple(members), me, timeout, host)
@@ -99,7 +102,7 @@ class Communicator:
         build = GroupBuild(store, spec) if spec.size > 1 else None
         # Its connections open while the group connects; if anything below fails, its
         # threads end here and close them.
-        watch = AbortWatch(store, epoch, spec.rank, spec.size, guard)
+        watch = AbortWatch(store, epoch, spec.rank, spec.size, guard, store_timeout)
         try:
             group = build.result(watch) if build is not None else None
             # Aborted before or while we built: fail now, not at the first collective.

@@ -25,6 +25,7 @@ from torch._C._distributed_c10d import Store
 
 from keepstep.elastic.comm.abort import abort_key, short_reason, wake, wake_key
 from keepstep.elastic.comm.exit_guard import EXIT_GUARD, ExitGuard
+from keepstep.elastic.errors import ConfigError
 
 # Wait slices: each ends early when the work completes and is followed by a look at the
 # abort key. A short one while a read of the key is under way (its answer comes in well
@@ -77,7 +78,8 @@ class AbortWatch:
     on the caller's thread. The listener blocks in a store wait on the rank's wake key and
     takes the reason when woken; the reader makes the reads and writes asked of it. ``poll``
     asks for a fresh read and returns what is known; a read unanswered for
-    ``WATCH_TIMEOUT`` means the store's node died or hangs, and the epoch cannot be trusted
+    ``store_timeout`` (``WATCH_TIMEOUT`` unless the epoch's timeouts were raised) means the
+    store's node died or hangs, and the epoch cannot be trusted
     any more, which is an abort.
 
     It owns both threads and their store connections (each its own clone of ``store``);
@@ -85,8 +87,17 @@ class AbortWatch:
     """
 
     def __init__(
-        self, store: Store, epoch: int, rank: int, ranks: int, guard: ExitGuard = EXIT_GUARD
+        self,
+        store: Store,
+        epoch: int,
+        rank: int,
+        ranks: int,
+        guard: ExitGuard = EXIT_GUARD,
+        store_timeout: timedelta = WATCH_TIMEOUT,
     ) -> None:
+        if store_timeout <= timedelta(0):
+            raise ConfigError(f"store_timeout={store_timeout} must be positive")
+        self._store_timeout = store_timeout.total_seconds()
         self._origin = store
         self._epoch = epoch
         self._rank = rank
@@ -227,10 +238,10 @@ class AbortWatch:
                     if wait > 0 or now - self._read_at >= every:
                         self._asked_at = self._read_at = now
                         self._wake.notify_all()
-                elif now - self._asked_at > WATCH_TIMEOUT.total_seconds():
+                elif now - self._asked_at > self._store_timeout:
                     self.reason = (
                         f"the epoch's store did not answer within "
-                        f"{WATCH_TIMEOUT.total_seconds():.0f} s (its node died or hangs)"
+                        f"{self._store_timeout:g} s (its node died or hangs)"
                     )
                 if wait > 0:
                     self._wake.wait_for(
@@ -257,7 +268,7 @@ class AbortWatch:
             if self._to_fire is None:
                 self._to_fire = reason
                 self._wake.notify_all()
-        self._fired.wait(WATCH_TIMEOUT.total_seconds())
+        self._fired.wait(self._store_timeout)
         self._settle(reason)  # unanswered: the store is gone, our own reason stands
         return cast(str, self.reason)
 
