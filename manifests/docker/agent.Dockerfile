@@ -33,6 +33,12 @@ RUN useradd --uid 10001 --user-group --home-dir /workspace --no-create-home keep
     && mkdir -p /var/lib/keepstep \
     && chown keepstep:keepstep /var/lib/keepstep
 USER 10001:10001
+# The pods' root file system is read-only (Pod Security "restricted"); /tmp is an emptyDir in
+# every pod (keepstep.operator.template). Caches go there: numba's compiled kernels, which
+# it cannot write beside the installed package, and whatever else keeps a cache.
+ENV XDG_CACHE_HOME=/tmp/.cache \
+    NUMBA_CACHE_DIR=/tmp/.cache/numba \
+    TRITON_CACHE_DIR=/tmp/.cache/triton
 
 ENTRYPOINT ["keepstep"]
 CMD ["--help"]

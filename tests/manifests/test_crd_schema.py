@@ -7,6 +7,7 @@ valid jobs. tests/e2e/test_crd.py checks the same CRD against a real kube-apiser
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ ELASTIC: dict[str, object] = {
 STATUS = {
     "phase", "nodes", "worldSize", "step", "lastSnapshotStep", "epoch", "recoveries",
     "mttrP50Seconds", "lastMttrSeconds", "samplesPerSecond", "paramsSha256", "selector",
-    "nextPodIndex", "observedGeneration", "belowMinNodesSince", "conditions",
+    "nextPodIndex", "observedGeneration", "belowMinNodesSince", "podFailures",
+    "createBackoffUntil", "conditions",
 }  # fmt: skip
 IMMUTABLE = {
     ".spec.trainer.image", ".spec.trainer.command", ".spec.trainer.args",
@@ -109,7 +111,9 @@ def test_structural_check_catches_mistakes(schema: dict[str, Any]) -> None:
 
 def test_fields_required_and_defaults_follow_the_contract(schema: dict[str, Any]) -> None:
     spec = schema["properties"]["spec"]
-    assert set(spec["properties"]) == {"suspend", "trainer", "elasticPolicy", "checkpoint"}
+    assert set(spec["properties"]) == {
+        "suspend", "trainer", "elasticPolicy", "checkpoint", "failurePolicy", "podTemplate",
+    }  # fmt: skip
     assert set(spec["required"]) == {"trainer", "elasticPolicy"}
     assert spec["properties"]["suspend"]["default"] is False
     cases: list[tuple[str, dict[str, object], set[str]]] = [
@@ -260,3 +264,19 @@ def test_validation_rejects_broken_jobs(schema: dict[str, Any]) -> None:
         "globalBatchSize not divisible by microBatchSize",
         "fewer micro-batches than workers at maxNodes",
     ]
+
+
+def test_reserved_env_names_and_owned_keys_match_the_operator(schema: dict[str, Any]) -> None:
+    """The CEL rules and the operator's own checks refuse the same names."""
+    from keepstep.operator.fields import ENV_SETTINGS
+    from keepstep.operator.template import OWNED_KEY_PREFIXES
+
+    trainer = schema["properties"]["spec"]["properties"]["trainer"]["properties"]
+    rules = trainer["env"]["items"]["x-kubernetes-validations"]
+    (reserved,) = [r["rule"] for r in rules if "KEEPSTEP_" in r["rule"]]
+    assert sorted(re.findall(r"'(KEEPSTEP_[A-Z0-9_]+)'", reserved)) == sorted(ENV_SETTINGS)
+    assert "self.name.startsWith('KEEPSTEP_')" in reserved
+    template = schema["properties"]["spec"]["properties"]["podTemplate"]["properties"]
+    labels = template["metadata"]["properties"]["labels"]["x-kubernetes-validations"]
+    for prefix in OWNED_KEY_PREFIXES:
+        assert f"'{prefix}'" in labels[0]["rule"], prefix

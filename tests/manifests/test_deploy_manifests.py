@@ -1,8 +1,10 @@
 """The manifests that install keepstep, without an API server: the operator's RBAC is exactly
-the least privilege manifests/README.md lists, the Deployment runs the operator under that
-ServiceAccount against the etcd Service, the etcd StatefulSet's initial cluster is built from
-its own stable DNS names, and the Dockerfiles install the right extras (the operator's has no
-torch). tests/e2e/test_crd.py applies the same files to a real API server (dry run).
+the least privilege manifests/README.md lists, in both installs (cluster-wide: rbac.yaml;
+namespaced: namespaced/), the Deployment runs the operator under that ServiceAccount against
+the etcd Service, the etcd StatefulSet's initial cluster is built from its own stable DNS
+names, and the Dockerfiles install the right extras (the operator's has no torch).
+tests/e2e/test_crd.py applies the same files to a real API server (dry run), and
+tests/e2e/test_operator_safety.py runs the operator under the namespaced Role.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ NAMESPACE = "keepstep-system"
 SERVICE_ACCOUNT = "keepstep-operator"
 
 # (apiGroup, resource) -> verbs. Anything more is a finding; see manifests/README.md for why.
-OPERATOR_RULES = {
+NAMESPACED_RULES = {
     ("keepstep.dev", "trainjobs"): {"get", "list", "watch", "patch"},
-    ("keepstep.dev", "trainjobs/status"): {"patch", "update"},
-    ("", "pods"): {"create", "delete", "get", "list", "watch"},
-    ("", "services"): {"create", "get", "list", "watch"},
-    ("", "events"): {"create", "patch"},
+    ("keepstep.dev", "trainjobs/status"): {"patch"},
+    ("", "pods"): {"create", "delete", "list", "watch"},
+    ("", "services"): {"create", "get"},
+    ("", "events"): {"create"},
+}
+# Cluster-wide, kopf also follows the CRD (namespaced, it does not scan: settings.scanning).
+OPERATOR_RULES = {
+    **NAMESPACED_RULES,
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},
-    ("", "namespaces"): {"list", "watch"},
 }
 
 
@@ -48,16 +53,31 @@ def rules_of(role: dict[str, Any]) -> dict[tuple[str, str], set[str]]:
 def test_operator_role_is_exactly_the_listed_least_privilege() -> None:
     role = objects("rbac.yaml")[("ClusterRole", "keepstep-operator")]
     assert rules_of(role) == OPERATOR_RULES
+    namespaced = objects("namespaced/rbac.yaml")[("Role", "keepstep-operator")]
+    assert rules_of(namespaced) == NAMESPACED_RULES
+
+
+def test_readme_lists_every_verb_of_the_operator_and_why() -> None:
+    """The README's RBAC table is the list: one row per resource, its verbs, a reason."""
+    text = (MANIFESTS / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([a-z/]+)` \| ([a-z, ]+) \| (.+) \|$", text, re.MULTILINE)
+    listed = {resource: set(verbs.split(", ")) for resource, verbs, why in rows if why.strip()}
+    assert listed == {resource: verbs for (_, resource), verbs in OPERATOR_RULES.items()}
 
 
 def test_no_role_uses_wildcards_or_grants_users_status() -> None:
-    roles = [d for d in load_all(MANIFESTS / "rbac.yaml") if d["kind"] == "ClusterRole"]
-    assert len(roles) == 3
+    roles = [
+        d
+        for file in ("rbac.yaml", "user-roles.yaml", "namespaced/rbac.yaml")
+        for d in load_all(MANIFESTS / file)
+        if d["kind"] in ("ClusterRole", "Role")
+    ]
+    assert len(roles) == 4
     for role in roles:
         for (group, resource), verbs in rules_of(role).items():
             assert "*" not in (group, resource) and "*" not in verbs, role["metadata"]["name"]
     for name in ("keepstep-trainjob-editor", "keepstep-trainjob-viewer"):
-        granted = rules_of(objects("rbac.yaml")[("ClusterRole", name)])
+        granted = rules_of(objects("user-roles.yaml")[("ClusterRole", name)])
         assert granted[("keepstep.dev", "trainjobs/status")] <= {"get", "list", "watch"}
         assert {g for g, _ in granted} == {"keepstep.dev"}
 
@@ -73,12 +93,37 @@ def test_binding_gives_the_role_to_the_operator_service_account() -> None:
     assert binding["subjects"] == [subject]
     account = objects("operator.yaml")[("ServiceAccount", SERVICE_ACCOUNT)]
     assert account["metadata"]["namespace"] == NAMESPACE
+    namespaced = objects("namespaced/rbac.yaml")[("RoleBinding", "keepstep-operator")]
+    assert namespaced["roleRef"]["kind"] == "Role" and namespaced["subjects"] == [subject]
+    watched = namespaced["metadata"]["namespace"]
+    assert (
+        objects("namespaced/rbac.yaml")[("Role", "keepstep-operator")]["metadata"]["namespace"]
+        == watched
+    )
+
+
+def test_the_namespaced_operator_differs_only_by_the_namespaces_it_watches() -> None:
+    cluster = objects("operator.yaml")
+    namespaced = objects("namespaced/operator.yaml")
+    assert namespaced.keys() == cluster.keys()
+    assert (
+        namespaced[("ServiceAccount", SERVICE_ACCOUNT)]
+        == cluster[("ServiceAccount", SERVICE_ACCOUNT)]
+    )
+    ours = namespaced[("Deployment", "keepstep-operator")]
+    (container,) = ours["spec"]["template"]["spec"]["containers"]
+    watched = objects("namespaced/rbac.yaml")[("Role", "keepstep-operator")]["metadata"][
+        "namespace"
+    ]
+    assert container["args"][-2:] == ["--namespace", watched]
+    container["args"] = container["args"][:-2]
+    assert ours == cluster[("Deployment", "keepstep-operator")]
 
 
 def test_every_namespaced_object_is_in_the_keepstep_namespace() -> None:
     (namespace,) = load_all(MANIFESTS / "namespace.yaml")
     assert namespace["metadata"]["name"] == NAMESPACE
-    for file in ("operator.yaml", "etcd.yaml"):
+    for file in ("operator.yaml", "etcd.yaml", "namespaced/operator.yaml"):
         for doc in load_all(MANIFESTS / file):
             assert doc["metadata"]["namespace"] == NAMESPACE, (file, doc["metadata"]["name"])
 
@@ -180,6 +225,20 @@ def test_agent_image_installs_train_extra_as_non_root() -> None:
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert users and not users[-1].startswith(("0", "root")), users
     assert "COPY examples/ examples/" in lines  # the samples' training scripts
+
+
+def test_agent_image_keeps_its_caches_where_a_read_only_pod_can_write() -> None:
+    from keepstep.operator.template import MOUNTS
+
+    writable = [m["mountPath"] for m in MOUNTS]
+    env = dict(
+        pair.split("=", 1)
+        for line in dockerfile("agent.Dockerfile")
+        if line.startswith("ENV ")
+        for pair in line.removeprefix("ENV ").split()
+    )
+    for name in ("XDG_CACHE_HOME", "NUMBA_CACHE_DIR", "TRITON_CACHE_DIR"):
+        assert any(env[name].startswith(path + "/") for path in writable), (name, env[name])
 
 
 def test_operator_image_has_no_torch_and_checks_it() -> None:

@@ -105,7 +105,9 @@ def test_a_resumed_job_with_a_checkpoint_starts_its_pods_from_it() -> None:
     settle(cluster)
     assert cluster.obj["status"]["phase"] == "Running"
     cluster.pods["demo-node-3"] = pod(3, PodPhase.FAILED)
-    d = run(cluster.job, cluster.pod_list(), cluster.agents)
+    # The second pod failure in the window: its replacement waits out a 1 s backoff.
+    cluster.apply(run(cluster.job, cluster.pod_list(), cluster.agents))
+    d = run(cluster.job, cluster.pod_list(), cluster.agents, now=T0 + 1)
     assert "--resume" not in agent_args_of(d)["demo-node-5"]
 
 

@@ -79,3 +79,12 @@ def test_an_event_after_the_snapshot_does_not_count_for_it() -> None:
     assert [p.name for p in exp.adjust(JOB, [pod(0)], mark)] == ["demo-node-0", "demo-node-3"]
     # The next snapshot, taken after that event, shows it.
     assert exp.adjust(JOB, [pod(0), pod(3)], exp.mark()) == [pod(0), pod(3)]
+
+
+def test_pods_the_api_server_refused_are_not_expected() -> None:
+    exp = Expectations(ttl_s=30, clock=lambda: 0.0)
+    exp.record(JOB, decision([3, 4], []))
+    exp.dropped(JOB, ["demo-node-3"])
+    assert [p.name for p in exp.adjust(JOB, [pod(0)])] == ["demo-node-0", "demo-node-4"]
+    exp.dropped(("ns", "other", "uid-2"), ["demo-node-4"])  # another job: nothing to drop
+    assert [p.name for p in exp.adjust(JOB, [pod(0)])] == ["demo-node-0", "demo-node-4"]

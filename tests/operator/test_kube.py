@@ -22,6 +22,7 @@ from keepstep.operator.actions import (
     Event,
     EventType,
     PatchStatus,
+    Refusal,
 )
 from keepstep.operator.connection import Connection
 from keepstep.operator.kube import Kube, KubeError, Tally
@@ -32,6 +33,7 @@ class Stub:
     def __init__(self) -> None:
         self.requests: list[tuple[str, str, dict[str, str], Any]] = []
         self.answers: dict[tuple[str, str], int] = {}  # (method, path) -> status
+        self.bodies: dict[tuple[str, str], Any] = {}  # (method, path) -> error body
         self.lock = threading.Lock()
 
 
@@ -47,8 +49,9 @@ def stub() -> Iterator[tuple[Stub, str]]:
             with state.lock:
                 state.requests.append((self.command, self.path, dict(self.headers), body))
                 code = state.answers.get((self.command, path), 200)
+                error = state.bodies.get((self.command, path), {"message": "no"})
             answer = {"metadata": {"resourceVersion": "42"}, "items": [{"x": 1}]}
-            data = json.dumps(answer if code < 300 else {"message": "no"}).encode()
+            data = json.dumps(answer if code < 300 else error).encode()
             self.send_response(code)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
@@ -94,7 +97,8 @@ def test_apply_is_idempotent_and_returns_the_new_resource_version(stub: tuple[St
         PatchStatus({"phase": "Pending", "belowMinNodesSince": None}),
     ]
     tally = Tally()
-    assert Kube(Connection(url), parallelism=3).apply(j.ref, actions, tally) == "42"
+    applied = Kube(Connection(url), parallelism=3).apply(j.ref, actions, tally)
+    assert applied.version == "42" and applied.refused == ()
     assert tally.writes == 7 and tally.calls["create_pod"] == 3
     by_kind = {(m, p.split("?")[0]): b for m, p, _, b in state.requests}
     assert by_kind[("DELETE", "/api/v1/namespaces/ns/pods/demo-node-9")]["gracePeriodSeconds"] == 0
@@ -119,6 +123,30 @@ def test_failures_are_raised_after_every_action_was_tried(stub: tuple[Stub, str]
     with pytest.raises(KubeError, match=r"2 actions on ns.demo failed: .*HTTP 500"):
         Kube(Connection(url)).apply(j.ref, actions)
     assert [m for m, *_ in state.requests].count("PATCH") == 1
+
+
+def test_a_refused_pod_is_a_refusal_with_the_api_servers_reason(stub: tuple[Stub, str]) -> None:
+    state, url = stub
+    j = job()
+    pods = ("POST", "/api/v1/namespaces/ns/pods")
+    state.answers[pods] = 403
+    message = 'pods "demo-node-0" is forbidden: exceeded quota: zero'
+    state.bodies[pods] = {"kind": "Status", "reason": "Forbidden", "message": message}
+    actions: list[Action] = [
+        CreatePod(0, pod_manifest(j, 0, ETCD)),
+        PatchStatus({"phase": "Pending"}),
+    ]
+    applied = Kube(Connection(url)).apply(j.ref, actions)  # refused: not an error
+    assert applied.refused == (Refusal("demo-node-0", 403, "Forbidden", message),)
+    assert applied.version == "42"
+    # A conflict is not "exists" (a quota's update raced): it is retried, not skipped.
+    state.answers[pods] = 409
+    state.bodies[pods] = {"kind": "Status", "reason": "Conflict", "message": "try again"}
+    with pytest.raises(KubeError, match="HTTP 409") as raised:
+        Kube(Connection(url)).apply(j.ref, actions[:1])
+    assert not raised.value.refused
+    state.bodies[pods] = {"kind": "Status", "reason": "AlreadyExists", "message": "exists"}
+    assert Kube(Connection(url)).apply(j.ref, actions[:1]).refused == ()
 
 
 def test_an_unreachable_server_is_a_kube_error() -> None:

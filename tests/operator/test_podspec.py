@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from op_builders import ETCD, UID, job
+from op_builders import ETCD, UID, job, job_object
 
-from keepstep.operator.model import Phase
+from keepstep.operator.errors import SpecError
+from keepstep.operator.model import Job, Phase
 from keepstep.operator.podspec import (
     agent_args,
     owner_reference,
@@ -98,7 +99,13 @@ def test_env_carries_etcd_job_node_and_host_and_the_trainer_env() -> None:
         {"name": "KEEPSTEP_JOB", "value": "hijack"},
         {"name": "POD_NS", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
     ]
-    (container,) = pod_manifest(job(env=env), 0, ETCD)["spec"]["containers"]
+    # The spec check refuses the reserved name; a job that got past it (stored before the
+    # check existed) still cannot take the job's identity.
+    with pytest.raises(SpecError, match=r"spec.trainer.env\[1\].name=KEEPSTEP_JOB is reserved"):
+        job(env=env)
+    unchecked = job()
+    object.__setattr__(unchecked.spec, "env", tuple(env))
+    (container,) = pod_manifest(unchecked, 0, ETCD)["spec"]["containers"]
     by_name = {e["name"]: e for e in container["env"]}
     assert by_name["KEEPSTEP_ETCD"]["value"] == ETCD
     assert by_name["KEEPSTEP_JOB"]["value"] == "ns.demo"  # the job's identity is not overridable
@@ -124,3 +131,163 @@ def test_service_is_headless_selects_the_job_and_is_owned() -> None:
     assert svc["spec"]["selector"] == {"keepstep.dev/job": "demo"}
     assert svc["spec"]["publishNotReadyAddresses"] is True
     assert svc["metadata"]["ownerReferences"][0]["uid"] == UID
+
+
+# ---------------------------------------------------------------- Pod Security, podTemplate
+
+RESTRICTED_VOLUMES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+    "projected", "secret",
+}  # fmt: skip
+
+
+def restricted_violations(pod: dict[str, Any]) -> list[str]:
+    """What Pod Security "restricted" (baseline included) would refuse in `pod`: the
+    checks of k8s.io/pod-security-admission that a pod like ours can trip."""
+    spec = pod["spec"]
+    pod_sc = spec.get("securityContext") or {}
+    out = []
+    for host in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(host):
+            out.append(host)
+    for volume in spec.get("volumes") or []:
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            out.append(f"volume {volume['name']}: {sorted(kinds)}")
+    if (pod_sc.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        out.append("pod seccompProfile")
+    for c in spec["containers"]:
+        sc = c.get("securityContext") or {}
+        if sc.get("privileged"):
+            out.append("privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append("allowPrivilegeEscalation != false")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in (caps.get("drop") or []):
+            out.append("capabilities.drop lacks ALL")
+        if set(caps.get("add") or []) - {"NET_BIND_SERVICE"}:
+            out.append(f"capabilities.add {caps['add']}")
+        if sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")) is not True:
+            out.append("runAsNonRoot != true")
+        if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+            out.append("runAsUser=0")
+        if c.get("ports") and any(p.get("hostPort") for p in c["ports"]):
+            out.append("hostPort")
+    return out
+
+
+def test_the_pod_passes_pod_security_restricted_with_writable_scratch_space() -> None:
+    pod = pod_manifest(job(), 0, ETCD, ["node-a"], resume=False)
+    assert restricted_violations(pod) == []
+    spec = pod["spec"]
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+    assert spec["automountServiceAccountToken"] is False
+    (container,) = spec["containers"]
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    # The root file system is read-only: /tmp (the agent's run dir, the workers' temporary
+    # files) and /dev/shm (the snapshots, in memory) are emptyDirs.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert volumes[mounts["/tmp"]] == {"name": "keepstep-tmp", "emptyDir": {}}
+    assert volumes[mounts["/dev/shm"]]["emptyDir"] == {"medium": "Memory"}
+    assert restricted_violations(dict(pod, spec=dict(spec, hostNetwork=True))) == ["hostNetwork"]
+
+
+TEMPLATE = {
+    "metadata": {"labels": {"team": "vision"}, "annotations": {"cost-center": "42"}},
+    "spec": {
+        "securityContext": {"runAsUser": 10001, "fsGroup": 10001},
+        "containerSecurityContext": {
+            "capabilities": {"drop": ["ALL"], "add": ["NET_BIND_SERVICE"]}
+        },
+        "nodeSelector": {"gpu": "h100"},
+        "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "volumes": [
+            {"name": "data", "persistentVolumeClaim": {"claimName": "datasets"}},
+            {"name": "keepstep-shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
+        ],
+        "volumeMounts": [{"name": "data", "mountPath": "/data", "readOnly": True}],
+        "serviceAccountName": "trainer",
+        "automountServiceAccountToken": True,
+        "imagePullSecrets": [{"name": "registry"}],
+        "priorityClassName": "training",
+        "schedulerName": "gang",
+    },
+}  # fmt: skip
+
+
+def test_a_pod_template_is_laid_over_the_defaults_and_the_operator_keeps_its_own() -> None:
+    plain = pod_manifest(job(), 3, ETCD)
+    pod = pod_manifest(job_with_template(TEMPLATE), 3, ETCD)
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["labels"] == {"team": "vision", **plain["metadata"]["labels"]}
+    assert meta["annotations"] == {"cost-center": "42"}
+    assert spec["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "runAsUser": 10001,
+        "fsGroup": 10001,
+    }
+    for name in ("nodeSelector", "tolerations", "serviceAccountName", "imagePullSecrets",
+                 "priorityClassName", "schedulerName"):  # fmt: skip
+        assert spec[name] == TEMPLATE["spec"][name], name
+    assert spec["automountServiceAccountToken"] is True  # asked for
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert sorted(volumes) == ["data", "keepstep-shm", "keepstep-tmp"]
+    assert volumes["keepstep-shm"]["emptyDir"]["sizeLimit"] == "8Gi"  # replaced by name
+    (container,) = spec["containers"]
+    assert [m["mountPath"] for m in container["volumeMounts"]] == ["/tmp", "/dev/shm", "/data"]
+    assert container["securityContext"]["capabilities"]["add"] == ["NET_BIND_SERVICE"]
+    assert restricted_violations(pod) == []
+    # The operator's own: identity, container, restart policy.
+    (plain_container,) = plain["spec"]["containers"]
+    for key in ("name", "image", "command", "args", "env"):
+        assert container[key] == plain_container[key], key
+    assert (meta["name"], meta["ownerReferences"]) == (
+        plain["metadata"]["name"],
+        plain["metadata"]["ownerReferences"],
+    )
+    assert (spec["restartPolicy"], spec["subdomain"]) == ("Never", "demo")
+
+
+def job_with_template(template: dict[str, Any]) -> Job:
+    obj = job_object()
+    obj["spec"]["podTemplate"] = template
+    return Job.from_object(obj)
+
+
+BAD_TEMPLATES: list[tuple[dict[str, Any], str]] = [
+    ({"metadata": {"labels": {"keepstep.dev/job": "x"}}},
+     "spec.podTemplate.metadata.labels: ['keepstep.dev/job'] belong to the operator"),
+    ({"spec": {"hostNetwork": True}}, "spec.podTemplate.spec: unknown fields ['hostNetwork']"),
+    ({"spec": {"volumeMounts": [{"name": "x", "mountPath": "/x"}]}},
+     "spec.podTemplate.spec.volumeMounts[0].name='x' names no volume"),
+    ({"spec": {"volumes": [{"name": "x", "emptyDir": {}, "secret": {}}]}},
+     "spec.podTemplate.spec.volumes[0] (x) must set exactly one volume source"),
+    ({"spec": {"containerSecurityContext": {"runAsUser": 0}}},
+     "spec.podTemplate.spec.containerSecurityContext.runAsUser=0 contradicts runAsNonRoot"),
+    ({"spec": {"automountServiceAccountToken": "yes"}},
+     "spec.podTemplate.spec.automountServiceAccountToken='yes' must be true or false"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("template", "words"), BAD_TEMPLATES)
+def test_a_pod_template_that_cannot_work_is_refused_naming_the_field(
+    template: dict[str, Any], words: str
+) -> None:
+    with pytest.raises(SpecError) as refused:
+        job_with_template(template)
+    assert words in str(refused.value)
+
+
+def test_root_is_allowed_when_asked_for_explicitly() -> None:
+    template = {"spec": {"securityContext": {"runAsUser": 0, "runAsNonRoot": False}}}
+    pod = pod_manifest(job_with_template(template), 0, ETCD)
+    assert restricted_violations(pod) == ["runAsNonRoot != true", "runAsUser=0"]

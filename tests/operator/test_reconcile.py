@@ -7,68 +7,18 @@ fast: what is read, what is written, and that a repeat writes nothing.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 from typing import Any
 
+from fake_kube import FakeKube
 from op_builders import ETCD, T0, UID, job_object
 
 from keepstep.agent import protocol
 from keepstep.agent.kv.memory import MemoryKV
-from keepstep.operator.actions import Action, CreatePod, DeletePod, EnsureService, PatchStatus
 from keepstep.operator.agents import AgentStore
-from keepstep.operator.kube import Tally
-from keepstep.operator.model import Job, JobRef
+from keepstep.operator.model import Job
 from keepstep.operator.podspec import pod_manifest
 from keepstep.operator.reconcile import Reconciler
 from keepstep.operator.settings import DecideConfig
-
-
-class FakeKube:
-    """Holds one namespace's TrainJobs, pods and services as the API server would."""
-
-    def __init__(self) -> None:
-        self.jobs: dict[str, dict[str, Any]] = {}
-        self.pods: dict[str, dict[str, Any]] = {}
-        self.services: set[str] = set()
-        self.version = 0
-
-    def _count(self, tally: Tally | None, kind: str, write: bool) -> None:
-        if tally is not None:
-            tally.add(kind, write)
-
-    def get_job(self, namespace: str, name: str, tally: Tally | None = None) -> Any:
-        self._count(tally, "get_job", False)
-        return copy.deepcopy(self.jobs.get(name))
-
-    def list_pods(self, namespace: str, job_name: str, tally: Tally | None = None) -> list[Any]:
-        self._count(tally, "list_pods", False)
-        return [
-            p for p in self.pods.values() if p["metadata"]["labels"]["keepstep.dev/job"] == job_name
-        ]
-
-    def service_exists(self, namespace: str, name: str, tally: Tally | None = None) -> bool:
-        self._count(tally, "get_service", False)
-        return name in self.services
-
-    def apply(
-        self, job: JobRef, actions: Sequence[Action], tally: Tally | None = None
-    ) -> str | None:
-        version = None
-        for a in actions:
-            self._count(tally, type(a).__name__, True)
-            if isinstance(a, CreatePod):
-                self.pods.setdefault(a.name, copy.deepcopy(dict(a.manifest)))
-            elif isinstance(a, DeletePod):
-                self.pods.pop(a.name, None)
-            elif isinstance(a, EnsureService):
-                self.services.add(a.manifest["metadata"]["name"])
-            elif isinstance(a, PatchStatus):
-                obj = self.jobs[job.name]
-                merged = {**obj.get("status", {}), **a.patch}
-                obj["status"] = {k: v for k, v in merged.items() if v is not None}
-                self.version += 1
-                version = str(self.version)
-        return version
 
 
 def setup(**job: Any) -> tuple[FakeKube, MemoryKV, Reconciler]:

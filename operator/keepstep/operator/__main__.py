@@ -1,13 +1,17 @@
 """`python -m keepstep.operator`: the TrainJob operator (the only place it reads the
 environment or its command line).
 
-    python -m keepstep.operator --etcd URL [--namespace NS] [--kubeconfig PATH]
+    python -m keepstep.operator --etcd URL [--namespace NS ...] [--kubeconfig PATH]
         [--standalone | --peering NAME] [--lost-pod-grace S] [--below-min-grace S]
-        [--resync S] [--api-timeout S] [--verbose]
+        [--pending-grace S] [--backoff-limit N] [--failure-window S]
+        [--backoff-base S] [--backoff-max S] [--resync S] [--api-timeout S] [--verbose]
 
 It runs kopf with no liveness endpoint and, unless --peering names a peering object, as a
-standalone operator (one replica). Credentials: --kubeconfig, else the pod's service
-account when running in a cluster, else the default kubeconfig.
+standalone operator (one replica). Without --namespace it watches every namespace (the
+cluster-wide install, manifests/rbac.yaml); with it, only the namespaces named (repeat the
+flag, or separate them with commas), needing nothing cluster-scoped (the namespaced
+install, manifests/namespaced/). Credentials: --kubeconfig, else the pod's service account
+when running in a cluster, else the default kubeconfig.
 """
 
 from __future__ import annotations
@@ -36,7 +40,13 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
         description="The keepstep TrainJob operator.",
     )
     parser.add_argument("--etcd", required=True, help="job etcd client URL, given to agents")
-    parser.add_argument("--namespace", help="watch only this namespace (default: all)")
+    parser.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch only these namespaces (repeat, or NS1,NS2; default: all)",
+    )
     parser.add_argument("--kubeconfig", help="default: in-cluster, else ~/.kube/config")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--standalone", action="store_true", help="no peering (the default)")
@@ -63,6 +73,37 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
         help="a running job with fewer than minNodes live agents this long fails (120)",
     )
     parser.add_argument(
+        "--pending-grace",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="a pod Pending this long is lost (a TrainJob's failurePolicy may say otherwise) (300)",
+    )
+    parser.add_argument(
+        "--backoff-limit",
+        type=int,
+        default=6,
+        metavar="N",
+        help="pod failures of one cause a job survives within the window (6)",
+    )
+    parser.add_argument(
+        "--failure-window",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="pod failures older than this are forgotten (600)",
+    )
+    parser.add_argument(
+        "--backoff-base",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="pod creation after the n-th failure waits base * 2^(n-1) seconds (1)",
+    )
+    parser.add_argument(
+        "--backoff-max", type=float, default=300.0, metavar="S", help="at most this long (300)"
+    )
+    parser.add_argument(
         "--resync", type=float, default=5.0, metavar="S", help="reconcile at least this often (5)"
     )
     parser.add_argument(
@@ -73,11 +114,16 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
     try:
         settings = OperatorSettings(
             etcd=args.etcd,
-            namespace=args.namespace,
+            namespaces=tuple(n for arg in args.namespace for n in arg.split(",") if n),
             kubeconfig=args.kubeconfig,
             lost_pod_grace_s=args.lost_pod_grace,
             below_min_grace_s=args.below_min_grace,
             agent_start_grace_s=args.agent_start_grace,
+            pending_grace_s=args.pending_grace,
+            backoff_limit=args.backoff_limit,
+            failure_window_s=args.failure_window,
+            backoff_base_s=args.backoff_base,
+            backoff_max_s=args.backoff_max,
             resync_s=args.resync,
             api_timeout_s=args.api_timeout,
             standalone=args.peering is None,
@@ -104,8 +150,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"keepstep.operator: no Kubernetes credentials: {error}", file=sys.stderr)
         return 2
     # Imported here: the etcd client's import is heavy, and --help should not wait for it.
-
-    # Imported here: the etcd client's import is heavy, and --help should not wait for it.
     from keepstep.agent.kv.etcd import EtcdKV
 
     kube = Kube(connection, settings.api_timeout_s, settings.create_parallelism)
@@ -124,8 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             standalone=settings.standalone,
             peering_name=settings.peering,
             liveness_endpoint=None,
-            clusterwide=settings.namespace is None,
-            namespaces=[settings.namespace] if settings.namespace else (),
+            clusterwide=not settings.namespaces,
+            namespaces=list(settings.namespaces),
         )
     except KubeError as error:
         print(f"keepstep.operator: {error}", file=sys.stderr)

@@ -1,7 +1,8 @@
-"""The actions a reconcile decision asks for, and the decision itself.
+"""The actions a reconcile decision asks for, the decision itself, and what applying it met.
 
 Where it sits: `decide` returns a `Decision`; `kube.Kube.apply` (API objects) and
-`agents.AgentStore` (etcd keys) carry the actions out, in the order given. Actions are plain
+`agents.AgentStore` (etcd keys) carry the actions out, in the order given, and `Applied`
+says what the API server refused (`refusal.after_refusal` takes it). Actions are plain
 frozen values, so tests compare them directly; each one is idempotent when applied again
 (creating an existing object or deleting a missing one is not an error).
 """
@@ -83,3 +84,23 @@ class Decision:
     def writes(self) -> int:
         """How many API or etcd writes applying this decision takes (one per action)."""
         return len(self.actions)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """The API server refused to create a pod: its HTTP status, the Status object's reason
+    (Forbidden, Invalid, ...) and message (the quota or Pod Security rule it broke)."""
+
+    pod: str
+    code: int
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What applying actions met: the TrainJob's resourceVersion after a status patch (if
+    there was one) and the pod creations the API server refused."""
+
+    version: str | None = None
+    refused: tuple[Refusal, ...] = ()

@@ -14,19 +14,26 @@ Sub-decisions, in order (each reads the snapshot and what the earlier ones chose
               while spec.suspend; Pending after it until no pod and no agent record of the
               suspended run is left; Running once the agents agreed an epoch; Failed after
               more than the grace below minNodes live agents; Succeeded and Failed are final
-  4. pods     delete lost pods (Failed, exited unfinished, or Running while their agent's
-              record has been missing from etcd for longer than the grace) and replace them
-              with new indices; create or delete (highest index first) to follow numNodes,
-              never above maxNodes; delete every pod of a suspended job (none created
-              until its suspended run ended) and the unfinished pods of a failed one
-  5. events   one per change
-  6. status   figures from the agents, conditions; PatchStatus only on a difference, and
+  4. failures  lost pods that count against the job's failure budget (crashed agents,
+              pods stuck Pending past the grace: `failures`); one more than the budget
+              fails the job, with the cause as the Failed condition's reason
+  5. pods     delete lost pods (Failed, exited unfinished, stuck Pending, or Running while
+              their agent's record has been missing from etcd for longer than the grace)
+              and replace them with new indices, not before status.createBackoffUntil;
+              create or delete (highest index first) to follow numNodes, never above
+              maxNodes; delete every pod of a suspended job (none created until its
+              suspended run ended) and the unfinished pods of a failed one
+  6. events   one per change
+  7. status   figures from the agents, conditions; PatchStatus only on a difference, and
               as the last action
+
+The decision assumes its pod creations succeed; where the API server refuses some,
+`refusal.after_refusal` rewrites its events and status from the refusals.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +47,8 @@ from keepstep.operator.actions import (
     EventType,
     PatchStatus,
 )
+from keepstep.operator.failures import Ledger, Policy
+from keepstep.operator.lost import Losses, find_losses
 from keepstep.operator.model import (
     AgentView,
     Job,
@@ -67,6 +76,7 @@ from keepstep.operator.suspension import (
 )
 
 _NAMES_IN_EVENT = 5
+CREATED = "CreatedPods"  # the event of a decision's pod creations (`refusal` rewrites it)
 
 
 @dataclass
@@ -83,6 +93,7 @@ class _Phase:
     phase: Phase
     why: str
     below_min_since: float | None = None
+    reason: str = ""  # the Failed condition's reason (default: the phase)
 
 
 def decide(
@@ -110,7 +121,18 @@ def decide(
         plan.reasons.append("service missing")
     hold = waiting(job, left)
     phase = _phase(job, agents, now, config, left if hold else None)
-    next_index = _pods(job, pods, agents, now, config, phase.phase, plan, hold)
+    ledger = Ledger.of(job.status, now, Policy.of(job.spec.failure, config))
+    present = sorted((p for p in pods if p.owned and not p.terminating), key=lambda p: p.index)
+    losses = Losses()
+    if phase.phase in (Phase.PENDING, Phase.RUNNING) and not hold:
+        losses = find_losses(job, present, agents, now, config, phase.phase, ledger)
+        spent = ledger.spent()
+        if spent is not None:
+            phase = _Phase(Phase.FAILED, ledger.verdict(spent), phase.below_min_since, str(spent))
+    next_index, creating = _pods(
+        job, pods, present, losses, phase.phase, plan, hold, ledger, config.etcd
+    )
+    refused = _true(job.status, "PodCreateRefused") and not creating
     new_status = build_status(
         job,
         agents,
@@ -119,8 +141,14 @@ def decide(
         phase.why,
         phase.below_min_since,
         next_index,
-        extra=[resuming_condition(job, left)],
+        extra=[resuming_condition(job, left), *ledger.conditions(refused, losses.waiting)],
+        failed_reason=phase.reason,
     )
+    if job.phase is not None and job.phase.final:  # the record of a finished job stays
+        kept = {k: job.status.get(k) for k in ("podFailures", "createBackoffUntil")}
+    else:
+        kept = ledger.status_fields()
+    new_status.update({k: v for k, v in kept.items() if v is not None})
     patch = status_patch(job.status, new_status)
     old_phase = job.phase
     if phase.phase != old_phase:
@@ -146,6 +174,8 @@ def decide(
     if not actions:
         live = sum(1 for p in pods if p.owned and not p.terminating)
         reason = f"nothing to do: {phase.phase}, {live} pods, status unchanged"
+        if plan.reasons:  # a wait that writes nothing (a backoff) is still said
+            reason += f" ({'; '.join(plan.reasons)})"
         return Decision((), reason, new_status)
     return Decision(actions, "; ".join(plan.reasons), new_status)
 
@@ -212,48 +242,31 @@ def _epoch(agents: AgentView) -> int:
     return agents.epoch.epoch if agents.epoch is not None else 0
 
 
-def _lost(
-    pod: PodView, agents: AgentView | None, now: float, config: DecideConfig, phase: Phase
-) -> str | None:
-    """Why `pod` is lost, or None if it is not."""
-    if pod.phase is PodPhase.FAILED:
-        return "pod Failed"
-    if agents is None:
-        return None
-    if pod.phase is PodPhase.SUCCEEDED:
-        names = {d.node.rpartition("/")[0] or d.node for d in agents.done.values()}
-        return None if pod.name in names else "agent exited before the job finished"
-    if phase is not Phase.RUNNING or pod.phase not in (PodPhase.RUNNING, PodPhase.UNKNOWN):
-        return None
-    if pod.name in agents.nodes:
-        return None
-    # A killed node leaves its pod "Running" on a NotReady node; only the agent's leased
-    # record in etcd tells. Missing since it was last seen, or since the pod started; an
-    # agent never seen yet is still starting (importing torch, building its model).
-    seen = agents.last_seen.get(pod.name)
-    missing_since = max(pod.running_since or now, seen or 0.0)
-    grace = config.lost_pod_s if seen is not None else config.agent_start_s
-    if now - missing_since > grace:
-        return f"agent record missing from etcd for {now - missing_since:.0f} s"
-    return None
+def _true(status: Mapping[str, Any], kind: str) -> bool:
+    listed = status.get("conditions")
+    return isinstance(listed, list) and any(
+        isinstance(c, Mapping) and c.get("type") == kind and c.get("status") == "True"
+        for c in listed
+    )
 
 
 def _pods(
     job: Job,
     pods: Sequence[PodView],
-    agents: AgentView | None,
-    now: float,
-    config: DecideConfig,
+    present: Sequence[PodView],
+    losses: Losses,
     phase: Phase,
     plan: _Plan,
     hold: bool,
-) -> int:
-    """Add the pod actions; returns the next unused pod index. `hold`: the resumed run
-    waits for the suspended one to end (its pods are deleted, none is created)."""
+    ledger: Ledger,
+    etcd: str,
+) -> tuple[int, bool]:
+    """Add the pod actions; returns the next unused pod index and whether pods are created.
+    `hold`: the resumed run waits for the suspended one to end (its pods are deleted, none
+    is created)."""
     next_index = max([int(job.status.get("nextPodIndex") or 0), *(p.index + 1 for p in pods)])
-    present = sorted((p for p in pods if p.owned and not p.terminating), key=lambda p: p.index)
     if phase is Phase.SUCCEEDED:
-        return next_index
+        return next_index, False
     if phase in (Phase.SUSPENDED, Phase.FAILED) or hold:
         every = phase is Phase.SUSPENDED or hold
         doomed = [
@@ -267,26 +280,31 @@ def _pods(
             plan.events.append(Event(EventType.NORMAL, "DeletedPods", f"{what}: {_names(doomed)}"))
         elif hold and pods:
             plan.reasons.append(f"{len(pods)} pods of the suspended run still terminating")
-        return next_index
+        return next_index, False
     live: list[PodView] = []
     lost_nodes: list[str] = []
     for pod in present:
-        why = _lost(pod, agents, now, config, phase)
-        if why is None:
+        if pod.name not in losses.lost:
             live.append(pod)
             continue
+        why, failure = losses.lost[pod.name]
         if pod.node:
             lost_nodes.append(pod.node)
         plan.actions.append(DeletePod(pod.name, why, grace_seconds=0))
-        plan.events.append(Event(EventType.WARNING, "PodLost", f"{pod.name}: {why}"))
+        counted = f" [{failure.cause}: {failure.reason}]" if failure is not None else ""
+        plan.events.append(Event(EventType.WARNING, "PodLost", f"{pod.name}: {why}{counted}"))
         plan.reasons.append(f"lost {pod.name} ({why})")
     desired = job.spec.desired_nodes
+    wait = ledger.backing_off()
+    if len(live) < desired and wait is not None:
+        plan.reasons.append(f"{desired - len(live)} pods to create: backing off for {wait:.0f} s")
+        return next_index, False
     if len(live) < desired:
         resume = resumes_from_checkpoint(job, phase)
         created = [
             # The node-lifecycle controller marks a dead node NotReady only after its
             # grace; until then the scheduler would happily bind the replacement there.
-            CreatePod(i, pod_manifest(job, i, config.etcd, lost_nodes, resume=resume))
+            CreatePod(i, pod_manifest(job, i, etcd, lost_nodes, resume=resume))
             for i in range(next_index, next_index + desired - len(live))
         ]
         plan.actions.extend(created)
@@ -295,15 +313,16 @@ def _pods(
         if resume and job.spec.checkpoint is not None:
             what += f", resuming from the newest checkpoint at {job.spec.checkpoint.uri}"
         plan.reasons.append(f"created {len(created)} pods ({len(live)} live, {desired} desired)")
-        plan.events.append(Event(EventType.NORMAL, "CreatedPods", what))
-    elif len(live) > desired:
+        plan.events.append(Event(EventType.NORMAL, CREATED, what))
+        return next_index, True
+    if len(live) > desired:
         # The newest pods go first; each agent drains on SIGTERM at a step boundary.
         extra = sorted(live, key=lambda p: p.index)[desired:]
         for pod in reversed(extra):
             plan.actions.append(DeletePod(pod.name, f"scale down to {desired}"))
         plan.reasons.append(f"scaled down {len(live)} -> {desired}")
         plan.events.append(Event(EventType.NORMAL, "ScaledDown", _names(extra)))
-    return next_index
+    return next_index, False
 
 
 def _names(items: Sequence[PodView | CreatePod]) -> str:

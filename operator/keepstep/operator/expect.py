@@ -80,6 +80,14 @@ class Expectations:
         with self._lock:
             return self._events
 
+    def dropped(self, job: Ident, names: Sequence[str]) -> None:
+        """The API server refused to create these pods: they will never show up."""
+        with self._lock:
+            pending = self._jobs.get(job)
+            for name in names:
+                if pending is not None:
+                    pending.created.pop(name, None)
+
     def forget(self, job: Ident) -> None:
         """Drop what was remembered (an apply failed: what it did is unknown)."""
         with self._lock:

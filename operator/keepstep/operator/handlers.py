@@ -9,12 +9,17 @@ arrive while a reconcile runs coalesce into one more. A TrainJob event caused by
 status patch (same resourceVersion) is ignored, so a status write never feeds itself. The
 finalizer (kopf's on.delete) deletes the job's etcd prefix; pods and the Service go with
 the TrainJob through their owner references.
+
+A reconcile that failed (the API server or etcd unreachable) is retried after 1 s, then 2,
+4, ... up to the resync interval, and a job whose pod creation backs off is woken when the
+backoff ends (`Outcome.retry_at`): the loop never spins.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +36,20 @@ from keepstep.operator.settings import OperatorSettings
 log = logging.getLogger(__name__)
 
 FINALIZER = f"{GROUP}/finalizer"
-_RETRY_S = 1.0  # after a failed reconcile (the API server or etcd refused)
+_RETRY_S = 1.0  # after a failed reconcile (the API server or etcd refused), then doubled
+
+
+def retry_delay(failures: int, most: float) -> float:
+    """Seconds before the next try after `failures` failed reconciles in a row."""
+    return float(min(most, _RETRY_S * 2.0 ** min(max(failures - 1, 0), 30)))
+
+
+def next_wait(resync: float, retry_at: float | None, now: float) -> float:
+    """How long the loop sleeps when nothing wakes it: the resync interval, or less when
+    pod creation may resume sooner (a backoff already over changes nothing)."""
+    if retry_at is None or not now < retry_at < now + resync:
+        return resync
+    return max(retry_at - now, 0.05)
 
 
 @dataclass
@@ -63,6 +81,9 @@ def configure(settings: kopf.OperatorSettings, ours: OperatorSettings) -> None:
     settings.watching.label_selectors["v1", "pods"] = JOB_LABEL
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = max(ours.api_timeout_s, 310.0)
+    # Watching named namespaces needs nothing cluster-scoped: no listing of namespaces or
+    # CRDs (a namespaced install has only Roles). Cluster-wide, kopf follows the CRDs.
+    settings.scanning.disabled = bool(ours.namespaces)
 
 
 def build_registry() -> kopf.OperatorRegistry:
@@ -136,9 +157,11 @@ def build_registry() -> kopf.OperatorRegistry:
         namespace = namespace or "default"
         wakeup = memo.wakeup(namespace, name)
         wakeup.set()
+        failures = 0
+        timeout = memo.settings.resync_s
         while not stopped:
             try:
-                await asyncio.wait_for(wakeup.wait(), timeout=memo.settings.resync_s)
+                await asyncio.wait_for(wakeup.wait(), timeout=timeout)
             except TimeoutError:
                 pass
             wakeup.clear()
@@ -153,8 +176,13 @@ def build_registry() -> kopf.OperatorRegistry:
                     memo.reconciler.reconcile, namespace, name, pods, mark
                 )
             except KubeError as error:
-                log.warning("reconcile of %s/%s failed, retrying: %s", namespace, name, error)
-                await asyncio.sleep(_RETRY_S)
+                failures += 1
+                delay = retry_delay(failures, memo.settings.resync_s)
+                log.warning(
+                    "reconcile of %s/%s failed (%d in a row), retrying in %.0f s: %s",
+                    namespace, name, failures, delay, error,
+                )  # fmt: skip
+                await asyncio.sleep(delay)
                 wakeup.set()
                 continue
             except Exception:
@@ -162,10 +190,12 @@ def build_registry() -> kopf.OperatorRegistry:
                 log.exception("reconcile of %s/%s raised", namespace, name)
                 await asyncio.sleep(memo.settings.resync_s)
                 continue
+            failures = 0
             if outcome.gone:
                 break
             if outcome.resource_version is not None:
                 memo.written[(namespace, name)] = outcome.resource_version
+            timeout = next_wait(memo.settings.resync_s, outcome.retry_at, time.time())
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
     async def cleanup(namespace: str | None, name: str, memo: Runtime, **_: Any) -> None:

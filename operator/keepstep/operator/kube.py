@@ -5,7 +5,10 @@ hands it the Kubernetes actions of a `Decision` to apply. Requests are plain JSO
 pooled HTTPS client (the credentials: `connection`); every request has a timeout and is
 counted, per kind and as reads or writes, so tests and the benchmark can assert that a
 reconcile which changes nothing writes nothing. Applying is idempotent: creating what
-exists or deleting what is gone is not an error. Pods are created in parallel.
+exists or deleting what is gone is not an error. Pods are created in parallel; a creation
+the API server refuses for what the pod is (quota, Pod Security, an invalid field: a 4xx
+other than 409 and 429) comes back as a `Refusal`, for the reconcile to back off and say
+why; other failures (unreachable, 5xx, throttled) raise `KubeError`.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import urllib3
 
 from keepstep.operator.actions import (
     Action,
+    Applied,
     CreatePod,
     DeletePod,
     EnsureService,
     Event,
     PatchStatus,
+    Refusal,
 )
 from keepstep.operator.connection import Connection
 from keepstep.operator.errors import OperatorError
@@ -51,11 +56,19 @@ COMPONENT = "keepstep-operator"
 
 
 class KubeError(OperatorError):
-    """The API server refused a request or could not be reached in time."""
+    """The API server refused a request or could not be reached in time; `reason` and
+    `api_message` are those of the Status object it answered with, if any."""
 
-    def __init__(self, message: str, status: int = 0) -> None:
+    def __init__(
+        self, message: str, status: int = 0, reason: str = "", api_message: str = ""
+    ) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.reason, self.api_message = status, reason, api_message
+
+    @property
+    def refused(self) -> bool:
+        """The request itself is at fault: sending it again unchanged cannot succeed."""
+        return 400 <= self.status < 500 and self.status not in (409, 429)
 
 
 @dataclass
@@ -142,11 +155,14 @@ class Kube:
             raise KubeError(f"{method} {path}: {error}") from error
         if response.status == 404 and ok_missing:
             return None
-        if response.status == 409 and method == "POST":
+        reason, message = _status_of(response.data) if response.status >= 300 else ("", "")
+        if response.status == 409 and method == "POST" and reason in ("", "AlreadyExists"):
             return None  # AlreadyExists: an earlier reconcile created it
         if response.status >= 300:
             text = response.data.decode(errors="replace")[:500]
-            raise KubeError(f"{method} {path}: HTTP {response.status}: {text}", response.status)
+            raise KubeError(
+                f"{method} {path}: HTTP {response.status}: {text}", response.status, reason, message
+            )
         return json.loads(response.data) if response.data else {}
 
     def _current_token(self) -> str | None:
@@ -178,14 +194,15 @@ class Kube:
 
     # ------------------------------------------------------------------ writes
 
-    def apply(
-        self, job: JobRef, actions: Sequence[Action], tally: Tally | None = None
-    ) -> str | None:
+    def apply(self, job: JobRef, actions: Sequence[Action], tally: Tally | None = None) -> Applied:
         """Carry out the Kubernetes actions in order (pod creations in parallel); returns
-        the TrainJob's resourceVersion after a status patch, if there was one."""
+        the TrainJob's resourceVersion after a status patch, if there was one, and the
+        refused pod creations. Raises KubeError, after trying every action, if any other
+        action failed."""
         ns = quote(job.namespace)
         version: str | None = None
         errors: list[str] = []
+        refused: list[Refusal] = []
         creates = [a for a in actions if isinstance(a, CreatePod)]
         for action in actions:
             try:
@@ -195,7 +212,11 @@ class Kube:
                 elif isinstance(action, DeletePod):
                     self._delete_pod(job.namespace, action, tally)
                 elif isinstance(action, CreatePod) and action is creates[0]:
-                    errors += self._create_pods(job.namespace, creates, tally)
+                    for outcome in self._create_pods(job.namespace, creates, tally):
+                        if isinstance(outcome, Refusal):
+                            refused.append(outcome)
+                        else:
+                            errors.append(outcome)
                 elif isinstance(action, PatchStatus):
                     version = self._patch_status(job, action.patch, tally)
                 elif isinstance(action, Event):
@@ -208,17 +229,21 @@ class Kube:
         if errors:
             more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
             raise KubeError(f"{len(errors)} actions on {job.key} failed: {errors[0]}{more}")
-        return version
+        return Applied(version, tuple(refused))
 
     def _create_pods(
         self, namespace: str, creates: Sequence[CreatePod], tally: Tally | None
-    ) -> list[str]:
+    ) -> list[str | Refusal]:
+        """What failed: a Refusal per refused pod, an error text per other failure."""
         path = f"/api/v1/namespaces/{quote(namespace)}/pods"
 
-        def create(action: CreatePod) -> str | None:
+        def create(action: CreatePod) -> str | Refusal | None:
             try:
                 self._request("create_pod", "POST", path, tally, dict(action.manifest))
             except KubeError as error:
+                if error.refused:
+                    message = error.api_message or str(error)
+                    return Refusal(action.name, error.status, error.reason or "Refused", message)
                 return str(error)
             return None
 
@@ -273,9 +298,20 @@ class Kube:
         self._request("create_event", "POST", path, tally, body)
 
 
+def _status_of(data: bytes) -> tuple[str, str]:
+    """(reason, message) of a Status object the API server answered with, or ("", "")."""
+    try:
+        status = json.loads(data)
+    except ValueError:
+        return "", ""
+    if not isinstance(status, dict):
+        return "", ""
+    return str(status.get("reason") or ""), str(status.get("message") or "")
+
+
 def _parallel(
-    fn: Callable[[CreatePod], str | None], items: Sequence[CreatePod], workers: int
-) -> list[str]:
+    fn: Callable[[CreatePod], str | Refusal | None], items: Sequence[CreatePod], workers: int
+) -> list[str | Refusal]:
     if len(items) == 1:
         result = fn(items[0])
         return [] if result is None else [result]

@@ -8,12 +8,14 @@ does I/O. A TrainJob whose spec can never work raises `SpecError` naming the fie
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 from keepstep.agent.protocol import DoneRecord, EpochRecord, NodeRecord, ProgressRecord
+from keepstep.operator.errors import SpecError
 from keepstep.operator.spec import JobSpec
 
 GROUP = "keepstep.dev"
@@ -22,6 +24,10 @@ PLURAL = "trainjobs"
 KIND = "TrainJob"
 JOB_LABEL = f"{GROUP}/job"
 INDEX_LABEL = f"{GROUP}/node-index"
+# The job's name names its headless Service (a DNS-1035 label) and prefixes its pods'
+# names, <name>-node-<index>, which must stay DNS labels of at most 63 characters.
+NAME_MAX = 50
+_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 
 
 class Phase(StrEnum):
@@ -113,8 +119,15 @@ class Job:
     def from_object(cls, obj: Mapping[str, Any]) -> Job:
         meta = obj.get("metadata") or {}
         status = obj.get("status") or {}
+        name = str(meta["name"])
+        if len(name) > NAME_MAX or not _NAME.match(name):
+            raise SpecError(
+                f"metadata.name={name!r} must be a DNS label of at most {NAME_MAX} characters "
+                "(a letter first, then lowercase letters, digits and '-'): it names the job's "
+                "Service and prefixes its pods' names"
+            )
         return cls(
-            name=str(meta["name"]),
+            name=name,
             namespace=str(meta.get("namespace") or "default"),
             uid=str(meta.get("uid") or ""),
             generation=int(meta.get("generation") or 0),
@@ -137,6 +150,13 @@ class PodView:
     # name, not yet garbage-collected): it only keeps its name from being reused.
     owned: bool = True
     node: str = ""  # spec.nodeName: where the scheduler bound it ("" while unbound)
+    created_at: float | None = None  # metadata.creationTimestamp (None: not listed yet)
+    # Why a Pending pod does not run: its container's waiting reason (ImagePullBackOff,
+    # CreateContainerConfigError, ...) or the scheduler's (Unschedulable), and the message.
+    waiting: str = ""
+    waiting_message: str = ""
+    ended: str = ""  # how its container ended: "Error, exit code 1"
+    status_reason: str = ""  # status.reason: Evicted, NodeLost, ... (the node's doing)
 
     @classmethod
     def from_object(cls, obj: Mapping[str, Any], job_uid: str) -> PodView | None:
@@ -153,10 +173,22 @@ class PodView:
         raw_phase = status.get("phase") or "Pending"
         phase = PodPhase(raw_phase) if raw_phase in PodPhase.__members__.values() else None
         running_since = None
+        waiting, waiting_message, ended = "", "", ""
         for cs in status.get("containerStatuses") or []:
-            started = ((cs.get("state") or {}).get("running") or {}).get("startedAt")
+            state = cs.get("state") or {}
+            started = (state.get("running") or {}).get("startedAt")
             if started:
                 running_since = parse_time(started)
+            if state.get("waiting"):
+                waiting = str(state["waiting"].get("reason") or "Waiting")
+                waiting_message = str(state["waiting"].get("message") or "")
+            if state.get("terminated"):
+                end = state["terminated"]
+                ended = f"{end.get('reason') or 'Terminated'}, exit code {end.get('exitCode')}"
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and not waiting:
+                waiting = str(cond.get("reason") or "Unschedulable")
+                waiting_message = str(cond.get("message") or "")
         if phase is PodPhase.RUNNING and running_since is None:
             running_since = parse_time(status.get("startTime"))
         return cls(
@@ -167,6 +199,11 @@ class PodView:
             running_since=running_since,
             owned=owned,
             node=str((obj.get("spec") or {}).get("nodeName") or ""),
+            created_at=parse_time(meta.get("creationTimestamp")),
+            waiting=waiting,
+            waiting_message=waiting_message,
+            ended=ended,
+            status_reason=str(status.get("reason") or ""),
         )
 
 
@@ -184,11 +221,18 @@ def pod_summary(obj: Mapping[str, Any]) -> dict[str, Any]:
                 for o in meta.get("ownerReferences") or []
             ],
             "deletionTimestamp": meta.get("deletionTimestamp"),
+            "creationTimestamp": meta.get("creationTimestamp"),
         },
         "spec": {"nodeName": (obj.get("spec") or {}).get("nodeName")},
         "status": {
             "phase": status.get("phase"),
+            "reason": status.get("reason"),
             "startTime": status.get("startTime"),
+            "conditions": [
+                {k: c.get(k) for k in ("type", "status", "reason", "message")}
+                for c in status.get("conditions") or []
+                if c.get("type") == "PodScheduled"
+            ],
             "containerStatuses": [
                 {"state": dict(cs.get("state") or {})}
                 for cs in status.get("containerStatuses") or []

@@ -5,7 +5,9 @@ actions; `kube` sends the dicts as they are. Each pod runs the node agent
 (`keepstep agent ...`) with the job's settings as flags and its identity in the environment:
 KEEPSTEP_ETCD, KEEPSTEP_JOB ("<namespace>.<name>", the job's etcd prefix),
 KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP). A job resumed after a
-suspension adds `--resume <checkpoint URI>` (`resumes_from_checkpoint`).
+suspension adds `--resume <checkpoint URI>` (`resumes_from_checkpoint`). Every pod is
+hardened to pass Pod Security "restricted", with the job's spec.podTemplate laid over the
+defaults (`template.PodTemplate.apply`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from keepstep.operator.fields import reserved_env
 from keepstep.operator.model import GROUP, INDEX_LABEL, JOB_LABEL, KIND, VERSION, Job, Phase
 from keepstep.operator.spec import JobSpec
 
@@ -101,7 +104,8 @@ def agent_env(job: Job, etcd: str) -> list[dict[str, Any]]:
         {"name": "KEEPSTEP_NODE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "KEEPSTEP_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
-    env += [dict(e) for e in job.spec.env if e.get("name") not in RESERVED_ENV]
+    # The spec check refuses reserved names; a job that got past it still cannot take them.
+    env += [dict(e) for e in job.spec.env if not reserved_env(str(e.get("name")))]
     return env
 
 
@@ -110,7 +114,8 @@ def pod_manifest(
 ) -> dict[str, Any]:
     """The pod of node `index` (indices are never reused within a job); `avoid_nodes`
     are nodes the pod must not be bound to (where the pods it replaces were lost);
-    `resume`: its agent starts from the job's newest durable checkpoint."""
+    `resume`: its agent starts from the job's newest durable checkpoint. Hardened, with
+    the job's podTemplate laid over it."""
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": job.spec.image,
@@ -134,7 +139,7 @@ def pod_manifest(
                 "requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}
             }
         }
-    return {
+    pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
@@ -149,6 +154,7 @@ def pod_manifest(
         },
         "spec": spec,
     }
+    return job.spec.template.apply(pod)
 
 
 def _not_in(key: str, values: list[str]) -> dict[str, Any]:

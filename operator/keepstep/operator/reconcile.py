@@ -8,6 +8,12 @@ job's records from etcd (one read). Our own creates and deletes that the pod cac
 not show yet are laid over it (`expect`); pod names come from status.nextPodIndex and the
 pods that exist, so a repeated create only meets AlreadyExists. etcd being unreachable
 does not stop pod replacement: the decision is then made without the agents' records.
+
+A decision is applied in two stages: its writes (Service, deletions, creations), then its
+events and status patch. When the API server refuses pod creations, the second stage comes
+from `refusal.after_refusal` instead (the reasons, the backoff, the condition), so a
+refused creation is never announced as created and the operator does not retry it before
+status.createBackoffUntil.
 """
 
 from __future__ import annotations
@@ -19,13 +25,14 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from keepstep.agent.kv import KVError
-from keepstep.operator.actions import Action, ClaimPrefix, Decision
+from keepstep.operator.actions import Action, Applied, ClaimPrefix, Decision, Event, PatchStatus
 from keepstep.operator.agents import AgentStore
 from keepstep.operator.decide import decide, decide_invalid
 from keepstep.operator.errors import SpecError
 from keepstep.operator.expect import Expectations
 from keepstep.operator.kube import KubeError, Tally
-from keepstep.operator.model import AgentView, Job, JobRef, PodView
+from keepstep.operator.model import AgentView, Job, JobRef, PodView, parse_time
+from keepstep.operator.refusal import after_refusal
 from keepstep.operator.settings import DecideConfig
 
 log = logging.getLogger(__name__)
@@ -43,6 +50,7 @@ class Outcome:
     decide_seconds: float = 0.0
     gone: bool = False  # the TrainJob no longer exists
     resource_version: str | None = None  # the TrainJob's, after our own status patch
+    retry_at: float | None = None  # pod creation backs off until then (status.createBackoffUntil)
 
 
 class KubeClient(Protocol):
@@ -53,7 +61,7 @@ class KubeClient(Protocol):
     def service_exists(self, namespace: str, name: str, tally: Tally | None = None) -> bool: ...
     def apply(
         self, job: JobRef, actions: Sequence[Action], tally: Tally | None = None
-    ) -> str | None: ...
+    ) -> Applied: ...
 
 
 class Reconciler:
@@ -90,9 +98,12 @@ class Reconciler:
             job = Job.from_object(raw)
         except SpecError as error:
             decision = decide_invalid(raw, str(error), self.clock())
-            version = self.kube.apply(JobRef.from_object(raw), decision.actions, tally)
+            applied = self.kube.apply(JobRef.from_object(raw), decision.actions, tally)
             return Outcome(
-                decision, tally, seconds=time.monotonic() - started, resource_version=version
+                decision,
+                tally,
+                seconds=time.monotonic() - started,
+                resource_version=applied.version,
             )
         ident = (namespace, name, job.uid)
         if pods is None:  # a list is read after our own writes: nothing to lay over it
@@ -103,9 +114,8 @@ class Reconciler:
         service = self.kube.service_exists(namespace, name, tally)
         agents = self._read_agents(job)
         t0 = time.perf_counter()
-        decision = decide(
-            job, views, agents, self.clock(), config=self.config, service_exists=service
-        )
+        now = self.clock()
+        decision = decide(job, views, agents, now, config=self.config, service_exists=service)
         decide_s = time.perf_counter() - t0
         etcd_writes = 0
         for claim in decision.of(ClaimPrefix):
@@ -114,10 +124,17 @@ class Reconciler:
                 etcd_writes += 1 + int(claim.reset)
             except KVError as error:
                 log.warning("could not claim the etcd prefix of %s: %s", job.key, error)
-        kube_actions = [a for a in decision.actions if not isinstance(a, ClaimPrefix)]
+        writes = [
+            a for a in decision.actions if not isinstance(a, ClaimPrefix | Event | PatchStatus)
+        ]
         self.expectations.record(ident, decision)
         try:
-            version = self.kube.apply(job.ref, kube_actions, tally) if kube_actions else None
+            applied = self.kube.apply(job.ref, writes, tally) if writes else Applied()
+            if applied.refused:
+                self.expectations.dropped(ident, [r.pod for r in applied.refused])
+                decision = after_refusal(job, decision, applied.refused, now, self.config)
+            reports = [a for a in decision.actions if isinstance(a, Event | PatchStatus)]
+            version = self.kube.apply(job.ref, reports, tally).version if reports else None
         except KubeError:
             self.expectations.forget(ident)
             raise
@@ -132,6 +149,7 @@ class Reconciler:
             seconds=seconds,
             decide_seconds=decide_s,
             resource_version=version,
+            retry_at=parse_time(decision.status.get("createBackoffUntil")),
         )
 
     def _read_agents(self, job: Job) -> AgentView | None:

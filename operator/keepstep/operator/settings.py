@@ -22,7 +22,8 @@ class OperatorSettings:
     """What the operator needs to run.
 
     etcd: the client URL of the job etcd, also handed to every agent as KEEPSTEP_ETCD.
-    namespace: the one namespace to watch; None watches all of them.
+    namespaces: the namespaces to watch (a namespaced install: a Role in each); empty
+        watches all of them (a cluster-wide install: one ClusterRole).
     lost_pod_grace_s: how long a Running pod's agent may be missing from etcd, while its
         job runs, before the pod counts as lost (a killed node leaves its pod "Running").
     below_min_grace_s: how long a running job may have fewer than minNodes live agents
@@ -31,10 +32,14 @@ class OperatorSettings:
         first time (it imports torch and builds its model) before the pod counts as lost.
     resync_s: a job is reconciled at least this often even when nothing signals a change
         (agent progress reaches status this way).
+    pending_grace_s, backoff_limit, failure_window_s: the defaults of a TrainJob's
+        spec.failurePolicy (pendingTimeoutSeconds, backoffLimit, windowSeconds).
+    backoff_base_s, backoff_max_s: pod creation after a failure waits base * 2**(n-1)
+        seconds, at most max (see `failures`).
     """
 
     etcd: str
-    namespace: str | None = None
+    namespaces: tuple[str, ...] = ()
     kubeconfig: str | None = None
     lost_pod_grace_s: float = 15.0
     below_min_grace_s: float = 120.0
@@ -43,20 +48,29 @@ class OperatorSettings:
     api_timeout_s: float = 10.0
     etcd_timeout_s: float = 5.0
     create_parallelism: int = 16
+    pending_grace_s: float = 300.0
+    backoff_limit: int = 6
+    failure_window_s: float = 600.0
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 300.0
     standalone: bool = True
     peering: str | None = None
 
     def __post_init__(self) -> None:
         if not self.etcd or not isinstance(self.etcd, str):
             raise SpecError(f"etcd={self.etcd!r} must be a client URL such as http://host:2379")
-        if self.namespace is not None and not self.namespace:
-            raise SpecError("namespace='' is not a namespace: pass None to watch all of them")
+        for namespace in self.namespaces:
+            if not namespace or not isinstance(namespace, str):
+                raise SpecError(f"namespaces={self.namespaces!r}: {namespace!r} is not a namespace")
+        if len(set(self.namespaces)) != len(self.namespaces):
+            raise SpecError(f"namespaces={self.namespaces!r} names a namespace twice")
         _positive("lost_pod_grace_s", self.lost_pod_grace_s)
         _positive("agent_start_grace_s", self.agent_start_grace_s)
         _positive("below_min_grace_s", self.below_min_grace_s)
         _positive("resync_s", self.resync_s)
         _positive("api_timeout_s", self.api_timeout_s)
         _positive("etcd_timeout_s", self.etcd_timeout_s)
+        DecideConfig.of(self)  # the decision's part, checked the same way
         if not (isinstance(self.create_parallelism, int) and 1 <= self.create_parallelism <= 64):
             raise SpecError(f"create_parallelism={self.create_parallelism!r} must be 1..64")
         if self.standalone and self.peering is not None:
@@ -74,6 +88,11 @@ class DecideConfig:
     lost_pod_s: float = 15.0
     below_min_s: float = 120.0
     agent_start_s: float = 120.0
+    pending_s: float = 300.0
+    backoff_limit: int = 6
+    failure_window_s: float = 600.0
+    backoff_base_s: float = 1.0
+    backoff_max_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.etcd:
@@ -81,6 +100,19 @@ class DecideConfig:
         _positive("lost_pod_s", self.lost_pod_s)
         _positive("below_min_s", self.below_min_s)
         _positive("agent_start_s", self.agent_start_s)
+        _positive("pending_s", self.pending_s)
+        _positive("failure_window_s", self.failure_window_s)
+        _positive("backoff_base_s", self.backoff_base_s)
+        _positive("backoff_max_s", self.backoff_max_s)
+        if isinstance(self.backoff_limit, bool) or not isinstance(self.backoff_limit, int):
+            raise SpecError(f"backoff_limit={self.backoff_limit!r} must be an integer >= 0")
+        if self.backoff_limit < 0:
+            raise SpecError(f"backoff_limit={self.backoff_limit} must be >= 0")
+        if self.backoff_max_s < self.backoff_base_s:
+            raise SpecError(
+                f"backoff_max_s={self.backoff_max_s:g} must be >= backoff_base_s="
+                f"{self.backoff_base_s:g}"
+            )
 
     @classmethod
     def of(cls, settings: OperatorSettings) -> DecideConfig:
@@ -89,4 +121,9 @@ class DecideConfig:
             settings.lost_pod_grace_s,
             settings.below_min_grace_s,
             settings.agent_start_grace_s,
+            settings.pending_grace_s,
+            settings.backoff_limit,
+            settings.failure_window_s,
+            settings.backoff_base_s,
+            settings.backoff_max_s,
         )

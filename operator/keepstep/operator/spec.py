@@ -1,9 +1,10 @@
 """The spec of a TrainJob, parsed and validated: what the user asked for.
 
 Where it sits: `model.Job.from_object` parses `spec` with `JobSpec.from_dict`; `podspec`
-turns it into agent flags. Defaults match the CRD's (manifests/crd/trainjob.yaml), so an
-object that skipped the API server's defaulting still parses; anything that can never work
-raises `SpecError` naming the field and the rule.
+turns it into agent flags and a pod. Defaults match the CRD's (manifests/crd/trainjob.yaml),
+so an object that skipped the API server's defaulting still parses; anything that can never
+work, or would run differently from what it says, raises `SpecError` naming the field and
+the rule (field checks: `fields`; the pod template: `template`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keepstep.operator.errors import SpecError
+from keepstep.operator.fields import check_checkpoint_uri, check_env, check_resources
+from keepstep.operator.template import PodTemplate
 
 
 def _int(spec: Mapping[str, Any], name: str, where: str, default: int | None = None) -> int:
@@ -20,6 +23,46 @@ def _int(spec: Mapping[str, Any], name: str, where: str, default: int | None = N
     if isinstance(value, bool) or not isinstance(value, int):
         raise SpecError(f"{where}.{name}={value!r} must be an integer")
     return value
+
+
+def _strings(spec: Mapping[str, Any], name: str, where: str) -> tuple[str, ...]:
+    value = spec.get(name) or []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise SpecError(f"{where}.{name}={value!r} must be a list of strings")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """spec.failurePolicy; None: the operator's setting (`settings.DecideConfig`)."""
+
+    pending_timeout_s: int | None = None
+    backoff_limit: int | None = None
+    window_s: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> FailurePolicy:
+        where = "spec.failurePolicy"
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise SpecError(f"{where}={raw!r} must be an object")
+        values: dict[str, int | None] = {}
+        for key, attr, low in (
+            ("pendingTimeoutSeconds", "pending_timeout_s", 1),
+            ("backoffLimit", "backoff_limit", 0),
+            ("windowSeconds", "window_s", 1),
+        ):
+            if key not in raw:
+                continue
+            value = _int(raw, key, where)
+            if value < low:
+                raise SpecError(f"{where}.{key}={value} must be >= {low}")
+            values[attr] = value
+        unknown = sorted(set(raw) - {"pendingTimeoutSeconds", "backoffLimit", "windowSeconds"})
+        if unknown:
+            raise SpecError(f"{where}: unknown fields {unknown}")
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -53,6 +96,8 @@ class JobSpec:
     seed: int = 0
     checkpoint: Checkpoint | None = None
     suspend: bool = False
+    template: PodTemplate = field(default_factory=PodTemplate)
+    failure: FailurePolicy = field(default_factory=FailurePolicy)
 
     def __post_init__(self) -> None:
         if not self.image:
@@ -65,25 +110,32 @@ class JobSpec:
             raise SpecError(f"spec.trainer.numProcPerNode={self.nproc_per_node} must be 1..64")
         if self.num_steps < 1:
             raise SpecError(f"spec.trainer.numSteps={self.num_steps} must be >= 1")
+        if self.seed < 0:
+            raise SpecError(f"spec.trainer.seed={self.seed} must be >= 0")
         if not 1 <= self.min_nodes <= self.max_nodes:
             raise SpecError(
-                f"spec.elasticPolicy minNodes={self.min_nodes}, maxNodes={self.max_nodes}: "
+                f"spec.elasticPolicy.minNodes={self.min_nodes}, maxNodes={self.max_nodes}: "
                 "need 1 <= minNodes <= maxNodes"
             )
-        if self.micro_batch < 1 or self.global_batch % self.micro_batch:
+        for name, value in (
+            ("globalBatchSize", self.global_batch),
+            ("microBatchSize", self.micro_batch),
+        ):
+            if value < 1:
+                raise SpecError(f"spec.elasticPolicy.{name}={value} must be >= 1")
+        if self.global_batch % self.micro_batch:
             raise SpecError(
-                f"spec.elasticPolicy globalBatchSize={self.global_batch} must be a multiple of "
+                f"spec.elasticPolicy.globalBatchSize={self.global_batch} must be a multiple of "
                 f"microBatchSize={self.micro_batch} (>= 1)"
             )
         if self.global_batch // self.micro_batch < self.max_nodes * self.nproc_per_node:
             raise SpecError(
-                f"spec.elasticPolicy: {self.global_batch // self.micro_batch} micro-batches "
+                f"spec.elasticPolicy.globalBatchSize={self.global_batch} / microBatchSize="
+                f"{self.micro_batch} = {self.global_batch // self.micro_batch} micro-batches "
                 f"per step cannot feed maxNodes={self.max_nodes} x numProcPerNode="
                 f"{self.nproc_per_node} workers"
             )
-        for entry in self.env:
-            if not isinstance(entry, Mapping) or not entry.get("name"):
-                raise SpecError(f"spec.trainer.env entry {entry!r} needs a name")
+        check_env(self.env)
 
     @property
     def desired_nodes(self) -> int:
@@ -96,24 +148,31 @@ class JobSpec:
         policy = spec.get("elasticPolicy")
         if not isinstance(trainer, Mapping) or not isinstance(policy, Mapping):
             raise SpecError("spec.trainer and spec.elasticPolicy are required objects")
-        command, args = trainer.get("command") or [], trainer.get("args") or []
-        if not all(isinstance(c, str) for c in [*command, *args]):
-            raise SpecError("spec.trainer.command and args must be lists of strings")
+        image = trainer.get("image") or ""
+        if not isinstance(image, str):
+            raise SpecError(f"spec.trainer.image={image!r} must be a string")
+        env = trainer.get("env") or []
+        if not isinstance(env, list):
+            raise SpecError(f"spec.trainer.env={env!r} must be a list of name/value objects")
         ckpt = spec.get("checkpoint")
         checkpoint = None
-        if isinstance(ckpt, Mapping) and ckpt.get("uri"):
+        if ckpt is not None:
+            if not isinstance(ckpt, Mapping) or not isinstance(ckpt.get("uri"), str):
+                raise SpecError(f"spec.checkpoint={ckpt!r} must be an object with a uri")
             checkpoint = Checkpoint(
-                str(ckpt["uri"]), _int(ckpt, "everySteps", "spec.checkpoint", 0)
+                check_checkpoint_uri(ckpt["uri"]), _int(ckpt, "everySteps", "spec.checkpoint", 0)
             )
-        resources = trainer.get("resourcesPerNode") or {}
+        suspend = spec.get("suspend", False)
+        if not isinstance(suspend, bool):
+            raise SpecError(f"spec.suspend={suspend!r} must be true or false")
         return cls(
-            image=str(trainer.get("image") or ""),
-            command=tuple(command),
-            args=tuple(args),
-            env=tuple(trainer.get("env") or ()),
+            image=image,
+            command=_strings(trainer, "command", "spec.trainer"),
+            args=_strings(trainer, "args", "spec.trainer"),
+            env=tuple(env),
             num_nodes=_int(trainer, "numNodes", "spec.trainer"),
             nproc_per_node=_int(trainer, "numProcPerNode", "spec.trainer", 1),
-            resources=dict(resources) if isinstance(resources, Mapping) else {},
+            resources=check_resources(trainer.get("resourcesPerNode")),
             num_steps=_int(trainer, "numSteps", "spec.trainer"),
             seed=_int(trainer, "seed", "spec.trainer", 0),
             min_nodes=_int(policy, "minNodes", "spec.elasticPolicy", 1),
@@ -121,5 +180,7 @@ class JobSpec:
             global_batch=_int(policy, "globalBatchSize", "spec.elasticPolicy"),
             micro_batch=_int(policy, "microBatchSize", "spec.elasticPolicy"),
             checkpoint=checkpoint,
-            suspend=bool(spec.get("suspend", False)),
+            suspend=suspend,
+            template=PodTemplate.from_dict(spec.get("podTemplate")),
+            failure=FailurePolicy.from_dict(spec.get("failurePolicy")),
         )

@@ -35,6 +35,8 @@ OWNED = (
     "nextPodIndex",
     "observedGeneration",
     "belowMinNodesSince",
+    "podFailures",
+    "createBackoffUntil",
     "conditions",
 )
 # Kept from the last status while the agents have no newer record of them (after a
@@ -135,6 +137,19 @@ def conditions(
     return out
 
 
+def with_condition(
+    listed: Sequence[Mapping[str, Any]], want: Condition, now: float
+) -> list[dict[str, Any]]:
+    """`listed` with one condition set (replaced where it is, else added at the end)."""
+    same = [c for c in listed if c.get("type") == want.type]
+    updated = conditions(same, [want], now)
+    if not updated:  # False and never listed: nothing to say
+        return [dict(c) for c in listed]
+    if not same:
+        return [*(dict(c) for c in listed), updated[0]]
+    return [updated[0] if c.get("type") == want.type else dict(c) for c in listed]
+
+
 def build_status(
     job: Job,
     agents: AgentView | None,
@@ -145,9 +160,11 @@ def build_status(
     next_index: int,
     *,
     extra: Sequence[Condition] = (),
+    failed_reason: str = "",
 ) -> dict[str, Any]:
     """The status `decide` wants (computed on a copy: the observed one is not touched);
-    `extra`: conditions decided elsewhere, listed after the phase's own."""
+    `extra`: conditions decided elsewhere, listed after the phase's own; `failed_reason`:
+    the Failed condition's reason when the phase is Failed (default: the phase)."""
     old = job.status
     new: dict[str, Any] = {
         "phase": str(phase),
@@ -174,7 +191,7 @@ def build_status(
             why if below else "",
         ),
         Condition("Succeeded", phase is Phase.SUCCEEDED, str(phase), why),
-        Condition("Failed", phase is Phase.FAILED, str(phase), why),
+        Condition("Failed", phase is Phase.FAILED, failed_reason or str(phase), why),
         *extra,
     ]
     listed = conditions(old.get("conditions") or [], wanted, now)
