@@ -29,6 +29,9 @@ TORCH_FREE = [
     "keepstep.chaos.inject",
     "keepstep.chaos.local",
     "keepstep.cli",
+    "keepstep.launch.cli",
+    "keepstep.argtypes",
+    "keepstep.resources",
 ]
 
 HEAVY = ("torch", "numpy", "numba")

@@ -1,57 +1,89 @@
 """The `keepstep` command line: the only place the agent side reads the environment.
 
-keepstep run ...        train one job on this machine with simulated nodes
+keepstep run ...        train one job on this machine with simulated nodes (`launch.cli`)
 keepstep agent ...      the node agent (what a pod runs; `keepstep run` starts these)
 keepstep selfcheck ...  check bit-identical parameters across rank counts
+keepstep dashboard ...  a web page for live and finished runs
+keepstep chaos ...      seeded fault schedules with invariants
+keepstep files [NAME]   the files shipped with keepstep (examples, scenarios, the CRD)
+keepstep --version
+
+Exit status: 0 done, 1 the work failed (a run that did not finish, a violated invariant, a
+runtime error), 2 a usage error: a bad flag or value, reported on one line that names the
+value and what is allowed, before any process starts and before torch is imported (each
+subcommand imports what it needs only once its arguments are checked).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from keepstep.errors import KeepstepError
+from keepstep.argtypes import Parser, int_at_least
+from keepstep.errors import ConfigError, KeepstepError
+
+# `keepstep selfcheck` trains this job shape; a rank count needs a micro-batch of its own.
+SELFCHECK_GLOBAL_BATCH, SELFCHECK_MICRO_BATCH = 48, 4
+
+# The extra that installs a missing third-party module (pyproject.toml's extras).
+EXTRA_OF = {
+    "torch": "train",
+    "numpy": "train",
+    "numba": "train",
+    "xxhash": "train",
+    "pyetcd": "train",
+    "grpc": "train",
+    "google": "train",
+    "fsspec": "train",
+    "s3fs": "train",
+    "opentelemetry": "train",
+    "prometheus_client": "train",
+    "plotly": "dashboard",
+    "kubernetes": "dashboard",
+    "kopf": "operator",
+}
 
 
 def _ranks(text: str) -> list[int]:
+    limit = SELFCHECK_GLOBAL_BATCH // SELFCHECK_MICRO_BATCH
     try:
         values = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--ranks {text!r}: expected a comma-separated list of integers such as 1,2,3,4"
+            f"{text!r}: expected a comma-separated list of integers such as 1,2,3,4"
         ) from None
     if not values:
-        raise argparse.ArgumentTypeError("--ranks needs at least one rank count")
+        raise argparse.ArgumentTypeError(f"{text!r}: needs at least one rank count")
+    for r in values:
+        if not 1 <= r <= limit:
+            raise argparse.ArgumentTypeError(
+                f"ranks={r} must be between 1 and {limit} (the micro-batch count)"
+            )
     return values
 
 
 def _cmd_selfcheck(args: argparse.Namespace) -> int:
+    import json
+
     from keepstep.launch.selfcheck import selfcheck  # imports torch: only when asked to
 
-    runs = selfcheck(args.ranks, steps=args.steps, mode=args.mode)
+    runs = selfcheck(
+        args.ranks,
+        steps=args.steps,
+        global_batch=SELFCHECK_GLOBAL_BATCH,
+        micro_batch=SELFCHECK_MICRO_BATCH,
+        mode=args.mode,
+    )
     identical = len({r.params_sha256 for r in runs}) == 1
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "runs": [
-                        {
-                            "ranks": r.ranks,
-                            "params_sha256": r.params_sha256,
-                            "seconds": round(r.seconds, 2),
-                        }
-                        for r in runs
-                    ],
-                    "identical": identical,
-                }
-            )
-        )
+        report = [
+            {"ranks": r.ranks, "params_sha256": r.params_sha256, "seconds": round(r.seconds, 2)}
+            for r in runs
+        ]
+        print(json.dumps({"runs": report, "identical": identical}))
     else:
         for r in runs:
             print(f"ranks={r.ranks:<3} params_sha256={r.params_sha256}  ({r.seconds:.1f} s)")
@@ -59,156 +91,82 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     return 0 if identical else 1
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from keepstep.agent.durable.storage import storage_options_from_env
-    from keepstep.launch.etcd_server import find_etcd
-    from keepstep.launch.faults import parse_fault
-    from keepstep.launch.run import Launcher, RunConfig
+def _cmd_files(args: argparse.Namespace) -> int:
+    from keepstep import resources
 
-    run_dir = Path(args.run_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}")
-    cfg = RunConfig(
-        script=args.script,
-        script_args=tuple(args.script_args),
-        nodes=args.nodes,
-        nproc_per_node=args.nproc_per_node,
-        min_nodes=args.min_nodes or args.nodes,
-        global_batch=args.global_batch,
-        micro_batch=args.micro_batch,
-        steps=args.steps,
-        seed=args.seed,
-        mode=args.mode,
-        run_dir=run_dir,
-        faults=tuple(parse_fault(f) for f in args.fault),
-        etcd_binary=find_etcd(os.environ),
-        timeout=args.timeout,
-        checkpoint_url=args.checkpoint,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
-        storage_options=storage_options_from_env(os.environ),
-        lease_ttl=args.hang_timeout,
-        warm_spare=args.warm_spare,
-        netns=args.netns,
-        etcd_members=args.etcd_members,
-    )
-    # SIGTERM (a CI timeout, kill) must still end every node the launcher started.
-    signal.signal(signal.SIGTERM, _interrupt)
-    summary = Launcher(cfg, sys.stderr).run()
-    if args.summary:
-        Path(args.summary).write_text(json.dumps(summary, indent=2))
-    samples = summary["samples"]
-    print(f"run directory: {run_dir}")
-    print(f"steps {summary['steps']}/{cfg.steps}  params_sha256 {summary['params_sha256']}")
-    print(
-        f"samples: {samples['seen_once']} of {samples['expected']} once, "
-        f"{samples['lost']} lost, {samples['duplicated']} duplicated"
-    )
-    for r in summary["recoveries"]:
-        mttr = f"{r['mttr_s']:.3f} s" if r["mttr_s"] is not None else "-"
-        print(
-            f"recovery: {r['cause']:<12} node {r['node']}  step {r['step']}  MTTR {mttr}  "
-            f"(detect {r['detect_s']:.3f}, agree {r['agree_s']:.3f}, communicator "
-            f"{r['communicator_s']:.3f}, restore {r['restore_s']:.3f})"
-        )
-    codes = summary["agent_exit_codes"]
-    ok = summary["params_sha256"] is not None and summary["steps"] == cfg.steps
-    if not ok:
-        print(
-            f"keepstep: error: the job did not finish cleanly (agents: {codes}); see {run_dir}",
-            file=sys.stderr,
-        )
-        _show_failure(run_dir)
-    return 0 if ok else 1
+    if args.name is not None:
+        print(resources.find(args.name))
+        return 0
+    base, names = resources.root(), resources.listing()
+    width = max(map(len, names), default=0)
+    for name in names:
+        print(f"{name:<{width}}  {base / name}")
+    return 0
 
 
-def _show_failure(run_dir: Path) -> None:
-    """Print the end of the first worker or agent log that holds a traceback."""
-    for log in sorted(run_dir.glob("worker-*.log")) + sorted(run_dir.glob("agent-*.log")):
-        text = log.read_text(errors="replace")
-        if "Traceback" in text:
-            tail = text[text.rindex("Traceback") :].splitlines()[-12:]
-            print(f"--- {log.name}:\n" + "\n".join(tail), file=sys.stderr)
-            return
+def version() -> str:
+    """The installed distribution's version when this code is the installed copy, else the
+    version in the pyproject.toml of the checkout this code runs from, marked as such."""
+    import tomllib
+    from importlib import metadata
+
+    here = Path(__file__).resolve()
+    try:
+        dist = metadata.distribution("keepstep")
+        if Path(str(dist.locate_file("keepstep/cli.py"))).resolve() == here:
+            return dist.version
+    except metadata.PackageNotFoundError:
+        pass  # not installed: run from a checkout on PYTHONPATH
+    checkout = here.parents[2]  # agent/keepstep/cli.py -> the repository
+    try:
+        project = tomllib.loads((checkout / "pyproject.toml").read_text())["project"]
+        return f"{project['version']} (not installed: the checkout at {checkout})"
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown (neither installed nor in a checkout)"
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+class _Version(argparse.Action):
+    """`--version`; the version is looked up only when asked for."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any) -> None:
+        print(f"keepstep {version()}")
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="keepstep", description="Elastic PyTorch training.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="train one job locally with simulated nodes")
-    run.add_argument("--nodes", type=int, required=True)
-    run.add_argument("--nproc-per-node", type=int, default=1)
-    run.add_argument(
-        "--min-nodes",
-        type=int,
-        help="start with this many nodes if not all are ready after 30 s [--nodes]; once "
-        "started, the job trains on whatever nodes survive",
-    )
-    run.add_argument("--global-batch", type=int, required=True)
-    run.add_argument("--micro-batch", type=int, required=True)
-    run.add_argument("--steps", type=int, required=True)
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--mode", choices=["exact", "fast"], default="exact")
-    run.add_argument(
-        "--fault",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="e.g. kill-node:1@step=20 (repeatable)",
-    )
-    run.add_argument("--summary", help="also write the run summary JSON here")
-    run.add_argument("--run-dir", help="default: runs/run-<time>")
-    run.add_argument("--timeout", type=float, default=1800.0)
-    run.add_argument(
-        "--hang-timeout",
-        type=int,
-        default=1,
-        metavar="SECONDS",
-        help="a node silent this long (its etcd lease) is taken for hung",
-    )
-    run.add_argument(
-        "--checkpoint",
-        metavar="URL",
-        help="write durable checkpoints here (file://, s3://; any fsspec URL)",
-    )
-    run.add_argument(
-        "--checkpoint-every",
-        type=int,
-        default=0,
-        metavar="K",
-        help="steps between durable checkpoints (default: only the last step)",
-    )
-    run.add_argument("--resume", metavar="URL", help="continue the job from this checkpoint URL")
-    run.add_argument(
-        "--warm-spare",
-        action="store_true",
-        help="keep a process per node with torch imported, to replace a crashed worker fast",
-    )
-    run.add_argument(
-        "--netns",
-        action="store_true",
-        help="run each node in its own network namespace on a bridge, so that one node can "
-        "be cut off the network (needs root and iproute2's `ip`)",
-    )
-    run.add_argument(
-        "--etcd-members",
-        type=int,
-        choices=[1, 3],
-        default=1,
-        help="members of the run's private etcd; 3 survive the loss of any one (default 1)",
-    )
-    run.add_argument("script")
-    run.add_argument("script_args", nargs=argparse.REMAINDER)
-    run.set_defaults(func=_cmd_run)
+    parser = Parser(prog="keepstep", description="Elastic, fault-tolerant PyTorch training.")
+    parser.add_argument("--version", action=_Version, help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from keepstep.launch.cli import register as register_run
+
+    register_run(sub)
     from keepstep.agent.node.cli import register as register_agent
 
     register_agent(sub)
-    check = sub.add_parser("selfcheck", help="check bit-identical parameters across rank counts")
-    check.add_argument("--ranks", type=_ranks, default=[1, 2, 3, 4])
-    check.add_argument("--steps", type=int, default=30)
-    check.add_argument("--mode", choices=["exact", "fast"], default="exact")
+    check = sub.add_parser(
+        "selfcheck",
+        help="check bit-identical parameters across rank counts",
+        description="Train a small job once per rank count, in fresh processes on the CPU, "
+        "and compare the final parameters' sha256.",
+    )
+    check.add_argument(
+        "--ranks",
+        type=_ranks,
+        default=[1, 2, 3, 4],
+        help="comma-separated rank counts to compare [1,2,3,4]",
+    )
+    check.add_argument(
+        "--steps", type=int_at_least(1), default=30, help="steps each run trains [30]"
+    )
+    check.add_argument(
+        "--mode",
+        choices=["exact", "fast"],
+        default="exact",
+        help="the reduction to check; fast is expected to differ [exact]",
+    )
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(func=_cmd_selfcheck)
     from keepstep.dashboard.cli import register as register_dashboard
@@ -217,6 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
     from keepstep.chaos.cli import register as register_chaos
 
     register_chaos(sub)
+    files = sub.add_parser(
+        "files",
+        help="list the files shipped with keepstep, or print where one is",
+        description="The example scripts, chaos scenarios and the TrainJob CRD shipped with "
+        "keepstep, e.g. `keepstep run ... $(keepstep files mlp)` or "
+        "`kubectl apply -f $(keepstep files trainjob)`.",
+    )
+    files.add_argument(
+        "name",
+        nargs="?",
+        help="a shipped file's path (examples/mlp.py), file name or stem (mlp); "
+        "without it, list them all",
+    )
+    files.set_defaults(func=_cmd_files)
     return parser
 
 
@@ -224,9 +196,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code: int = args.func(args)
-    except KeepstepError as error:
+    except ConfigError as error:
         print(f"keepstep: error: {error}", file=sys.stderr)
         return 2
+    except KeepstepError as error:
+        print(f"keepstep: error: {error}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as error:
+        extra = EXTRA_OF.get((error.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(
+            f"keepstep: error: keepstep {args.command} needs {error.name}, which is not "
+            f"installed: pip install 'keepstep[{extra}]'",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:
         print("keepstep: interrupted", file=sys.stderr)
         return 130

@@ -13,10 +13,14 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/keepstep
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY elastic/ elastic/
 COPY agent/ agent/
 COPY operator/ operator/
+# Shipped beside the code in the wheel (`keepstep files`): examples, scenarios, the CRD.
+COPY examples/ examples/
+COPY e2e/scenarios/ e2e/scenarios/
+COPY manifests/crd/ manifests/crd/
 RUN if [ -n "$TORCH_INDEX" ]; then \
         pip install --extra-index-url "$TORCH_INDEX" ".[train]"; \
     else \

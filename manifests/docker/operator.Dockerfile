@@ -10,10 +10,14 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /opt/keepstep
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY elastic/ elastic/
 COPY agent/ agent/
 COPY operator/ operator/
+# Shipped beside the code in the wheel (`keepstep files`): examples, scenarios, the CRD.
+COPY examples/ examples/
+COPY e2e/scenarios/ e2e/scenarios/
+COPY manifests/crd/ manifests/crd/
 RUN pip install ".[operator]" \
     && pip check \
     && python -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'numpy') if u.find_spec(m)]; sys.exit('operator image must not contain ' + ', '.join(bad) if bad else 0)" \

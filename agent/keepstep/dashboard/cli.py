@@ -10,23 +10,31 @@ binds 127.0.0.1 only: the page shows job internals and has no authentication.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 from keepstep.dashboard.server import DashboardApp, DashboardServer
-from keepstep.dashboard.trainjobs import KubeTrainJobs
+from keepstep.dashboard.trainjobs import KubeTrainJobs, TrainJobsError
 from keepstep.errors import ConfigError
 
 
 def register(sub: Any) -> None:
     """Add the `dashboard` subcommand to the `keepstep` parser's subparsers."""
-    parser = sub.add_parser("dashboard", help="web page for live and finished runs")
+    parser = sub.add_parser(
+        "dashboard",
+        help="web page for live and finished runs",
+        description="Serve a page (on 127.0.0.1 only) with throughput, world size, recoveries "
+        "and goodput of the runs under --run-dir, until Ctrl-C.",
+    )
     parser.add_argument(
         "--run-dir", default="runs", help="a run directory, or a folder of them (default: runs)"
     )
-    parser.add_argument("--port", type=int, default=8050, help="0 picks a free port")
+    parser.add_argument(
+        "--port", type=int, default=8050, help="the port to serve on; 0 picks a free one [8050]"
+    )
     parser.add_argument("--kubeconfig", help="also list the TrainJobs of this cluster")
     parser.add_argument("--context", help="kubeconfig context (default: the current one)")
     parser.set_defaults(func=_cmd_dashboard)
@@ -40,8 +48,23 @@ def _cmd_dashboard(args: argparse.Namespace, stop: threading.Event | None = None
         raise ConfigError(f"--port {args.port} must be between 0 and 65535")
     trainjobs: KubeTrainJobs | None = None
     if args.kubeconfig:
-        trainjobs = KubeTrainJobs(Path(args.kubeconfig), args.context)
-    server = DashboardServer(DashboardApp(root, trainjobs), port=args.port).start()
+        try:
+            trainjobs = KubeTrainJobs(Path(args.kubeconfig), args.context)
+        except TrainJobsError as error:  # a kubeconfig that does not load is a bad argument
+            raise ConfigError(str(error)) from None
+    try:
+        server = DashboardServer(DashboardApp(root, trainjobs), port=args.port).start()
+    except OSError as error:
+        if trainjobs is not None:
+            trainjobs.close()
+        if error.errno == errno.EADDRINUSE:
+            raise ConfigError(
+                f"--port {args.port} is in use (another dashboard?): give a free port, or "
+                "--port 0 for any"
+            ) from None
+        if error.errno == errno.EACCES:
+            raise ConfigError(f"--port {args.port}: not allowed (below 1024 needs root)") from None
+        raise
     print(f"keepstep dashboard: {server.url} (Ctrl-C to stop)", file=sys.stderr, flush=True)
     stop = stop or threading.Event()
     try:

@@ -4,17 +4,57 @@
 poll (node files may appear late: a joining node), keeps a line that is not finished
 yet for the next poll, and picks up `faults.json` and `summary.json` when the launcher
 writes them at the end. `find_runs` accepts one run directory or a folder of them.
+
+A line that is not an event the views can use (not JSON, a line a killed node left half
+written, an event without its time or with a field of the wrong type) is skipped with a
+warning naming the file and line: one damaged line must not take the run, or the list of
+runs, off the page.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from keepstep.agent.protocol.events import EventKind
 from keepstep.dashboard.data import RunInputs
+
+log = logging.getLogger(__name__)
+
+_NUMBER = (int, float)
+# The fields the views (`data.build_view`, `protocol.recovery`) convert, by event kind:
+# (name, type, required). Other fields, and kinds the views do not read, pass as they are.
+_FIELDS: dict[str, tuple[tuple[str, type | tuple[type, ...], bool], ...]] = {
+    EventKind.COMMIT: (
+        ("epoch", _NUMBER, True),
+        ("step", _NUMBER, True),
+        ("world_size", _NUMBER, True),
+        ("step_s", _NUMBER, True),
+        ("micro_batches", list, False),
+        ("samples", list, False),
+        ("assignment", dict, False),
+    ),
+    EventKind.EPOCH_AGREED: (
+        ("epoch", _NUMBER, True),
+        ("agree_s", _NUMBER, False),
+        ("members", list, False),
+        ("removed", list, False),
+    ),
+    EventKind.RECONFIGURED: (
+        ("epoch", _NUMBER, True),
+        ("resume_step", _NUMBER, True),
+        ("rolled_back_steps", _NUMBER, True),
+        ("communicator_s", _NUMBER, True),
+        ("restore_s", _NUMBER, True),
+        ("replan_s", _NUMBER, True),
+    ),
+    EventKind.FAULT_DETECTED: (("epoch", _NUMBER, False), ("fault_t", _NUMBER, False)),
+}
 
 
 def is_run_dir(path: Path) -> bool:
@@ -34,6 +74,34 @@ def find_runs(root: Path) -> dict[str, Path]:
 class _Tail:
     offset: int = 0
     rest: bytes = b""
+    line: int = 0  # complete lines read so far
+
+
+def parse_event(line: bytes) -> dict[str, Any] | str:
+    """The event on one line of an event log, or why it is not one the views can use."""
+    try:
+        event = json.loads(line)
+    except ValueError as error:  # JSONDecodeError, and UnicodeDecodeError for broken bytes
+        return f"not JSON ({error})"
+    if not isinstance(event, dict):
+        return f"not a JSON object but {type(event).__name__}"
+    t = event.get("t")
+    if isinstance(t, bool) or not isinstance(t, _NUMBER) or not math.isfinite(t):
+        return f"t={t!r} is not a time in seconds"
+    kind = event.get("kind")
+    if not isinstance(kind, str):
+        return f"kind={kind!r} is not a string"
+    for name, types, required in _FIELDS.get(kind, ()):
+        if name not in event and not required:
+            continue
+        value = event.get(name)
+        if isinstance(value, bool) or not isinstance(value, types):
+            return f"a {kind} event whose {name}={value!r} is not a {_type_name(types)}"
+    return event
+
+
+def _type_name(types: type | tuple[type, ...]) -> str:
+    return "number" if types == _NUMBER else getattr(types, "__name__", str(types))
 
 
 class RunReader:
@@ -81,11 +149,14 @@ class RunReader:
         tail.rest = lines.pop()  # b"" when the file ends with a newline
         out = []
         for line in lines:
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue  # a damaged line (a node killed mid-write) is skipped
+            tail.line += 1
+            if not line.strip():
+                continue
+            event = parse_event(line)
+            if isinstance(event, str):  # e.g. a node killed mid-write
+                log.warning("%s:%d: line skipped: %s", path, tail.line, event)
+                continue
+            out.append(event)
         return out
 
 

@@ -5,7 +5,8 @@ survives losing any one member; each agent hosts its own process-group store),
 starts one node agent per node (`keepstep agent`, in a new session so a node can be
 killed or stopped as a whole), injects the scripted faults when the job reaches their
 step, shows a progress line, and writes the run directory: event logs, worker logs,
-faults, and summary.json. Every process it started is gone when it returns.
+faults, and summary.json. Every process it started is gone when it returns. Its settings,
+`RunConfig`, were checked when they were made (`run_config.py`), before anything started.
 
 With `netns`, each node runs in a network namespace of its own on a bridge (`netns.py`):
 its agent and workers publish the namespace's address, etcd listens on the bridge's, and
@@ -24,7 +25,6 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -35,12 +35,14 @@ from keepstep.agent.kv.etcd import EtcdKV
 from keepstep.agent.node.config import AgentConfig, dump_config, worker_env
 from keepstep.agent.protocol import NodeRecord, ProgressRecord
 from keepstep.agent.protocol.events import read_events
-from keepstep.elastic.plan import micro_batch_count
 from keepstep.errors import ConfigError, KeepstepError
-from keepstep.launch.etcd_cluster import MEMBER_COUNTS, start_etcd
-from keepstep.launch.faults import FaultKind, FaultSpec, check_faults
-from keepstep.launch.netns import MAX_NODES, NodeNetworks
+from keepstep.launch.etcd_cluster import start_etcd
+from keepstep.launch.faults import FaultKind
+from keepstep.launch.netns import NodeNetworks
+from keepstep.launch.run_config import RunConfig
 from keepstep.launch.summary import build_summary
+
+__all__ = ["Launcher", "RunConfig"]
 
 # The launcher looks at its agents every FAST_READ_S (a local call), and reads the job's
 # progress from etcd that often only while a step-scheduled fault is near, else every
@@ -48,72 +50,6 @@ from keepstep.launch.summary import build_summary
 # etcd's share of each read.
 FAST_READ_S = 0.1
 SLOW_READ_S = 1.0
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    script: str
-    script_args: tuple[str, ...]
-    nodes: int
-    global_batch: int
-    micro_batch: int
-    steps: int
-    run_dir: Path
-    etcd_binary: str
-    nproc_per_node: int = 1
-    min_nodes: int = 1
-    seed: int = 0
-    mode: str = "exact"
-    faults: tuple[FaultSpec, ...] = ()
-    timeout: float = 1800.0
-    lease_ttl: float = 1.0
-    warm_spare: bool = False
-    extra_env: Mapping[str, str] = field(default_factory=dict)
-    checkpoint_url: str | None = None
-    checkpoint_every: int = 0
-    resume: str | None = None
-    storage_options: Mapping[str, Any] = field(default_factory=dict)
-    netns: bool = False  # each node in its own network namespace (root and `ip` needed)
-    etcd_members: int = 1  # 3: a cluster that survives the loss of one member
-
-    def __post_init__(self) -> None:
-        n_micro = micro_batch_count(self.global_batch, self.micro_batch)
-        if self.nodes < 1 or self.nproc_per_node < 1:
-            raise ConfigError(
-                f"--nodes {self.nodes} and --nproc-per-node {self.nproc_per_node} must be >= 1"
-            )
-        joins = sum(1 for f in self.faults if f.kind is FaultKind.JOIN_NODE)
-        workers = (self.nodes + joins) * self.nproc_per_node
-        if workers > n_micro:
-            raise ConfigError(
-                f"{workers} workers ((--nodes {self.nodes} + {joins} joins) x --nproc-per-node "
-                f"{self.nproc_per_node}) but only {n_micro} micro-batches "
-                f"(--global-batch {self.global_batch} / --micro-batch {self.micro_batch}); "
-                "every worker needs at least one"
-            )
-        if not 1 <= self.min_nodes <= self.nodes:
-            raise ConfigError(f"--min-nodes {self.min_nodes} must be between 1 and --nodes")
-        if self.steps < 1:
-            raise ConfigError(f"--steps {self.steps} must be >= 1")
-        if not Path(self.script).is_file():
-            raise ConfigError(f"training script {self.script!r} does not exist")
-        check_faults(self.faults, self.nodes, self.steps)
-        if self.lease_ttl < 1:
-            raise ConfigError(f"--hang-timeout {self.lease_ttl} must be >= 1 second")
-        if self.checkpoint_every < 0:
-            raise ConfigError(f"--checkpoint-every {self.checkpoint_every} must be >= 0")
-        if self.checkpoint_every and not self.checkpoint_url:
-            raise ConfigError("--checkpoint-every needs --checkpoint URL")
-        if self.etcd_members not in MEMBER_COUNTS:
-            raise ConfigError(
-                f"--etcd-members {self.etcd_members}; allowed: "
-                + ", ".join(map(str, MEMBER_COUNTS))
-            )
-        if self.netns and self.nodes + joins > MAX_NODES:
-            raise ConfigError(
-                f"--netns gives each node an address of one /24: at most {MAX_NODES} nodes "
-                f"(--nodes {self.nodes} + {joins} joins)"
-            )
 
 
 class Launcher:
@@ -199,8 +135,11 @@ class Launcher:
             job=self.job,
             node=node,
             etcd=self.etcd_endpoint,
-            script=str(Path(cfg.script).resolve()),
+            script=cfg.script if cfg.module else str(Path(cfg.script).resolve()),
             script_args=cfg.script_args,
+            # -m: the module is found as `python -m` finds it, from the launcher's directory.
+            command=(sys.executable, "-m", cfg.script, *cfg.script_args) if cfg.module else (),
+            max_restarts=cfg.max_restarts,
             nproc=cfg.nproc_per_node,
             run_dir=cfg.run_dir.resolve(),
             worker_env=worker_env(

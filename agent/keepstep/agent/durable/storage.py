@@ -11,7 +11,9 @@ prefix in an object store)::
 
 Object stores publish each object whole; on a local filesystem each file goes to a temporary
 name, is fsynced and renamed. fsspec calls take no timeout, so callers that must not hang run
-them through ``bounded``.
+them through ``bounded``. The command lines check a ``--checkpoint``/``--resume`` URL here
+before anything starts: ``check_url`` (a store fsspec can keep files in) and
+``check_s3_access`` (credentials an S3 client will find).
 """
 
 from __future__ import annotations
@@ -233,3 +235,112 @@ def storage_options_from_env(env: Mapping[str, str]) -> dict[str, Any]:
     names an S3-compatible endpoint (credentials come from AWS_* as usual)."""
     endpoint = env.get("KEEPSTEP_S3_ENDPOINT")
     return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
+
+
+# Protocols fsspec offers that name no place to keep checkpoints: read-only (http), gone with
+# the process (memory), or views of other files (archives, caches). Any other fsspec store
+# whose backend is installed (file, s3, gcs, ...) is accepted on the command line.
+NOT_STORES = frozenset(
+    {
+        "http", "https", "memory", "data", "zip", "tar", "libarchive", "reference", "github",
+        "git", "simplecache", "filecache", "blockcache", "cached", "dir",
+    }
+)  # fmt: skip
+S3_PROTOCOLS = frozenset({"s3", "s3a"})
+
+
+def check_url(flag: str, url: str, storage_options: Mapping[str, Any]) -> Location:
+    """A checkpoint URL given as `flag` on a command line, checked without any I/O."""
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    if protocol in NOT_STORES:
+        raise ConfigError(
+            f"{flag} {url!r}: unsupported scheme {protocol!r}; checkpoints are kept in a "
+            "filesystem or an object store: file:// (or a path), s3://, or another fsspec "
+            "store whose backend is installed"
+        )
+    try:
+        return Location.parse(url, storage_options)
+    except ConfigError as error:
+        raise ConfigError(f"{flag}: {error}") from None
+
+
+def s3_credentials_found(options: Mapping[str, Any], env: Mapping[str, str], home: str) -> bool:
+    """Whether an S3 client finds credentials without asking the network: in the storage
+    options, AWS_* variables, a profile or a shared credentials/config file, a web identity
+    token (EKS) or a container role (ECS). An EC2 instance role needs a network call:
+    `instance_credentials_found`."""
+    if options.get("anon") or (options.get("key") and options.get("secret")):
+        return True
+    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+        return True
+    sources = (
+        "AWS_PROFILE",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    )
+    if any(env.get(name) for name in sources):
+        return True
+    files = (
+        env.get("AWS_SHARED_CREDENTIALS_FILE") or os.path.join(home, ".aws", "credentials"),
+        env.get("AWS_CONFIG_FILE") or os.path.join(home, ".aws", "config"),
+    )
+    return any(os.path.isfile(path) for path in files)
+
+
+def instance_credentials_found(env: Mapping[str, str], timeout: float) -> bool:
+    """Whether botocore's whole credential chain (an EC2 instance role included) finds any;
+    botocore bounds its metadata calls (1 s each by default), `timeout` the whole search.
+    With AWS_EC2_METADATA_DISABLED there is nothing left that `s3_credentials_found` missed."""
+    if env.get("AWS_EC2_METADATA_DISABLED", "").lower() == "true":
+        return False
+
+    def search() -> bool:
+        import botocore.session  # type: ignore[import-untyped]  # (s3fs's) no stubs pinned
+
+        return botocore.session.Session().get_credentials() is not None
+
+    try:
+        return bounded(search, timeout, "looking for S3 credentials")
+    except Exception:  # an unreadable profile, no botocore: none found
+        return False
+
+
+def check_s3_access(
+    flag: str,
+    url: str,
+    storage_options: Mapping[str, Any],
+    env: Mapping[str, str],
+    home: str,
+    instance_role: Callable[[], bool],
+) -> None:
+    """Refuse an s3:// URL before anything starts when no credentials are to be found;
+    the message says what to set (and the endpoint, for an S3-compatible store). Runs
+    before `check_url`, which imports the S3 backend."""
+    protocol = fsspec.core.split_protocol(url)[0]
+    if protocol not in S3_PROTOCOLS:
+        return
+    if s3_credentials_found(storage_options, env, home) or instance_role():
+        return
+    endpoint = storage_options.get("client_kwargs", {}).get("endpoint_url")
+    store = (
+        f"the store at KEEPSTEP_S3_ENDPOINT={endpoint}"
+        if endpoint
+        else "AWS S3 (for an S3-compatible store such as MinIO, also set KEEPSTEP_S3_ENDPOINT)"
+    )
+    raise ConfigError(
+        f"{flag} {url!r}: no S3 credentials found for {store}: set AWS_ACCESS_KEY_ID "
+        "and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE, or write ~/.aws/credentials"
+    )
+
+
+def check_command_line_url(
+    flag: str, url: str, storage_options: Mapping[str, Any], env: Mapping[str, str], home: str
+) -> Location:
+    """What `keepstep run` and `keepstep agent` check of a --checkpoint or --resume URL
+    before anything starts: S3 credentials first (cheap, and before the S3 backend is
+    imported), then the URL itself."""
+    check_s3_access(
+        flag, url, storage_options, env, home, lambda: instance_credentials_found(env, 5.0)
+    )
+    return check_url(flag, url, storage_options)

@@ -28,6 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from keepstep.argtypes import int_at_least, seconds
 from keepstep.errors import ConfigError
 
 # Reading the newest checkpoint record and its blob from object storage.
@@ -36,6 +37,7 @@ _RESUME_READ_S = 120.0
 
 def register(sub: Any) -> None:
     env = os.environ
+    count, at_least_0 = int_at_least(1), int_at_least(0)
     agent = sub.add_parser(
         "agent",
         help="run one node agent (what a TrainJob pod runs)",
@@ -54,31 +56,56 @@ def register(sub: Any) -> None:
         default=env.get("KEEPSTEP_HOST") or "127.0.0.1",
         help="the address peers reach this node on [$KEEPSTEP_HOST]",
     )
-    agent.add_argument("--nodes", type=int, help="nodes the job starts with")
+    agent.add_argument("--nodes", type=count, help="nodes the job starts with")
     agent.add_argument(
         "--min-nodes",
-        type=int,
+        type=count,
         help="start with this many nodes if not all are ready after 30 s [--nodes]; once "
         "started, the job trains on whatever nodes survive (the operator fails a TrainJob "
         "that stays below minNodes)",
     )
-    agent.add_argument("--nproc", type=int, default=1, help="workers on this node")
-    agent.add_argument("--global-batch", type=int)
-    agent.add_argument("--micro-batch", type=int)
-    agent.add_argument("--steps", type=int)
-    agent.add_argument("--seed", type=int, default=0)
-    agent.add_argument("--mode", choices=["exact", "fast"], default="exact")
-    agent.add_argument("--checkpoint", metavar="URL", help="durable checkpoints (fsspec URL)")
-    agent.add_argument("--checkpoint-every", type=int, default=0, metavar="K")
+    agent.add_argument("--nproc", type=count, default=1, help="workers on this node [1]")
+    agent.add_argument(
+        "--max-restarts",
+        type=at_least_0,
+        default=3,
+        help="restarts of a crashed worker in a row before the agent gives up [3]",
+    )
+    agent.add_argument("--global-batch", type=count, help="samples per step, on any world size")
+    agent.add_argument("--micro-batch", type=count, help="samples per micro-batch")
+    agent.add_argument("--steps", type=count, help="optimizer steps to train")
+    agent.add_argument("--seed", type=at_least_0, default=0, help="the job's seed [0]")
+    agent.add_argument(
+        "--mode",
+        choices=["exact", "fast"],
+        default="exact",
+        help="exact: bit-identical sums on any world size; fast: float all-reduce [exact]",
+    )
+    agent.add_argument(
+        "--checkpoint", metavar="URL", help="durable checkpoints (file://, s3://; fsspec URL)"
+    )
+    agent.add_argument(
+        "--checkpoint-every",
+        type=at_least_0,
+        default=0,
+        metavar="K",
+        help="steps between durable checkpoints [0: only the last step]",
+    )
     agent.add_argument(
         "--resume",
         metavar="URL",
         help="start from the newest durable checkpoint under URL, if there is one",
     )
-    agent.add_argument("--hang-timeout", type=int, default=1, metavar="SECONDS")
+    agent.add_argument(
+        "--hang-timeout",
+        type=count,
+        default=1,
+        metavar="SECONDS",
+        help="a node silent this long (its etcd lease) is taken for hung [1]",
+    )
     agent.add_argument(
         "--admission-timeout",
-        type=float,
+        type=seconds,
         default=3600.0,
         metavar="SECONDS",
         help="how long a worker waits to be admitted (the job's start, a join) before it "
@@ -91,13 +118,16 @@ def register(sub: Any) -> None:
 
 
 def _cmd_agent(args: argparse.Namespace) -> int:
+    from keepstep.agent.node.config import AgentConfig
+
+    # The configuration is checked whole before the daemon's modules (and etcd's client)
+    # are imported: a wrong flag or file is reported at once.
+    cfg: AgentConfig = config_file(Path(args.config)) if args.config else from_flags(args)
     from keepstep.agent.kv.etcd import EtcdKV
     from keepstep.agent.node.agent import run_agent
-    from keepstep.agent.node.config import AgentConfig, load_config
     from keepstep.agent.telemetry.config import TelemetryConfig
     from keepstep.agent.telemetry.otel import create_telemetry
 
-    cfg: AgentConfig = load_config(Path(args.config)) if args.config else from_flags(args)
     telemetry_cfg = TelemetryConfig.from_env(os.environ)
     telemetry = (
         create_telemetry(telemetry_cfg, node=cfg.node, trainjob=cfg.job)
@@ -109,6 +139,21 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     finally:
         if telemetry is not None:
             telemetry.close()
+
+
+def config_file(path: Path) -> Any:
+    """The AgentConfig in `path` (what `keepstep run` writes); a missing or unreadable file
+    is a ConfigError that names it."""
+    from keepstep.agent.node.config import load_config
+
+    if not path.is_file():
+        raise ConfigError(f"--config {path}: no such file (the agent-*.json a run writes)")
+    try:
+        return load_config(path)
+    except ConfigError:
+        raise  # names the file and the field already
+    except (ValueError, OSError) as error:  # not JSON, unreadable
+        raise ConfigError(f"--config {path}: not an agent configuration ({error})") from None
 
 
 def from_flags(args: argparse.Namespace) -> Any:
@@ -135,11 +180,16 @@ def from_flags(args: argparse.Namespace) -> Any:
         raise ConfigError(
             "keepstep agent needs --config FILE, or these values: " + ", ".join(missing)
         )
-    run_dir = Path(args.run_dir or Path(tempfile.gettempdir()) / "keepstep" / args.job)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    from keepstep.agent.durable.storage import storage_options_from_env
+    from keepstep.agent.durable.storage import check_command_line_url, storage_options_from_env
 
     options = storage_options_from_env(os.environ)
+    for flag, url in (("--checkpoint", args.checkpoint), ("--resume", args.resume)):
+        if url is not None:
+            check_command_line_url(flag, url, options, os.environ, os.path.expanduser("~"))
+    if args.checkpoint_every and not args.checkpoint:
+        raise ConfigError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint URL")
+    run_dir = Path(args.run_dir or Path(tempfile.gettempdir()) / "keepstep" / args.job)
+    run_dir.mkdir(parents=True, exist_ok=True)
     resume_step, resume_blob = _resume_point(args.resume, args.steps, options, run_dir, args.node)
     return AgentConfig(
         job=args.job,
@@ -169,6 +219,7 @@ def from_flags(args: argparse.Namespace) -> Any:
         resume_blob=resume_blob,
         resume_step=resume_step,
         warm_spare=args.warm_spare,
+        max_restarts=args.max_restarts,
     )
 
 
