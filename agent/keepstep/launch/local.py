@@ -3,7 +3,9 @@
 This is the node-agent-free harness the library's own tests and `keepstep selfcheck` use:
 one process per member, a TCPStore hosted by the launcher for the process groups, and a
 `ScheduleController` in each process that replays membership changes fixed in advance
-(graceful shrinks and joins at step boundaries, and the survivors of an injected crash).
+(graceful shrinks and joins at step boundaries, the survivors of an injected crash, and a
+crashed member's restarted process, which reopens its snapshot file as an agent's
+restarted worker does).
 `keepstep run` (the agent) is the production launcher; this one has no failure detection
 of its own beyond the communicator's.
 """
@@ -56,6 +58,7 @@ def controller_from_env(env: Mapping[str, str]) -> ScheduleController:
         at_step=plan["at_step"],
         first_epoch=int(env.get("KEEPSTEP_FIRST_EPOCH", "0")),
         result_path=Path(result) if result else None,
+        timeout_scale=float(plan.get("timeout_scale", 1.0)),
         die_after=int(die) if die else None,
     )
 
@@ -67,6 +70,9 @@ class LocalRun:
     `at_step[k] = None` marks an epoch entered only after a crash in epoch k-1; `crash`
     maps a member to the step after whose commit it SIGKILLs itself. Members not in
     epoch 0 are started at once and wait to be admitted in `first_epoch[member]`.
+    `restart` maps a crashing member to the epoch its restarted process enters: the new
+    process starts once the old one is gone, with the same snapshot file. `timeout_scale`
+    raises every epoch's timeouts (see `ScheduleController`).
     """
 
     script: str
@@ -79,7 +85,16 @@ class LocalRun:
     mode: str = "exact"
     script_args: Sequence[str] = ()
     crash: Mapping[str, int] = field(default_factory=dict)
+    restart: Mapping[str, int] = field(default_factory=dict)
     timeout: float = 300.0
+    timeout_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        for member, epoch in self.restart.items():
+            if member not in self.crash:
+                raise ConfigError(f"restart[{member!r}]: only a member that crashes restarts")
+            if not (0 < epoch < len(self.schedule) and member in self.schedule[epoch]):
+                raise ConfigError(f"restart[{member!r}]={epoch}: not an epoch it is in")
 
     def members(self) -> list[str]:
         return sorted({m for epoch in self.schedule for m in epoch})
@@ -107,7 +122,9 @@ def run_local(run: LocalRun, run_dir: Path, env: Mapping[str, str] | None = None
     base.update(
         KEEPSTEP_CONTROLLER=CONTROLLER_SPEC,
         KEEPSTEP_STORE=f"127.0.0.1:{store.port}",
-        KEEPSTEP_SCHEDULE=json.dumps({"schedule": run.schedule, "at_step": run.at_step}),
+        KEEPSTEP_SCHEDULE=json.dumps(
+            {"schedule": run.schedule, "at_step": run.at_step, "timeout_scale": run.timeout_scale}
+        ),
         KEEPSTEP_GLOBAL_BATCH=str(run.global_batch),
         KEEPSTEP_MICRO_BATCH=str(run.micro_batch),
         KEEPSTEP_SEED=str(run.seed),
@@ -116,36 +133,46 @@ def run_local(run: LocalRun, run_dir: Path, env: Mapping[str, str] | None = None
         OMP_NUM_THREADS="1",
     )
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    logs: dict[str, Path] = {}
+    logs = {member: run_dir / f"log-{member}.txt" for member in run.members()}
+
+    def start(member: str, epoch: int, die_after: int | None) -> None:
+        env_m = dict(base)
+        env_m.update(
+            KEEPSTEP_MEMBER=member,
+            KEEPSTEP_FIRST_EPOCH=str(epoch),
+            KEEPSTEP_RESULT=str(run_dir / f"result-{member}.json"),
+            KEEPSTEP_SNAPSHOT=str(run_dir / f"snapshot-{member}"),
+        )
+        if die_after is not None:
+            env_m["KEEPSTEP_DIE_AFTER"] = str(die_after)
+        with open(logs[member], "ab") as out:  # a restarted process's log follows the first's
+            procs[member] = subprocess.Popen(
+                [sys.executable, run.script, *run.script_args],
+                env=env_m,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
     try:
         for member in run.members():
-            env_m = dict(base)
-            env_m.update(
-                KEEPSTEP_MEMBER=member,
-                KEEPSTEP_FIRST_EPOCH=str(run.first_epoch(member)),
-                KEEPSTEP_RESULT=str(run_dir / f"result-{member}.json"),
-                KEEPSTEP_SNAPSHOT=str(run_dir / f"snapshot-{member}"),
-            )
-            if member in run.crash:
-                env_m["KEEPSTEP_DIE_AFTER"] = str(run.crash[member])
-            logs[member] = run_dir / f"log-{member}.txt"
-            with open(logs[member], "wb") as out:
-                procs[member] = subprocess.Popen(
-                    [sys.executable, run.script, *run.script_args],
-                    env=env_m,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            start(member, run.first_epoch(member), run.crash.get(member))
         deadline = time.monotonic() + run.timeout
-        for member, proc in procs.items():
-            left = deadline - time.monotonic()
-            try:
-                proc.wait(timeout=max(left, 0.1))
-            except subprocess.TimeoutExpired:
+        to_restart = dict(run.restart)
+        while to_restart or any(p.poll() is None for p in procs.values()):
+            for member, epoch in list(to_restart.items()):
+                code = procs[member].poll()
+                if code is not None:
+                    del to_restart[member]
+                    if code == -signal.SIGKILL:  # its own crash; any other end stands
+                        start(member, epoch, None)
+            if time.monotonic() > deadline:
+                running = sorted(m for m, p in procs.items() if p.poll() is None)
                 raise KeepstepError(
-                    f"member {member} still running after {run.timeout:.0f} s; see {logs[member]}"
-                ) from None
+                    f"members {running} still running after {run.timeout:.0f} s; "
+                    f"see their logs in {run_dir}"
+                )
+            time.sleep(0.05)
     finally:
         for proc in procs.values():
             if proc.poll() is None:

@@ -1,15 +1,18 @@
 """keepstep.elastic: the library inside each training process.
 
-    job = keepstep.init(model, optimizer, dataset, global_batch=256, micro_batch=8, seed=0)
+    job = keepstep.init(model, optimizer, dataset, global_batch=256, micro_batch=8, seed=0,
+                        state={"sched": scheduler})  # kept in every snapshot
     for step in job.steps(1000):
         for mb in step.micro_batches():
             step.backward(loss_fn(model(mb.inputs), mb.targets))
-        step.commit()
+        if step.commit():
+            scheduler.step()  # advance tracked state for committed steps only
 
 Micro-batch plan (plan.py) -> keyed RNG and sample order (rng.py) -> order-invariant
 reduction (reduce.py) over a per-epoch communicator (comm/) -> snapshot of what a process
-holds (train_state.py) into double-buffered shared memory (snapshot_store.py). job.py ties
-them into the loop; control.py is the boundary to the agent.
+holds (train_state.py, with the script's tracked objects from tracked.py) into
+double-buffered shared memory (snapshot_store.py). job.py ties them into the loop;
+control.py is the boundary to the agent.
 
 The names below are resolved on first use, so that a torch-free tool can import a torch-free
 module of this package (snapshot_layout, errors) without importing torch.
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from keepstep.elastic.errors import ConfigError as ConfigError
     from keepstep.elastic.errors import KeepstepError as KeepstepError
     from keepstep.elastic.errors import PeerLost as PeerLost
+    from keepstep.elastic.errors import ScriptStateWarning as ScriptStateWarning
     from keepstep.elastic.errors import SnapshotCorrupt as SnapshotCorrupt
     from keepstep.elastic.errors import SnapshotMissing as SnapshotMissing
     from keepstep.elastic.errors import StateShapeError as StateShapeError
@@ -39,6 +43,7 @@ if TYPE_CHECKING:
     from keepstep.elastic.step import MicroBatch as MicroBatch
     from keepstep.elastic.step import NonFiniteGradient as NonFiniteGradient
     from keepstep.elastic.step import Step as Step
+    from keepstep.elastic.tracked import Stateful as Stateful
 
 _WHERE = {
     "init": "api",
@@ -54,11 +59,13 @@ _WHERE = {
     "SnapshotCorrupt": "errors",
     "SnapshotMissing": "errors",
     "StateShapeError": "errors",
+    "ScriptStateWarning": "errors",
     "Job": "job",
     "ReduceMode": "reduce",
     "MicroBatch": "step",
     "NonFiniteGradient": "step",
     "Step": "step",
+    "Stateful": "tracked",
 }
 
 __all__ = sorted(_WHERE)

@@ -23,6 +23,7 @@ from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.job import Job
 from keepstep.elastic.reduce import ReduceMode
 from keepstep.elastic.snapshot_store import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
+from keepstep.elastic.tracked import Stateful
 
 ENV_PREFIX = "KEEPSTEP_"
 
@@ -75,11 +76,19 @@ def init(
     mode: ReduceMode | str | None = None,
     threads: int | None = None,
     collate_fn: Callable[[list[Any]], Any] | None = None,
+    state: Mapping[str, Stateful] | None = None,
+    clip_grad_norm: float | None = None,
     controller: Controller | None = None,
     snapshot_path: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Job:
-    """Make a plain PyTorch loop elastic. See README for the ten-line loop."""
+    """Make a plain PyTorch loop elastic. See README for the ten-line loop.
+
+    ``state``: objects with ``state_dict()`` / ``load_state_dict()`` (LR schedulers, a
+    GradScaler, an EMA model...) kept in every snapshot with the parameters, by name
+    (`Job.track` adds more). ``clip_grad_norm``: clip the reduced gradient to this global
+    norm before each optimizer step.
+    """
     env = os.environ if env is None else env
     global_batch = _setting("global_batch", global_batch, int, env)
     micro_batch = _setting("micro_batch", micro_batch, int, env)
@@ -98,9 +107,16 @@ def init(
         # gloo binds its device to it and publishes it to the other members.
         host=env.get(ENV_PREFIX + "HOST") or "127.0.0.1",
         planned_steps=_setting("steps", None, int, env),
+        clip_grad_norm=clip_grad_norm,
     )
     if controller is None:
         controller = controller_from_env(env)
     path = snapshot_path or env.get(ENV_PREFIX + "SNAPSHOT")
     store = SnapshotStore(_snapshot_buffer(path))
-    return Job(model, optimizer, dataset, config, controller, store, collate_fn)
+    job = Job(model, optimizer, dataset, config, controller, store, collate_fn)
+    if state is not None:
+        if not isinstance(state, Mapping):
+            raise ConfigError(f"state={state!r}: must map names to objects with state_dict()")
+        for name, obj in state.items():
+            job.track(name, obj)
+    return job

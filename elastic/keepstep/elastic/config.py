@@ -7,6 +7,7 @@ trusts it. The global batch is the invariant keepstep protects: it is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from keepstep.elastic.errors import ConfigError
@@ -21,6 +22,9 @@ class JobConfig:
     `threads` is the intra-op thread count every rank uses; it must be the same on all
     ranks and across runs for kernels to give the same bits. `collective_timeout` bounds
     every collective; a peer loss is normally detected far sooner (see comm/).
+    `clip_grad_norm` clips the reduced gradient to that global L2 norm before the
+    optimizer step; every member computes the norm from the same exact sum, so it clips
+    identically at any world size.
 
     What the launcher decides for this process: `host` is the address peers reach it on
     (a pod's IP, a node's network-namespace address), which gloo binds and publishes;
@@ -37,6 +41,7 @@ class JobConfig:
     max_overflow_retries: int = 4
     host: str = "127.0.0.1"
     planned_steps: int | None = None
+    clip_grad_norm: float | None = None
     n_micro: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -64,3 +69,10 @@ class JobConfig:
             isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
         ):
             raise ConfigError(f"planned_steps={steps!r} must be an integer >= 0 (or None)")
+        clip = self.clip_grad_norm
+        if clip is not None and (
+            isinstance(clip, bool)
+            or not isinstance(clip, int | float)
+            or not (math.isfinite(clip) and clip > 0)
+        ):
+            raise ConfigError(f"clip_grad_norm={clip!r} must be a finite number > 0 (or None)")

@@ -131,8 +131,10 @@ class ScheduleController:
     `at_step[k]` is the step boundary at which epoch k starts as a planned change (drain,
     join), or None for an epoch entered only when a step of the epoch before it fails (the
     scheduled survivors of a crash). A process started later (a joiner) names the epoch it
-    enters as `first_epoch`. Used by tests, `keepstep selfcheck` and the local launcher; the
-    node agent replaces it.
+    enters as `first_epoch`. `timeout_scale` raises every epoch's store and collective
+    timeouts (`Membership.timeout_scale`), for schedules whose churn a loaded machine
+    makes slow. Used by tests, `keepstep selfcheck` and the local launcher; the node agent
+    replaces it.
     """
 
     store_: Store
@@ -141,6 +143,7 @@ class ScheduleController:
     at_step: Sequence[int | None] = (0,)
     first_epoch: int = 0
     result_path: Path | None = None
+    timeout_scale: float = 1.0
     reconfigurations: list[Reconfiguration] = field(default_factory=list)
     commits: list[CommitRecord] = field(default_factory=list)
     _epoch: int = 0
@@ -157,12 +160,15 @@ class ScheduleController:
             raise ConfigError(f"first_epoch={self.first_epoch} is not an epoch of the schedule")
         if self.me not in self.schedule[self.first_epoch]:
             raise ConfigError(f"member {self.me!r} is not in epoch {self.first_epoch}")
+        if not (math.isfinite(self.timeout_scale) and self.timeout_scale >= 1.0):
+            raise ConfigError(f"timeout_scale={self.timeout_scale} must be a number >= 1")
 
     def _membership(self, epoch: int) -> Membership:
         self._epoch = epoch
         # Tell members that join in this epoch that the others are on their way.
         self.store_.set(f"keepstep/schedule/epoch-{epoch}", "open")
-        return Membership(epoch, tuple(sorted(self.schedule[epoch])), self.me)
+        members = tuple(sorted(self.schedule[epoch]))
+        return Membership(epoch, members, self.me, timeout_scale=self.timeout_scale)
 
     def store(self, epoch: int) -> Store:
         return self.store_

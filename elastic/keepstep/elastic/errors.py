@@ -15,6 +15,7 @@ __all__ = [
     "ConfigError",
     "KeepstepError",
     "PeerLost",
+    "ScriptStateWarning",
     "SnapshotCorrupt",
     "SnapshotMissing",
     "StateShapeError",
@@ -50,3 +51,10 @@ class SnapshotCorrupt(KeepstepError):
 
 class SnapshotMissing(KeepstepError):
     """No valid snapshot holds the requested step."""
+
+
+class ScriptStateWarning(UserWarning):
+    """The script handles its own state in a way that a restarted worker, a joiner or a
+    repeated step would not reproduce, so the members' numbers would diverge: it changes
+    an optimizer's lr through an object the job does not track (an LR scheduler), or it
+    advanced tracked state in a step that did not commit."""

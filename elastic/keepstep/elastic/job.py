@@ -8,8 +8,15 @@ epoch. Entering an epoch is the data-plane half of a recovery:
     restore (local snapshot, or a peer's snapshot over the network) -> replan
 
 and each phase is timed into a `Reconfiguration` record handed back to the controller.
-After each step the loop applies what `Step.commit` returned: it reports the commit,
-remembers whether a planned change was announced, and retries or recovers a failed step.
+After each step the loop applies what `Step.commit` returned: it snapshots and reports a
+committed step, remembers whether a planned change was announced, and retries or recovers
+a failed step. The snapshot is taken there, when the script's loop body has ended, so that
+what the body advanced after `if step.commit():` (an LR scheduler, an EMA: the objects
+tracked in tracked.py) is in the snapshot of the step it belongs to.
+
+Between the reduction and the optimizer step (`apply_update`) run the script's
+`before_optimizer_step` hooks and clipping by global norm: both see the same reduced
+gradient on every member, so they act identically at any world size.
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import default_collate
@@ -27,16 +36,21 @@ from torch.utils.data import default_collate
 from keepstep.elastic.comm import WATCH_TIMEOUT, Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
-from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
+from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost, ScriptStateWarning
+from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.plan import plan
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import SampleOrder, fix_determinism
 from keepstep.elastic.rollback import VIEW_MAX_BYTES, MemberView, ResumePlan, resume_plan
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
+from keepstep.elastic.tracked import Stateful, TrackedState
 from keepstep.elastic.train_state import capture, check_layout, layout_signature, restore
 
 log = logging.getLogger(__name__)
+
+Hook = Callable[[torch.nn.Module, torch.optim.Optimizer], object]
+S = TypeVar("S", bound=Stateful)
 
 
 class Job:
@@ -74,15 +88,37 @@ class Job:
         self.assignment: dict[str, list[int]] = {}
         self.left = False
         self.reconfigurations: list[Reconfiguration] = []
+        self.tracked = TrackedState()
+        self.lr_watch = LrWatch(optimizer)
+        self.hooks: list[Hook] = []
+        self._warned_moved = False
         infos = snapshots.infos()
         # A restarted worker finds its node's snapshots and resumes from them; a new one
-        # starts "fresh": its state counts only if no member holds a committed one.
+        # starts "fresh": its state counts only if no member holds a committed one. (A
+        # fresh one snapshots step 0 when training starts, with the state tracked by then.)
         self.fresh = not infos
         self.done = infos[0].step if infos else 0
         self.loaded_step: int | None = None if infos else 0
         self.snapshot_s = 0.0
-        if self.fresh:
-            self._snapshot()
+
+    # -- what the script adds -----------------------------------------------------------
+    def track(self, name: str, obj: S) -> S:
+        """Keep ``obj`` (anything with ``state_dict()`` / ``load_state_dict()``: an LR
+        scheduler, a GradScaler, an EMA model, the script's own counters) in every snapshot
+        under ``name``; returns it. Register before `steps()`; advance it only for committed
+        steps, after ``if step.commit():`` (see tracked.py)."""
+        self.tracked.add(name, obj)
+        return obj
+
+    def before_optimizer_step(self, hook: Hook) -> Hook:
+        """Call ``hook(model, optimizer)`` at every commit after the reduced gradient is in
+        ``.grad`` and before clipping and the optimizer step (unscale, inspect, adjust);
+        returns it, so it can decorate. It must act the same on every member: it sees the
+        same gradient everywhere."""
+        if not callable(hook):
+            raise ConfigError(f"before_optimizer_step({hook!r}): not callable")
+        self.hooks.append(hook)
+        return hook
 
     # -- the loop ---------------------------------------------------------------------
     def steps(self, total: int | None = None) -> Iterator[Step]:
@@ -97,6 +133,9 @@ class Job:
         if total < 0:
             raise ConfigError(f"steps={total} must be >= 0")
         if self.membership is None:
+            self.tracked.frozen = True
+            if self.fresh:
+                self._snapshot()
             self._switch(self.controller.initial(self.config.collective_timeout))
         retries = 0
         announced = False  # a member flagged a planned change in the step just committed
@@ -122,8 +161,17 @@ class Job:
         """Act on how step `index` ended; return the overflow retries in a row so far."""
         if result.outcome is StepOutcome.COMMITTED:
             assert result.record is not None
-            self.controller.on_commit(result.record)
+            t0 = time.perf_counter()
+            self._snapshot()  # the loop body has ended: what it advanced for this step is in
+            started = time.perf_counter() - t0
+            record = result.record
+            self.controller.on_commit(
+                replace(
+                    record, step_s=record.step_s + started, snapshot_s=record.snapshot_s + started
+                )
+            )
             return 0
+        self._check_unmoved(index, result.outcome)
         if result.outcome is StepOutcome.RETRY:
             if retries + 1 > self.config.max_overflow_retries:
                 raise KeepstepError(
@@ -135,29 +183,56 @@ class Job:
         self._switch(self._next_after(result.failure))
         return retries
 
+    def _check_unmoved(self, index: int, outcome: StepOutcome) -> None:
+        """Warn (once) if the loop body of a step that did not commit advanced tracked
+        state: the step is repeated, and would advance it twice."""
+        moved = [] if self._warned_moved else self.tracked.moved_since_capture()
+        if moved:
+            self._warned_moved = True
+            warnings.warn(
+                ScriptStateWarning(
+                    f"step {index} did not commit ({outcome.value}) but tracked state "
+                    f"{moved} changed after it: the step is repeated and would advance it "
+                    "twice. Advance tracked state only under `if step.commit():`."
+                ),
+                stacklevel=4,  # _check_unmoved <- _apply <- steps() <- the script's loop
+            )
+
     # -- committing -------------------------------------------------------------------
     def check_layout(self) -> None:
         """StateShapeError if the model's state no longer has the shapes it started with."""
         check_layout(self.layout, self.model)
 
-    def apply_and_snapshot(self) -> None:
-        """Apply the reduced gradient (already in .grad) and snapshot the new state."""
+    def apply_update(self, index: int) -> float | None:
+        """Hooks, clipping and the optimizer step on the reduced gradient (in .grad);
+        returns the gradient's global norm before clipping when clipping is on."""
         # The previous snapshot copy reads the live tensors: it must end before they change.
+        # Waiting for it is the snapshot's cost to this step (starting the next copy is
+        # added when the job takes it; the copy itself overlaps the next step).
         t0 = time.perf_counter()
         self.snapshots.wait()
-        t1 = time.perf_counter()
+        self.snapshot_s = time.perf_counter() - t0
+        for hook in self.hooks:
+            hook(self.model, self.optimizer)
+        norm = None
+        if self.config.clip_grad_norm is not None:
+            # From the reduced gradient, which is the same on every member: so is the norm.
+            # One fixed kernel path (foreach=False), whatever torch would pick by default.
+            total = torch.nn.utils.clip_grad_norm_(
+                self.params, self.config.clip_grad_norm, foreach=False
+            )
+            norm = float(total)
+        self.lr_watch.check(index, self.tracked.objects())
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.done += 1
         self.loaded_step = self.done
-        t2 = time.perf_counter()
-        self._snapshot()
-        # What the snapshot cost this step's critical path: waiting for the last copy to
-        # end, and starting this one (the copy itself overlaps the next step).
-        self.snapshot_s = (t1 - t0) + (time.perf_counter() - t2)
+        return norm
 
     def _snapshot(self) -> None:
-        state = capture(self.done, self.model, self.optimizer, self.reducer.state_dict())
+        state = capture(
+            self.done, self.model, self.optimizer, self.reducer.state_dict(), self.tracked
+        )
         # Buffers can change in the next forward while the copy runs; parameters and
         # optimizer slots only change in the next optimizer.step, after wait(). (The state
         # dict holds detached aliases of the parameters: their memory tells them apart.)
@@ -175,12 +250,20 @@ class Job:
         return m is not None and m.includes_me and m.members[0] == m.me
 
     def params_sha256(self) -> str:
-        """sha256 over the model's state dict, in key order: the bit-identity check."""
+        """sha256 over the model's state dict in key order, then the tracked state: the
+        bit-identity check every member reports at the end. With nothing tracked it is the
+        model's alone (the same value as before tracked state existed)."""
         digest = hashlib.sha256()
         for key, value in self.model.state_dict().items():
             digest.update(key.encode())
             digest.update(value.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        if self.tracked.names:
+            digest.update(b"tracked:" + self.tracked.sha256().encode())
         return digest.hexdigest()
+
+    def state_sha256(self, name: str | None = None) -> str:
+        """sha256 over one tracked object's state, or all of them (see tracked.py)."""
+        return self.tracked.sha256(name)
 
     # -- entering an epoch --------------------------------------------------------------
     def _next_after(self, error: PeerLost) -> Membership:
@@ -263,8 +346,9 @@ class Job:
         resume = decision.resume_step
         received = self._transfer(comm, decision)
         if self.loaded_step != resume or received:
-            extra = restore(self.snapshots.load(resume), self.model, self.optimizer)
+            extra = restore(self.snapshots.load(resume), self.model, self.optimizer, self.tracked)
             self.reducer.load_state_dict(extra)
+            self.lr_watch.reset()  # a restored lr is not a change the script made
             self.loaded_step = resume
         self.done = resume
         self.fresh = False

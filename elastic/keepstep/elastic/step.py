@@ -43,13 +43,15 @@ class CommitResult:
     """How `Step.commit` ended, for the job to apply; true only when the step committed.
 
     ``announced``: some member flagged a planned change (drain, join) in this step's sum;
-    ``record``: what a committed step reports; ``failure``: the lost peer of a failed one.
+    ``record``: what a committed step reports; ``failure``: the lost peer of a failed one;
+    ``grad_norm``: the reduced gradient's global norm before clipping, when the job clips.
     """
 
     outcome: StepOutcome
     announced: bool = False
     record: CommitRecord | None = None
     failure: PeerLost | None = None
+    grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         committed = self.outcome is StepOutcome.COMMITTED
@@ -144,10 +146,12 @@ class Step:
         return None if self.result is None else self.result.failure
 
     def commit(self) -> CommitResult:
-        """Reduce across members, apply the optimizer and snapshot.
+        """Reduce across members, run the `before_optimizer_step` hooks, clip, and apply
+        the optimizer.
 
         The result is false unless the step committed; the job applies it (it is also kept
-        as `step.result`).
+        as `step.result`) when the loop body ends: it snapshots the step then, so state the
+        body advances after ``if step.commit():`` belongs to this step.
         """
         if self.result is not None:
             raise ConfigError(f"step {self.index} was already closed ({self.outcome.value})")
@@ -190,7 +194,7 @@ class Step:
         assert isinstance(outcome, ReduceDone)
         # The state changes here, not when the job applies the result: the user's code
         # after commit() sees the new parameters.
-        job.apply_and_snapshot()
+        norm = job.apply_update(self.index)
         record = CommitRecord(
             step=self.index,
             epoch=comm.epoch,
@@ -201,7 +205,9 @@ class Step:
             assignment=job.assignment,
             snapshot_s=job.snapshot_s,
         )
-        return CommitResult(StepOutcome.COMMITTED, announced=announced, record=record)
+        return CommitResult(
+            StepOutcome.COMMITTED, announced=announced, record=record, grad_norm=norm
+        )
 
     def _fail(self, error: PeerLost) -> CommitResult:
         self.job.reducer.abandon_buffer()

@@ -2,8 +2,8 @@
 
 Where it sits: after each optimizer step the Job calls ``capture`` and hands the tensors to
 ``SnapshotStore.commit`` (snapshot_store.py); after a failure or on joining, it calls
-``restore(store.load(step), model, optimizer)``. ``layout_signature`` / ``check_layout``
-catch a model whose state changed shape between steps.
+``restore(store.load(step), model, optimizer, tracked=...)``. ``layout_signature`` /
+``check_layout`` catch a model whose state changed shape between steps.
 
 Tensor names::
 
@@ -11,10 +11,13 @@ Tensor names::
     optim/<param index>/<state key>    per-parameter optimizer state (exp_avg, step, ...)
     optim/groups/<group>/<key>         a param-group hyperparameter held as a tensor (lr)
     extra/<key>                        whatever the caller adds (e.g. the reducer's state)
+    tracked/<name>/<i>                 tensors of the script's tracked objects (tracked.py)
 
 ``meta`` is a pickle of plain Python values only (param groups, non-tensor optimizer state,
-the names in order); it is read back with an unpickler that refuses anything else, since a
-snapshot may arrive from a peer over the network.
+the names in order, the plain part of tracked objects' state); it is read back with an
+unpickler that refuses anything else, since a snapshot may arrive from a peer over the
+network. A snapshot without tracked objects has no ``tracked`` entry in its meta, so it is
+the same as one written before tracked state existed.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, StateShapeError
 from keepstep.elastic.snapshot_store import Snapshot
+from keepstep.elastic.tracked import TrackedState, tensor_names
 
 _FORMAT = 1
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
@@ -57,6 +61,7 @@ def capture(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     extra: Mapping[str, torch.Tensor] | None = None,
+    tracked: TrackedState | None = None,
 ) -> TrainState:
     """The live state tensors (no copies: the store copies them) and the plain rest."""
     tensors: dict[str, torch.Tensor] = {}
@@ -103,24 +108,34 @@ def capture(
         "state_tensors": state_tensors,
         "extra": extra_keys,
     }
+    if tracked is not None and tracked.names:
+        tracked_tensors, meta["tracked"] = tracked.capture()
+        tensors.update(tracked_tensors)
     return TrainState(step, tensors, pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def restore(
-    state: TrainState | Snapshot, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    state: TrainState | Snapshot,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tracked: TrackedState | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load model and optimizer state in place; return the ``extra/`` tensors unprefixed.
+    """Load model, optimizer and tracked state in place; return the ``extra/`` tensors
+    unprefixed. Without ``tracked`` the snapshot's tracked state is left unread (a tool
+    that wants the parameters only); with it, the snapshot must track the same names.
 
     Everything is checked before anything is written, so a StateShapeError leaves the
-    model and optimizer as they were.
+    model, optimizer and tracked objects as they were.
     """
     meta = _load_meta(state.meta)
     t = state.tensors
+    entries = meta.get("tracked", [])
     expected = (
         {f"model/{k}" for k in meta["model"]}
         | {f"extra/{k}" for k in meta["extra"]}
         | {f"optim/groups/{gi}/{k}" for gi, ks in enumerate(meta["group_tensors"]) for k in ks}
         | {f"optim/{i}/{k}" for i, ks in meta["state_tensors"].items() for k in ks}
+        | tensor_names(entries)
     )
     _same_names("snapshot tensors", expected, set(t), "meta lists", "tensors hold")
     live_model = model.state_dict()
@@ -130,6 +145,7 @@ def restore(
     for key, live in live_model.items():
         _same_layout(f"model/{key}", live, t[f"model/{key}"])
     params, plans = _plan_optimizer(meta, t, optimizer)
+    states = tracked.decode(entries, t) if tracked is not None else {}
 
     model.load_state_dict({k: t[f"model/{k}"] for k in live_model}, strict=True)
     placed = dict(_apply(plan) for plan in plans)
@@ -145,6 +161,9 @@ def restore(
         entry = {k: placed[f"optim/{i}/{k}"] for k in meta["state_tensors"][i]}
         entry.update(plain)
         optimizer.state[params[i]] = entry
+    if tracked is not None:
+        # Last: an object's load_state_dict may read the model or optimizer it belongs to.
+        tracked.load(states)
     return {k: t[f"extra/{k}"] for k in meta["extra"]}
 
 
@@ -285,6 +304,6 @@ def _load_meta(raw: bytes) -> dict[str, Any]:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
         raise SnapshotCorrupt(f"unreadable snapshot meta: {e}") from e
     keys = {"format", "model", "groups", "group_tensors", "state", "state_tensors", "extra"}
-    if not isinstance(meta, dict) or set(meta) != keys or meta["format"] != _FORMAT:
+    if not isinstance(meta, dict) or set(meta) - {"tracked"} != keys or meta["format"] != _FORMAT:
         raise SnapshotCorrupt(f"snapshot meta is not a keepstep train state of format {_FORMAT}")
     return meta
