@@ -161,6 +161,13 @@ def test_pods_service_and_etcd_prefix_of_a_new_job(env: Env, kv: EtcdKV) -> None
     svc = env.get(f"/api/v1/namespaces/{env.namespace}/services/alpha")
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["selector"] == {"keepstep.dev/job": "alpha"}
+    # Only the job's own pods may reach its pods (this cluster cannot enforce it: the object).
+    policy = env.get(f"/apis/networking.k8s.io/v1/namespaces/{env.namespace}/networkpolicies/alpha")
+    own = {"matchLabels": {"keepstep.dev/job": "alpha"}}
+    assert policy["spec"]["podSelector"] == own
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": own}]}]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
     status = env.wait("status", lambda: env.job("alpha").get("status", {}).get("phase"))
     assert status == "Pending"
     marker = kv.get(protocol.key(f"{env.namespace}.alpha", "operator"), 5.0)

@@ -27,6 +27,7 @@ NAMESPACED_RULES = {
     ("keepstep.dev", "trainjobs/status"): {"patch"},
     ("", "pods"): {"create", "delete", "list", "watch"},
     ("", "services"): {"create", "get"},
+    ("networking.k8s.io", "networkpolicies"): {"create", "get"},
     ("", "events"): {"create"},
 }
 # Cluster-wide, kopf also follows the CRD (namespaced, it does not scan: settings.scanning).

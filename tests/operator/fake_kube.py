@@ -1,7 +1,7 @@
 """An in-memory API server for the operator's unit tests: one namespace's TrainJobs, pods,
-Services and events, with the writes applied as the real one would (a status patch is a
-JSON merge patch) and, when told to, pod creations refused as a quota or Pod Security would
-refuse them."""
+Services, NetworkPolicies and events, with the writes applied as the real one would (a
+status patch is a JSON merge patch) and, when told to, pod creations refused as a quota or
+Pod Security would refuse them."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from keepstep.operator.actions import (
     Applied,
     CreatePod,
     DeletePod,
+    EnsureNetworkPolicy,
     EnsureService,
     Event,
     PatchStatus,
@@ -37,6 +38,7 @@ class FakeKube:
         self.jobs: dict[str, dict[str, Any]] = {}
         self.pods: dict[str, dict[str, Any]] = {}
         self.services: set[str] = set()
+        self.policies: dict[str, dict[str, Any]] = {}
         self.events: list[Event] = []
         self.version = 0
         self.create_attempts = 0
@@ -61,6 +63,10 @@ class FakeKube:
         self._count(tally, "get_service", False)
         return name in self.services
 
+    def network_policy_exists(self, namespace: str, name: str, tally: Tally | None = None) -> bool:
+        self._count(tally, "get_network_policy", False)
+        return name in self.policies
+
     def apply(self, job: JobRef, actions: Sequence[Action], tally: Tally | None = None) -> Applied:
         version = None
         refused: list[Refusal] = []
@@ -77,6 +83,8 @@ class FakeKube:
                 self.pods.pop(a.name, None)
             elif isinstance(a, EnsureService):
                 self.services.add(a.manifest["metadata"]["name"])
+            elif isinstance(a, EnsureNetworkPolicy):
+                self.policies.setdefault(a.manifest["metadata"]["name"], dict(a.manifest))
             elif isinstance(a, Event):
                 self.events.append(a)
             elif isinstance(a, PatchStatus):

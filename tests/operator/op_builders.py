@@ -14,6 +14,7 @@ from keepstep.operator.actions import (
     CreatePod,
     Decision,
     DeletePod,
+    EnsureNetworkPolicy,
     EnsureService,
     PatchStatus,
 )
@@ -119,6 +120,7 @@ class Cluster:
         self.obj = copy.deepcopy(obj)
         self.pods: dict[str, PodView] = {}
         self.service = False
+        self.policy = False
         self.agents = agents if agents is not None else AgentView()
 
     @property
@@ -135,6 +137,8 @@ class Cluster:
                 self.pods.pop(action.name, None)
             elif isinstance(action, EnsureService):
                 self.service = True
+            elif isinstance(action, EnsureNetworkPolicy):
+                self.policy = True
             elif isinstance(action, ClaimPrefix):
                 base = AgentView() if action.reset else self.agents
                 self.agents = replace(base, owner_uid=action.uid)
@@ -147,16 +151,34 @@ class Cluster:
 
 
 def run(
-    j: Job, pods: list[PodView], ag: AgentView | None, now: float = T0, service_exists: bool = True
+    j: Job,
+    pods: list[PodView],
+    ag: AgentView | None,
+    now: float = T0,
+    service_exists: bool = True,
+    policy_exists: bool = True,
 ) -> Decision:
-    return decide(j, pods, ag, now, config=CONFIG, service_exists=service_exists)
+    return decide(
+        j,
+        pods,
+        ag,
+        now,
+        config=CONFIG,
+        service_exists=service_exists,
+        policy_exists=policy_exists,
+    )
 
 
 def settle(cluster: Cluster, now: float = T0, rounds: int = 3) -> Decision:
     """Reconcile until nothing changes; returns the last (empty) decision."""
     for _ in range(rounds):
         d = run(
-            cluster.job, cluster.pod_list(), cluster.agents, now, service_exists=cluster.service
+            cluster.job,
+            cluster.pod_list(),
+            cluster.agents,
+            now,
+            service_exists=cluster.service,
+            policy_exists=cluster.policy,
         )
         if not d.actions:
             return d

@@ -18,6 +18,7 @@ from keepstep.operator.actions import (
     Action,
     CreatePod,
     DeletePod,
+    EnsureNetworkPolicy,
     EnsureService,
     Event,
     EventType,
@@ -26,7 +27,7 @@ from keepstep.operator.actions import (
 )
 from keepstep.operator.connection import Connection
 from keepstep.operator.kube import Kube, KubeError, Tally
-from keepstep.operator.podspec import pod_manifest, service_manifest
+from keepstep.operator.podspec import network_policy_manifest, pod_manifest, service_manifest
 
 
 class Stub:
@@ -82,6 +83,25 @@ def test_reads_are_counted_and_send_the_token(stub: tuple[Stub, str]) -> None:
     method, path, headers, _ = state.requests[1]
     assert method == "GET" and "labelSelector=keepstep.dev%2Fjob%3Ddemo" in path
     assert headers["Authorization"] == "Bearer tkn"
+
+
+def test_the_network_policy_is_read_and_created_in_the_networking_api(
+    stub: tuple[Stub, str],
+) -> None:
+    state, url = stub
+    j = job()
+    kube = Kube(Connection(url), timeout=5.0)
+    path = "/apis/networking.k8s.io/v1/namespaces/ns/networkpolicies"
+    state.answers[("GET", f"{path}/demo")] = 404
+    tally = Tally()
+    assert kube.network_policy_exists("ns", "demo", tally) is False
+    state.answers[("POST", path)] = 409  # created by an earlier try: harmless
+    kube.apply(j.ref, [EnsureNetworkPolicy(network_policy_manifest(j))], tally)
+    assert (tally.reads, tally.writes) == (1, 1)
+    assert tally.calls["create_network_policy"] == 1
+    method, sent_to, _, body = state.requests[-1]
+    assert (method, sent_to) == ("POST", path)
+    assert body == network_policy_manifest(j)
 
 
 def test_apply_is_idempotent_and_returns_the_new_resource_version(stub: tuple[Stub, str]) -> None:

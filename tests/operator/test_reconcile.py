@@ -33,15 +33,22 @@ def test_first_reconcile_acts_and_the_next_one_only_reads() -> None:
     first = reconciler.reconcile("ns", "demo")
     assert sorted(kube.pods) == ["demo-node-0", "demo-node-1", "demo-node-2"]
     assert kube.services == {"demo"}
+    policy = kube.policies["demo"]
+    assert policy["spec"]["podSelector"] == {"matchLabels": {"keepstep.dev/job": "demo"}}
     assert kube.jobs["demo"]["status"]["nextPodIndex"] == 3
-    assert first.tally.reads == 3 and first.tally.calls["CreatePod"] == 3
+    assert first.tally.reads == 4 and first.tally.calls["CreatePod"] == 3
     assert first.etcd_writes == 1 and first.resource_version == "1"
     owner = kv.get(protocol.key("ns.demo", "operator"), 0.5)
     assert owner is not None and b'"uid": "uid-1"' in owner.value
     again = reconciler.reconcile("ns", "demo")
     assert again.decision.actions == ()
-    assert (again.tally.reads, again.tally.writes) == (3, 0)
-    assert dict(again.tally.calls) == {"get_job": 1, "list_pods": 1, "get_service": 1}
+    assert (again.tally.reads, again.tally.writes) == (4, 0)
+    assert dict(again.tally.calls) == {
+        "get_job": 1,
+        "list_pods": 1,
+        "get_service": 1,
+        "get_network_policy": 1,
+    }
     assert (again.etcd_reads, again.etcd_writes) == (1, 0)
     assert again.resource_version is None
 
@@ -88,7 +95,7 @@ def test_a_lagging_pod_cache_does_not_make_duplicates() -> None:
     # The cache has not seen the three new pods yet: nothing more is created.
     again = reconciler.reconcile("ns", "demo", pods=[], mark=reconciler.expectations.mark())
     assert again.decision.actions == ()
-    assert (again.tally.reads, again.tally.writes) == (2, 0)  # no pod list with a cache
+    assert (again.tally.reads, again.tally.writes) == (3, 0)  # no pod list with a cache
     # The watch reports the new pods; then one is deleted by someone else and the cache
     # drops it: one replacement, index 3.
     for n in kube.pods:

@@ -281,14 +281,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"{r['communicator_s']:.3f}, restore {r['restore_s']:.3f})"
         )
     codes = summary["agent_exit_codes"]
-    ok = summary["params_sha256"] is not None and summary["steps"] == cfg.steps
-    if not ok:
+    failures = summary["failures"]  # the verdict: steps, parameters, every agent's exit
+    if failures:
         print(
             f"keepstep: error: the job did not finish cleanly (agents: {codes}); see {cfg.run_dir}",
             file=sys.stderr,
         )
+        for failure in failures:
+            print(f"keepstep: {failure}", file=sys.stderr)
         _show_failure(cfg.run_dir)
-    return 0 if ok else 1
+    return 1 if failures else 0
 
 
 def _show_failure(run_dir: Path) -> None:

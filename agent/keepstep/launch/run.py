@@ -40,7 +40,7 @@ from keepstep.launch.etcd_cluster import start_etcd
 from keepstep.launch.faults import FaultKind
 from keepstep.launch.netns import NodeNetworks
 from keepstep.launch.run_config import RunConfig
-from keepstep.launch.summary import build_summary
+from keepstep.launch.summary import build_summary, run_failures
 
 __all__ = ["Launcher", "RunConfig"]
 
@@ -101,7 +101,16 @@ class Launcher:
             micro_batch=cfg.micro_batch,
             start_step=self.resume_step,
         )
-        summary["agent_exit_codes"] = {n: p.returncode for n, p in self.agents.items()}
+        codes = {n: p.returncode for n, p in self.agents.items()}
+        summary["agent_exit_codes"] = codes
+        # Every agent's exit counts: one can fail after training (its durable checkpoint).
+        summary["failures"] = run_failures(
+            summary,
+            steps=cfg.steps,
+            agent_exits=codes,
+            faults=self.faults_log,
+            agent_reasons={n: _agent_reason(cfg.run_dir, n) for n, c in codes.items() if c},
+        )
         (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         (cfg.run_dir / "faults.json").write_text(json.dumps(self.faults_log, indent=2))
         return summary
@@ -301,6 +310,20 @@ class Launcher:
             node = leftover.stem.removeprefix("agent-")
             for shm in Path("/dev/shm").glob(f"keepstep-{self.job}-{node}-*"):
                 shm.unlink(missing_ok=True)
+
+
+def _agent_reason(run_dir: Path, node: str) -> str:
+    """What a failed agent said last about why (`run_agent` prints it), or ""."""
+    said = f"keepstep agent {node}: "
+    try:
+        with open(run_dir / f"agent-{node}.log", "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(log.tell() - 64 * 1024, 0))
+            lines = log.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    found = [line.removeprefix(said) for line in lines if line.startswith(said)]
+    return found[-1] if found else ""
 
 
 def _kill(pid: int, sig: signal.Signals) -> None:

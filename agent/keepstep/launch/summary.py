@@ -6,6 +6,11 @@ only its commits in the newest epoch count, so the ledger shows what the final
 parameters were trained on: every micro-batch of every step exactly once. Its
 recoveries are the one fold of the event logs (`keepstep.agent.protocol.recovery`),
 given the launcher's faults so that each is timed from the fault injected.
+
+`run_failures` is the run's verdict, the one `keepstep run`'s exit status follows: the
+job trained every step, its workers agree on the parameters, and every agent exited 0
+(an agent also fails the run after training, when its durable checkpoint failed), except
+the nodes a fault killed or stopped on purpose.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from keepstep.agent.node.supervisor import describe_exit
 from keepstep.agent.protocol.events import EventKind
 from keepstep.agent.protocol.recovery import Effect, InjectedFault, recoveries
 from keepstep.launch.faults import FaultKind
@@ -87,6 +93,43 @@ def build_summary(
 
 
 _EFFECTS = {FaultKind.JOIN_NODE.value: Effect.JOIN, FaultKind.DRAIN_NODE.value: Effect.DRAIN}
+# Faults that end a node's agent by a signal: its exit status is the fault's, not a failure.
+_ENDS_THE_AGENT = frozenset({FaultKind.KILL_NODE.value, FaultKind.HANG_NODE.value})
+
+
+def run_failures(
+    summary: Mapping[str, Any],
+    *,
+    steps: int,
+    agent_exits: Mapping[str, int | None],
+    faults: Sequence[Mapping[str, Any]] = (),
+    agent_reasons: Mapping[str, str] | None = None,
+) -> list[str]:
+    """Why the run failed, one sentence each; empty when it succeeded. `agent_exits`: each
+    node agent's exit status (None: it did not exit); `faults`: the fault log (a node that
+    a kill-node or hang-node fault ended may have any status); `agent_reasons`: what an
+    agent said when it failed, by node."""
+    out: list[str] = []
+    if summary["steps"] != steps:
+        out.append(f"the job trained {summary['steps']} of {steps} steps")
+    if summary["params_sha256"] is None:
+        disagree = summary.get("params_sha256_disagree") or []
+        out.append(
+            f"the workers finished with {len(disagree)} different parameter digests"
+            if disagree
+            else "no worker reported its final parameters"
+        )
+    ended = {
+        str(f["node"]) for f in faults if f.get("t") is not None and f["kind"] in _ENDS_THE_AGENT
+    }
+    reasons = agent_reasons or {}
+    for node, code in sorted(agent_exits.items()):
+        if code is None:
+            out.append(f"agent {node} did not exit")
+        elif code != 0 and node not in ended:
+            why = f": {reasons[node]}" if reasons.get(node) else ""
+            out.append(f"agent {node} exited with {describe_exit(code)}{why}")
+    return out
 
 
 def injected_faults(faults: Iterable[Mapping[str, Any]]) -> list[InjectedFault]:

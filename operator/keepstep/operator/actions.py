@@ -36,6 +36,11 @@ class EnsureService:
 
 
 @dataclass(frozen=True)
+class EnsureNetworkPolicy:
+    manifest: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
 class CreatePod:
     index: int
     manifest: Mapping[str, Any]
@@ -66,7 +71,9 @@ class Event:
     message: str
 
 
-Action = ClaimPrefix | EnsureService | CreatePod | DeletePod | PatchStatus | Event
+Action = (
+    ClaimPrefix | EnsureNetworkPolicy | EnsureService | CreatePod | DeletePod | PatchStatus | Event
+)
 
 
 @dataclass(frozen=True)

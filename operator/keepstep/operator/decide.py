@@ -1,15 +1,16 @@
 """The reconcile decision: a pure function of one observed snapshot and `now`.
 
-Where it sits: `reconcile` observes a TrainJob, its pods, its Service and its agents'
-etcd records, calls `decide`, and applies the returned actions in order. The same call runs
-on every event and on a timer (level-triggered), so every sub-decision is idempotent and
-the status is computed on a copy and patched only when it differs: a snapshot in which
-nothing changed yields no actions at all.
+Where it sits: `reconcile` observes a TrainJob, its pods, its Service, its NetworkPolicy
+and its agents' etcd records, calls `decide`, and applies the returned actions in order.
+The same call runs on every event and on a timer (level-triggered), so every sub-decision
+is idempotent and the status is computed on a copy and patched only when it differs: a
+snapshot in which nothing changed yields no actions at all.
 
 Sub-decisions, in order (each reads the snapshot and what the earlier ones chose):
   1. prefix   stamp the job's etcd prefix with its uid (reset it if it holds another job's
               records, or a suspended run's once its pods are gone: `suspension`)
-  2. service  the headless Service exists
+  2. service  the NetworkPolicy (only the job's own pods reach its pods) exists, created
+              before any pod, then the headless Service
   3. phase    Succeeded when every worker of the current epoch reported done; Suspended
               while spec.suspend; Pending after it until no pod and no agent record of the
               suspended run is left; Running once the agents agreed an epoch; Failed after
@@ -42,6 +43,7 @@ from keepstep.operator.actions import (
     CreatePod,
     Decision,
     DeletePod,
+    EnsureNetworkPolicy,
     EnsureService,
     Event,
     EventType,
@@ -57,7 +59,12 @@ from keepstep.operator.model import (
     PodView,
     parse_time,
 )
-from keepstep.operator.podspec import pod_manifest, resumes_from_checkpoint, service_manifest
+from keepstep.operator.podspec import (
+    network_policy_manifest,
+    pod_manifest,
+    resumes_from_checkpoint,
+    service_manifest,
+)
 from keepstep.operator.settings import DecideConfig
 from keepstep.operator.status import (
     OWNED,
@@ -104,9 +111,11 @@ def decide(
     *,
     config: DecideConfig,
     service_exists: bool = True,
+    policy_exists: bool = True,
 ) -> Decision:
     """What to do about `job`. `agents` is None when etcd could not be read: nothing that
-    depends on the agents' records is decided then, and their figures are kept."""
+    depends on the agents' records is decided then, and their figures are kept.
+    `service_exists`, `policy_exists`: whether its Service and NetworkPolicy exist."""
     if job.deleting:
         return Decision((), "being deleted: the finalizer cleans up, nothing to reconcile")
     plan = _Plan()
@@ -115,6 +124,12 @@ def decide(
     if claim is not None:
         plan.actions.append(claim[0])
         plan.reasons.append(claim[1])
+    if not policy_exists and not (job.phase and job.phase.final):
+        plan.actions.append(EnsureNetworkPolicy(network_policy_manifest(job)))
+        plan.events.append(
+            Event(EventType.NORMAL, "CreatedNetworkPolicy", f"only {job.name}'s pods reach them")
+        )
+        plan.reasons.append("network policy missing")
     if not service_exists and not (job.phase and job.phase.final):
         plan.actions.append(EnsureService(service_manifest(job)))
         plan.events.append(Event(EventType.NORMAL, "CreatedService", f"headless {job.name}"))

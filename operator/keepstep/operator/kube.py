@@ -1,10 +1,10 @@
 """The one module that talks to the Kubernetes API (besides kopf's own watching).
 
-Where it sits: `reconcile` reads a TrainJob, its pods and its Service through `Kube`, and
-hands it the Kubernetes actions of a `Decision` to apply. Requests are plain JSON over one
-pooled HTTPS client (the credentials: `connection`); every request has a timeout and is
-counted, per kind and as reads or writes, so tests and the benchmark can assert that a
-reconcile which changes nothing writes nothing. Applying is idempotent: creating what
+Where it sits: `reconcile` reads a TrainJob, its pods, its Service and its NetworkPolicy
+through `Kube`, and hands it the Kubernetes actions of a `Decision` to apply. Requests are
+plain JSON over one pooled HTTPS client (the credentials: `connection`); every request has
+a timeout and is counted, per kind and as reads or writes, so tests and the benchmark can
+assert that a reconcile which changes nothing writes nothing. Applying is idempotent: creating what
 exists or deleting what is gone is not an error. Pods are created in parallel; a creation
 the API server refuses for what the pod is (quota, Pod Security, an invalid field: a 4xx
 other than 409 and 429) comes back as a `Refusal`, for the reconcile to back off and say
@@ -33,6 +33,7 @@ from keepstep.operator.actions import (
     Applied,
     CreatePod,
     DeletePod,
+    EnsureNetworkPolicy,
     EnsureService,
     Event,
     PatchStatus,
@@ -89,6 +90,7 @@ class Tally:
 
 _TOKEN_REREAD_S = 60.0  # a rotated service account token is picked up within a minute
 _JOBS = f"/apis/{GROUP}/{VERSION}/namespaces/{{ns}}/{PLURAL}/{{name}}"
+_POLICIES = "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies"
 
 
 class Kube:
@@ -192,6 +194,11 @@ class Kube:
         path = f"/api/v1/namespaces/{quote(namespace)}/services/{quote(name)}"
         return self._request("get_service", "GET", path, tally, ok_missing=True) is not None
 
+    def network_policy_exists(self, namespace: str, name: str, tally: Tally | None = None) -> bool:
+        path = f"{_POLICIES.format(ns=quote(namespace))}/{quote(name)}"
+        answer = self._request("get_network_policy", "GET", path, tally, ok_missing=True)
+        return answer is not None
+
     # ------------------------------------------------------------------ writes
 
     def apply(self, job: JobRef, actions: Sequence[Action], tally: Tally | None = None) -> Applied:
@@ -206,7 +213,11 @@ class Kube:
         creates = [a for a in actions if isinstance(a, CreatePod)]
         for action in actions:
             try:
-                if isinstance(action, EnsureService):
+                if isinstance(action, EnsureNetworkPolicy):
+                    path = _POLICIES.format(ns=ns)
+                    manifest = dict(action.manifest)
+                    self._request("create_network_policy", "POST", path, tally, manifest)
+                elif isinstance(action, EnsureService):
                     path = f"/api/v1/namespaces/{ns}/services"
                     self._request("create_service", "POST", path, tally, dict(action.manifest))
                 elif isinstance(action, DeletePod):

@@ -1,7 +1,8 @@
-"""The manifests the operator creates for a TrainJob: one pod per node and a headless Service.
+"""The manifests the operator creates for a TrainJob: one pod per node, a headless Service
+and a NetworkPolicy.
 
-Where it sits: `decide` calls these pure functions to build `CreatePod`/`EnsureService`
-actions; `kube` sends the dicts as they are. Each pod runs the node agent
+Where it sits: `decide` calls these pure functions to build `CreatePod`/`EnsureService`/
+`EnsureNetworkPolicy` actions; `kube` sends the dicts as they are. Each pod runs the node agent
 (`keepstep agent ...`) with the job's settings as flags and its identity in the environment:
 KEEPSTEP_ETCD, KEEPSTEP_JOB ("<namespace>.<name>", the job's etcd prefix),
 KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP). A job resumed after a
@@ -159,6 +160,35 @@ def pod_manifest(
 
 def _not_in(key: str, values: list[str]) -> dict[str, Any]:
     return {"key": key, "operator": "NotIn", "values": values}
+
+
+def network_policy_manifest(job: Job) -> dict[str, Any]:
+    """The NetworkPolicy that lets only the job's own pods reach its pods, on any port.
+
+    An agent listens for its peers only (its process-group store, its liveness probe, the
+    workers' gloo connections; the ports are chosen at start, so they are not named
+    here), and the operator never connects to a pod: every other source is refused,
+    other jobs' pods in the namespace included. Only ingress: agents reach out to etcd,
+    object storage and telemetry. Where the cluster's network plugin does not enforce
+    NetworkPolicies the object is inert, and the store's secret key prefix
+    (`EpochRecord.token`) is what keeps strangers from steering an epoch."""
+    own = {"matchLabels": {JOB_LABEL: job.name}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": job.name,
+            "namespace": job.namespace,
+            "labels": {JOB_LABEL: job.name, "app.kubernetes.io/managed-by": MANAGED_BY},
+            "ownerReferences": [owner_reference(job)],
+        },
+        "spec": {
+            "podSelector": own,
+            "policyTypes": ["Ingress"],
+            # A podSelector without a namespaceSelector: pods of the job's namespace only.
+            "ingress": [{"from": [{"podSelector": own}]}],
+        },
+    }
 
 
 def service_manifest(job: Job) -> dict[str, Any]:

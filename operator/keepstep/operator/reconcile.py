@@ -3,17 +3,18 @@
 Where it sits: the kopf handlers call `Reconciler.reconcile(namespace, name, pods)` (in a
 thread) on every event and timer, with the job's pods from kopf's index; the benchmark and
 the tests call it directly, and without `pods` it lists them. Each reconcile reads the
-TrainJob and its Service from the API server (two reads; three with the pod list) and the
-job's records from etcd (one read). Our own creates and deletes that the pod cache does
-not show yet are laid over it (`expect`); pod names come from status.nextPodIndex and the
-pods that exist, so a repeated create only meets AlreadyExists. etcd being unreachable
-does not stop pod replacement: the decision is then made without the agents' records.
+TrainJob, its Service and its NetworkPolicy from the API server (three reads; four with the
+pod list) and the job's records from etcd (one read). Our own creates and deletes that the
+pod cache does not show yet are laid over it (`expect`); pod names come from
+status.nextPodIndex and the pods that exist, so a repeated create only meets AlreadyExists.
+etcd being unreachable does not stop pod replacement: the decision is then made without
+the agents' records.
 
-A decision is applied in two stages: its writes (Service, deletions, creations), then its
-events and status patch. When the API server refuses pod creations, the second stage comes
-from `refusal.after_refusal` instead (the reasons, the backoff, the condition), so a
-refused creation is never announced as created and the operator does not retry it before
-status.createBackoffUntil.
+A decision is applied in two stages: its writes (NetworkPolicy, Service, deletions,
+creations), then its events and status patch. When the API server refuses pod creations,
+the second stage comes from `refusal.after_refusal` instead (the reasons, the backoff, the
+condition), so a refused creation is never announced as created and the operator does not
+retry it before status.createBackoffUntil.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class KubeClient(Protocol):
     def get_job(self, namespace: str, name: str, tally: Tally | None = None) -> Any: ...
     def list_pods(self, namespace: str, job_name: str, tally: Tally | None = None) -> list[Any]: ...
     def service_exists(self, namespace: str, name: str, tally: Tally | None = None) -> bool: ...
+    def network_policy_exists(
+        self, namespace: str, name: str, tally: Tally | None = None
+    ) -> bool: ...
     def apply(
         self, job: JobRef, actions: Sequence[Action], tally: Tally | None = None
     ) -> Applied: ...
@@ -112,10 +116,19 @@ class Reconciler:
         views = [v for obj in pods if (v := PodView.from_object(obj, job.uid)) is not None]
         views = self.expectations.adjust(ident, views, mark)
         service = self.kube.service_exists(namespace, name, tally)
+        policy = self.kube.network_policy_exists(namespace, name, tally)
         agents = self._read_agents(job)
         t0 = time.perf_counter()
         now = self.clock()
-        decision = decide(job, views, agents, now, config=self.config, service_exists=service)
+        decision = decide(
+            job,
+            views,
+            agents,
+            now,
+            config=self.config,
+            service_exists=service,
+            policy_exists=policy,
+        )
         decide_s = time.perf_counter() - t0
         etcd_writes = 0
         for claim in decision.of(ClaimPrefix):

@@ -89,6 +89,15 @@ def link(job: str, node: str) -> LinkClient:
     return LinkClient(socket_address(job, node), lambda message: None, T)
 
 
+def token_of(agent: NodeAgent, job: str) -> str:
+    """The secret key prefix of the job's current epoch (a fresh one in each epoch)."""
+    stored = agent.kv.get(protocol.key(job, "epoch"), T)
+    assert stored is not None
+    token = protocol.decode(protocol.EpochRecord, stored.value).token
+    assert len(token) == 32, "128 random bits, hex"
+    return token
+
+
 def admitted(clients: dict[str, LinkClient]) -> dict[str, Reply]:
     """Each worker says hello, then all wait for their first epoch together."""
     for member, client in clients.items():
@@ -107,7 +116,8 @@ def test_two_agents_failing_at_once_agree_one_epoch_and_both_answer(
     try:
         first = admitted(clients)
         both = ("n0/0", "n1/0")
-        epoch0 = MembershipReply(0, both, n0.store_host.address)
+        token0 = token_of(n0, job)
+        epoch0 = MembershipReply(0, both, n0.store_host.address, token=token0)
         assert first == {"n0/0": epoch0, "n1/0": epoch0}
         # Both agents observe epoch 0 before either writes: hold each at its probes until
         # the other has got there too, so that both propose and the CAS decides.
@@ -129,7 +139,9 @@ def test_two_agents_failing_at_once_agree_one_epoch_and_both_answer(
             client.close()
     # Both members still answer, so the epoch lost nothing: a false alarm, whose next epoch
     # waits twice as long before it takes a silent store or collective for a loss.
-    expected = MembershipReply(1, both, n0.store_host.address, timeout_scale=2.0)
+    token1 = token_of(n1, job)
+    assert token1 != token0
+    expected = MembershipReply(1, both, n0.store_host.address, timeout_scale=2.0, token=token1)
     assert answers == {"n0/0": expected, "n1/0": expected}
     events = read_events(tmp_path)
     proposed = [e["node"] for e in events if e["kind"] == "fault-detected"]
@@ -277,7 +289,10 @@ def test_a_node_too_slow_for_the_probe_is_probed_again_before_it_is_blamed(
     finally:
         for client in clients.values():
             client.close()
-    assert answer == MembershipReply(1, ("n0/0", "n1/0"), n0.store_host.address, timeout_scale=2.0)
+    token = token_of(n0, job)
+    assert answer == MembershipReply(
+        1, ("n0/0", "n1/0"), n0.store_host.address, timeout_scale=2.0, token=token
+    )
     agreed = [e for e in read_events(tmp_path) if e["kind"] == "epoch-agreed" and e["epoch"] == 1]
     assert agreed[0]["reason"].startswith("lost nothing; timeouts raised to 2x"), agreed
     assert agreed[0]["timeout_scale"] == 2.0

@@ -74,6 +74,7 @@ EVERY_TYPE: list[Message] = [
     MembershipReply(4, ("n0/0", "n2/0"), "127.0.0.1:2379"),
     MembershipReply(5, (), ""),  # the job ended while the worker waited
     MembershipReply(6, ("n0/0",), "10.0.0.1:2379", timeout_scale=4.0),  # after false alarms
+    MembershipReply(7, ("n0/0",), "10.0.0.1:2379", token="0f" * 16),  # the epoch's key prefix
     Excluded(6),
     NoChange(),
     Ok(),

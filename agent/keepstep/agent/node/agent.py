@@ -32,7 +32,7 @@ from keepstep.agent.node import agreement
 from keepstep.agent.node.config import AgentConfig, snapshot_path, worker_spec
 from keepstep.agent.node.durable import DurableCheckpoints, seed_snapshot
 from keepstep.agent.node.healer import Healer
-from keepstep.agent.node.link_server import LinkServer
+from keepstep.agent.node.link_server import LinkServer, same_user_and
 from keepstep.agent.node.probe import ProbeServer
 from keepstep.agent.node.progress import ProgressPublisher
 from keepstep.agent.node.registration import Registration
@@ -115,7 +115,10 @@ class NodeAgent:
             self.workers, self.healer, reports, self.progress, self.events, self._fail
         )
         self.link = LinkServer(
-            socket_address(cfg.job, cfg.node), self.requests.handle, self.workers.disconnected
+            socket_address(cfg.job, cfg.node),
+            self.requests.handle,
+            self.workers.disconnected,
+            admit=same_user_and(self.supervisor.owns),  # its own workers and warm spares
         )
 
     # -- lifecycle --------------------------------------------------------------------
@@ -270,7 +273,7 @@ class NodeAgent:
         )
         self.progress.fault(epoch.epoch)
         if epoch.store:
-            self.stores.abort(epoch.store, epoch.epoch, len(epoch.members), reason)
+            self.stores.abort(epoch.store, epoch.epoch, len(epoch.members), reason, epoch.token)
 
     # -- workers ----------------------------------------------------------------------
     def _status(self) -> dict[str, Any]:

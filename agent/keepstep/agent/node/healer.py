@@ -8,8 +8,9 @@ Three questions come from workers over the local link:
 
 Each decision is a pure function in `agreement`; this module observes (the job view,
 the probes), applies the decision with a compare-and-set on the epoch key, names the
-store the new epoch rendezvouses on, and waits until the agreed epoch is visible. Two
-agents deciding at once is harmless: one write wins and both adopt it.
+store the new epoch rendezvouses on and draws the epoch's secret key prefix in it (its
+`token`, see `EpochRecord`), and waits until the agreed epoch is visible. Two agents
+deciding at once is harmless: one write wins (with its token) and both adopt it.
 
 Every wait has its bound in the agent's configuration: admission `admission_timeout`
 (then AdmissionTimeout), the agreed epoch reaching the view `epoch_timeout` (then
@@ -21,9 +22,11 @@ A worker the next epoch leaves out is told so (`Excluded`) and asks to be admitt
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from keepstep.agent import protocol
@@ -33,7 +36,7 @@ from keepstep.agent.node.config import AgentConfig
 from keepstep.agent.node.probe import probe_all
 from keepstep.agent.node.registration import Registration
 from keepstep.agent.node.view import JobView
-from keepstep.agent.protocol import EpochRecord, key, node_of
+from keepstep.agent.protocol import EpochRecord, NodeRecord, key, node_of
 from keepstep.agent.protocol.events import EventKind, EventLog
 from keepstep.agent.protocol.messages import (
     AdmissionTimeout,
@@ -43,7 +46,17 @@ from keepstep.agent.protocol.messages import (
     NoChange,
 )
 
-__all__ = ["Healer", "JobCannotContinue"]
+__all__ = ["Healer", "JobCannotContinue", "stamp"]
+
+TOKEN_BYTES = 16  # 128 random bits: the epoch's key prefix cannot be guessed
+
+
+def stamp(record: EpochRecord, nodes: Mapping[str, NodeRecord]) -> EpochRecord:
+    """A proposed epoch as it is written: the store it rendezvouses on, and a fresh secret
+    key prefix for everything it writes there (each epoch its own: a token that leaked
+    out of an ended epoch opens nothing in the next)."""
+    stamped = agreement.with_store(record, nodes)
+    return replace(stamped, token=secrets.token_hex(TOKEN_BYTES))
 
 
 class Healer:
@@ -65,11 +78,8 @@ class Healer:
     @staticmethod
     def membership(record: EpochRecord) -> MembershipReply:
         return MembershipReply(
-            record.epoch, tuple(record.members), record.store, record.timeout_scale
+            record.epoch, tuple(record.members), record.store, record.timeout_scale, record.token
         )
-
-    def _stamp(self, record: EpochRecord) -> EpochRecord:
-        return agreement.with_store(record, self.view.observe().nodes)
 
     def _agreed(
         self,
@@ -141,7 +151,7 @@ class Healer:
         )
         if record is None:
             return
-        record = self._stamp(record)
+        record = stamp(record, self.view.observe().nodes)
         if self.kv.create(key(self.cfg.job, "epoch"), protocol.encode(record), self.cfg.op_timeout):
             self._agreed(record, reason)
 
@@ -161,7 +171,7 @@ class Healer:
         decision_key = key(self.cfg.job, "boundary", f"{cur.epoch}-{done}")
         record, reason = agreement.at_boundary(cur, seen.pending, seen.leaving, done, time.time())
         if record is not None:
-            record = agreement.with_store(record, seen.nodes)
+            record = stamp(record, seen.nodes)
         payload = protocol.encode(record) if record is not None else b"null"
         # The first decision for this (epoch, step) is the only one: a late agent, whose
         # view has one more joiner, must not agree a different epoch at the same boundary.
@@ -222,7 +232,7 @@ class Healer:
         )
         if record is None:
             raise JobCannotContinue(f"the job cannot continue: {why}")
-        record = agreement.with_store(record, seen.nodes)
+        record = stamp(record, seen.nodes)
         if self.kv.compare_and_put(
             key(self.cfg.job, "epoch"), protocol.encode(record), seen.revision, self.cfg.op_timeout
         ):

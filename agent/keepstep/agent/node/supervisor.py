@@ -3,7 +3,8 @@
 The supervisor knows processes, not training: it reports every exit to a callback with
 the exit code, and `after_exit` decides what the agent does about it (restart a crashed
 worker, let a finished one go). Workers run in the agent's process group, so a node can
-be killed or stopped as a whole.
+be killed or stopped as a whole. `owns` tells the link server whether a connecting process
+is one of the agent's own.
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ class Supervisor:
         with self._lock:
             return {m: p.pid for m, p in self._procs.items()}
 
+    def owns(self, pid: int) -> bool:
+        """Whether `pid` is one of this agent's processes: a worker or a warm spare (its
+        children), a process one of them started, or the agent itself.
+
+        Asked of the kernel's process tree rather than of the table of workers: a warm
+        spare runs its worker's script a moment before `start` adopts it, and a worker's
+        command may be a wrapper whose child talks to the agent. No process outside the
+        agent's tree can enter it.
+        """
+        return descends_from(pid, os.getpid())
+
     def alive(self, member: str) -> bool:
         """Whether the member's process still runs, asked of the kernel now: on a loaded
         machine the watcher thread may learn of a kill long after the probes ask."""
@@ -88,6 +100,40 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 _signal(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=5)
+
+
+# How far up the process tree `descends_from` looks (a wrapper or two, then the worker).
+MAX_DEPTH = 32
+
+
+def descends_from(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is `ancestor` or below it (its parent's parent ...), from /proc.
+    A process that cannot be read (gone, another pid namespace) does not."""
+    for _ in range(MAX_DEPTH):
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+        parent = _parent(pid)
+        if parent is None:
+            return False
+        pid = parent
+    return False
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after
+    # the last ")".
+    fields = stat[stat.rfind(b")") + 2 :].split()
+    try:
+        return int(fields[1])
+    except (IndexError, ValueError):
+        return None
 
 
 def running(pid: int) -> bool:

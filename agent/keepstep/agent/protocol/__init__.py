@@ -83,6 +83,12 @@ class EpochRecord:
     # How much longer than their defaults the epoch's store and collective waits are: raised
     # after an epoch that ended although every member still answered (a loaded machine).
     timeout_scale: float = 1.0
+    # The epoch's secret: a random prefix, made by the agent that proposes the record, under
+    # which every key the epoch writes in its store lives (its gloo rendezvous, its abort and
+    # wake keys). A store has no key listing, so whoever can reach the store's port but not
+    # read this record can neither read nor write the epoch's keys. Empty: no prefix (a
+    # record written before tokens existed). Never logged or written to events.
+    token: str = field(default="", repr=False)
 
     def nodes(self) -> list[str]:
         return sorted({node_of(m) for m in self.members})

@@ -5,11 +5,13 @@ carrying one JSON object per line: a typed message (`messages`) and, on a reques
 its reply, the request's `id`. Reports (commits) carry no id and get no reply; the agent
 pushes messages with no id, which the worker's reader hands to a callback.
 
-Where it sits: the agent's half (accepting workers, one thread per request) is
-`node/link_server`, the worker's half (request and wait, bounded) `worker/link_client`;
-both speak through `Connection` here. `AnswerBounds` is how long the worker waits for
-each kind of answer: the agent computes it from its own bounds and hands it over in the
-worker's environment, so that both sides agree when a silent agent is wedged.
+Where it sits: the agent's half (accepting its own workers only, a bounded number of
+threads) is `node/link_server`, the worker's half (request and wait, bounded)
+`worker/link_client`; both speak through `Connection` here, which never reads more than
+`MAX_LINE_BYTES` of one line into memory (a longer one ends the connection:
+FrameTooLong). `AnswerBounds` is how long the worker waits for each kind of answer: the
+agent computes it from its own bounds and hands it over in the worker's environment, so
+that both sides agree when a silent agent is wedged.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from keepstep.agent.protocol.messages import BadMessage, Message, decode, encode
+from keepstep.agent.protocol.messages import BadMessage, LinkError, Message, decode, encode
 from keepstep.errors import ConfigError, KeepstepError
+
+# The longest line either side reads. The longest real message, a commit naming every
+# member's micro-batches, is a few KiB for thousands of micro-batches; a peer that sends a
+# longer line is broken or hostile, and its line is not read into memory.
+MAX_LINE_BYTES = 1 << 20
 
 
 class LinkClosed(KeepstepError):
@@ -35,6 +42,11 @@ class BadFrame(BadMessage):
     def __init__(self, ident: int | None, error: BadMessage) -> None:
         super().__init__(error.field, error.problem)
         self.ident = ident
+
+
+class FrameTooLong(LinkError):
+    """A line longer than the link allows. What follows it cannot be trusted to be the
+    start of a message, so the connection is given up."""
 
 
 def socket_address(job: str, node: str) -> str:
@@ -56,10 +68,12 @@ class Frame:
 
 
 class Connection:
-    """One end of a link: thread-safe line-delimited JSON over a stream socket."""
+    """One end of a link: thread-safe line-delimited JSON over a stream socket; a line
+    longer than `max_line` bytes (newline included) is not read (FrameTooLong)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, max_line: int = MAX_LINE_BYTES) -> None:
         self.sock = sock
+        self.max_line = max_line
         self._send_lock = threading.Lock()
         self._reader = sock.makefile("rb")
 
@@ -76,13 +90,17 @@ class Connection:
 
     def receive(self) -> Frame | None:
         """The next frame; None once the other side closed. BadFrame for a line that does
-        not decode (the link stays usable: the next line is the next message)."""
+        not decode (the link stays usable: the next line is the next message); FrameTooLong
+        for one longer than `max_line`, of which at most that much was read (the link is
+        not usable any more: close it)."""
         try:
-            line = self._reader.readline()
-        except OSError:
+            line = self._reader.readline(self.max_line + 1)
+        except (OSError, ValueError):  # ValueError: closed meanwhile by another thread
             return None
         if not line:
             return None
+        if len(line) > self.max_line:
+            raise FrameTooLong(f"a line longer than {self.max_line} bytes")
         try:
             obj = json.loads(line)
         except ValueError as error:

@@ -175,6 +175,8 @@ class MembershipReply:
     members: tuple[str, ...]
     store: str  # host:port of the store the epoch's process group rendezvouses on
     timeout_scale: float = 1.0  # the epoch's store and collective timeouts, x their defaults
+    # The epoch's secret key prefix in that store (`EpochRecord.token`; "" for none).
+    token: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)

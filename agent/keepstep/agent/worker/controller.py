@@ -11,6 +11,11 @@ than hang; an agent that gives up (no admission in time, too few members left) a
 with the error's type. A worker the next epoch leaves out (`Excluded`) asks again to be
 admitted, under the admission bound, which is long: it may have to wait for a boundary.
 
+The store an epoch's group gets (`store`) is the epoch's view of its store server: every
+key under the epoch's secret prefix from the membership (`stores.for_epoch`), so that the
+library's rendezvous, abort and wake keys are out of reach of anyone who did not get the
+epoch from an agent.
+
 When the worker's part in the job is over (it finished, or a membership leaves it out)
 it releases its connections to the epochs' stores, so that no thread of it is still in a
 store call when the interpreter exits (see `stores.release_connections`).
@@ -68,6 +73,7 @@ class AgentController:
         # nodes); consecutive epochs usually share it, so connections are kept.
         self._store_of: dict[int, str] = {}
         self._scale_of: dict[int, float] = {}  # each epoch's timeout_scale
+        self._token_of: dict[int, str] = {}  # each epoch's key prefix in its store
         self._stores: dict[str, Store] = {}
         self._client.request(Hello(member), self.bounds.reply)
 
@@ -89,6 +95,7 @@ class AgentController:
             raise AgentError(ErrorCode.FAILED, f"unexpected answer {reply.OP.value!r}")
         if reply.store:
             self._store_of[reply.epoch] = reply.store
+            self._token_of[reply.epoch] = reply.token
         self._scale_of[reply.epoch] = reply.timeout_scale
         membership = Membership(
             reply.epoch, reply.members, self.member, timeout_scale=reply.timeout_scale
@@ -109,7 +116,7 @@ class AgentController:
         if client is None:
             client = _connect(epoch, address, self.timeout, self._scale_of.get(epoch, 1.0))
             self._stores = {address: client}  # older epochs' stores are not needed again
-        return client
+        return stores.for_epoch(client, self._token_of.get(epoch, ""))
 
     def initial(self, timeout: float) -> Membership:
         # The agent bounds admission itself (a joiner may wait long for a boundary), so

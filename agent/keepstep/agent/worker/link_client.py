@@ -4,7 +4,8 @@ Where it sits: inside the training process, under `worker/controller`. A request
 for its reply at most the bound the caller names (`AnswerBounds`); an agent that stays
 silent past it raises AgentUnresponsive, and one that answers with an error raises that
 error's type (`messages.error_of`). A reader thread matches replies to requests by id
-and hands pushed messages (the "change pending" flag) to a callback.
+and hands pushed messages (the "change pending" flag) to a callback. It reads at most
+`MAX_LINE_BYTES` of a line: a longer one ends the link (waiting requests get LinkClosed).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import socket
 import threading
 from collections.abc import Callable
 
-from keepstep.agent.protocol.link import BadFrame, Connection, LinkClosed, native_address
+from keepstep.agent.protocol.link import (
+    BadFrame,
+    Connection,
+    FrameTooLong,
+    LinkClosed,
+    native_address,
+)
 from keepstep.agent.protocol.messages import (
     AgentUnresponsive,
     BadMessage,
@@ -60,6 +67,10 @@ class LinkClient:
         while True:
             try:
                 frame = self.conn.receive()
+            except FrameTooLong as error:
+                log.warning("link: %s from the agent: closing the link", error)
+                self.conn.close()
+                break
             except BadFrame as error:
                 if error.ident is None:
                     log.warning("link: dropped a message from the agent: %s", error)

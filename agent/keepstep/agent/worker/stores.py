@@ -2,9 +2,10 @@
 
 Workers rendezvous their gloo group of epoch `e`, and watch that epoch's abort key, on the
 TCP store the epoch record names (hosted by one of the epoch's node agents; see
-`keepstep.agent.node.stores`). `connect` makes a client; `release_connections` shuts a
-worker's connections down when its part in the job is over. The node agent uses the same
-`connect` for its own writes (aborts).
+`keepstep.agent.node.stores`). `connect` makes a client; `for_epoch` is the view of it that
+an epoch's members use (every key under the epoch's secret prefix, its `token`);
+`release_connections` shuts a worker's connections down when its part in the job is over.
+The node agent uses the same `connect` and `for_epoch` for its own writes (aborts).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from collections.abc import Collection
 from datetime import timedelta
 
-from torch._C._distributed_c10d import Store, TCPStore
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
 from keepstep.errors import KeepstepError
 
@@ -35,6 +36,19 @@ def connect(address: str, timeout: float) -> Store:
     """A client of the store at `address`; `timeout` bounds connecting and every call."""
     host, port = parse_address(address)
     return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout))
+
+
+def for_epoch(client: Store, token: str) -> Store:
+    """The store as epoch members see it: every key under the epoch's `token`.
+
+    A store server has no authentication and no key listing: a process that can reach its
+    port, but has not read the epoch's record, cannot name any key of the epoch (the gloo
+    rendezvous, the abort and wake keys), so it can neither read them nor steer the epoch
+    (a forged abort key lands beside the real one, which nobody watches). An empty token
+    (a record from before tokens) means no prefix. Clones (each thread's own connection)
+    keep the prefix.
+    """
+    return PrefixStore(token, client) if token else client
 
 
 # Threads of this process that may sit in a store call (named by keepstep.elastic.comm
