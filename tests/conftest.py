@@ -1,7 +1,8 @@
 """Settings and fixtures for the whole test session.
 
 A real etcd is started once per session on loopback (`etcd_server`) and shared by every
-test that needs one; each works under its own key prefix.
+test that needs one; each works under its own key prefix. $KEEPSTEP_ETCD_BIN names the
+binary (see `etcd_binary`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from keepstep.errors import ConfigError
-from keepstep.launch.etcd_server import EtcdServer, find_etcd
+from keepstep.launch.etcd_binary import BIN_ENV, OLD_BIN_ENV, find_etcd
+from keepstep.launch.etcd_server import EtcdServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,19 +31,21 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 @pytest.fixture(scope="session")
 def etcd_binary() -> str:
-    """The etcd to test against; built with scripts/build-etcd if there is none yet."""
+    """The etcd to test against: $KEEPSTEP_ETCD_BIN (scripts/test sets it), else the version
+    the tests pin (scripts/build-etcd), else any that `keepstep run` would find (such as a
+    distribution's 3.4 on PATH), else the pinned one, built now."""
+    if os.environ.get(BIN_ENV) or os.environ.get(OLD_BIN_ENV):
+        return find_etcd(os.environ)  # checked; the deprecated name is still read
+    build = [str(REPO / "scripts" / "build-etcd")]
+    pinned = subprocess.run([*build, "--print-path"], capture_output=True, text=True, check=False)
+    if pinned.returncode == 0:
+        return pinned.stdout.strip().splitlines()[-1]
     try:
         return find_etcd(os.environ)
     except ConfigError:
         pass
     # A cold build takes about 1.5 minutes; nothing is skipped for want of a binary.
-    done = subprocess.run(
-        [str(REPO / "scripts" / "build-etcd")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
+    done = subprocess.run(build, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         pytest.fail(f"scripts/build-etcd failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return done.stdout.strip().splitlines()[-1]

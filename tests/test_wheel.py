@@ -335,7 +335,7 @@ def test_the_train_extra_runs_a_job_with_a_fault(
         "--sleep",
         "0.05",
         timeout=180,
-        KEEPSTEP_ETCD=etcd_binary,
+        KEEPSTEP_ETCD_BIN=etcd_binary,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

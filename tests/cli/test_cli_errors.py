@@ -69,7 +69,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("module-name", [*TWO, "-m", "1bad.mod"], "-m '1bad.mod' is not a module name"),
     ("etcd-members", [*TWO, "--etcd-members", "2", "{script}"], "invalid choice: 2"),
     ("hang-timeout", [*TWO, "--hang-timeout", "0", "{script}"], "--hang-timeout: 0"),
-    ("no-etcd-binary", [*TWO, "{script}"], "KEEPSTEP_ETCD"),
+    ("no-etcd-binary", [*TWO, "{script}"], "KEEPSTEP_ETCD_BIN"),
     ("selfcheck-steps", ["selfcheck", "--steps", "0"], "--steps: 0: must be an integer >= 1"),
     ("selfcheck-ranks", ["selfcheck", "--ranks", "0"], "ranks=0 must be between 1 and 12"),
     ("selfcheck-list", ["selfcheck", "--ranks", "1,x"], "'1,x': expected a comma-separated"),
@@ -125,7 +125,7 @@ def test_a_bad_invocation_is_one_line_naming_the_value(
     args = [a.format(**values) for a in argv]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env |= {
-        "KEEPSTEP_ETCD": str(tmp_path / "no-etcd") if name == "no-etcd-binary" else etcd_binary,
+        "KEEPSTEP_ETCD_BIN": str(tmp_path / "no-etcd") if name == "no-etcd-binary" else etcd_binary,
         "HOME": str(tmp_path),  # no ~/.aws of the machine's
         "AWS_EC2_METADATA_DISABLED": "true",  # no instance role either
         "CUDA_VISIBLE_DEVICES": "",  # no GPU, on any machine

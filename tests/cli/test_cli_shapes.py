@@ -31,7 +31,7 @@ JOB = ["--global-batch", "48", "--micro-batch", "4", "--steps", "4"]
 
 def config(etcd: str, *argv: str) -> Any:
     args = build_parser().parse_args(["run", *argv])
-    return run_config(args, {"KEEPSTEP_ETCD": etcd, "CUDA_VISIBLE_DEVICES": ""})
+    return run_config(args, {"KEEPSTEP_ETCD_BIN": etcd, "CUDA_VISIBLE_DEVICES": ""})
 
 
 def test_nnodes_is_a_count_or_a_range(etcd_binary: str) -> None:

@@ -119,7 +119,7 @@ def test_dashboard_follows_a_run_with_a_fault(
              "--global-batch", "24", "--micro-batch", "4", "--steps", "20", "--seed", "1",
              "--fault", "kill-node:1@step=6", "--run-dir", str(root / "kill-node"),
              "--timeout", str(RUN_TIMEOUT_S - 20), MLP, "--sleep", "0.01"],
-            env={**os.environ, "KEEPSTEP_ETCD": etcd_binary},
+            env={**os.environ, "KEEPSTEP_ETCD_BIN": etcd_binary},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         seen: list[str] = []

@@ -289,7 +289,7 @@ def test_the_launcher_removes_its_network_when_it_fails(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_ctrl_c_removes_the_network_of_a_running_job(tmp_path: Path, etcd_binary: str) -> None:
     run_dir = tmp_path / "run"
-    env = {**os.environ, "KEEPSTEP_ETCD": etcd_binary}
+    env = {**os.environ, "KEEPSTEP_ETCD_BIN": etcd_binary}
     job = ["--nodes", "2", "--global-batch", "8", "--micro-batch", "4", "--steps", "500"]
     argv = [sys.executable, "-m", "keepstep", "run", "--netns", *job]
     argv += ["--run-dir", str(run_dir), "--timeout", "60"]

@@ -72,7 +72,7 @@ def test_a_missing_script_is_named(tmp_path: Path) -> None:
 def test_an_etcd_binary_that_does_not_exist_is_named(tmp_path: Path) -> None:
     script = tmp_path / "ok.py"
     script.write_text("")
-    env = dict(os.environ, KEEPSTEP_ETCD=str(tmp_path / "no-etcd"))
+    env = dict(os.environ, KEEPSTEP_ETCD_BIN=str(tmp_path / "no-etcd"))
     proc = keepstep(
         "run",
         "--nodes",
@@ -87,7 +87,7 @@ def test_an_etcd_binary_that_does_not_exist_is_named(tmp_path: Path) -> None:
         env=env,
     )
     assert proc.returncode == 2
-    assert "KEEPSTEP_ETCD" in proc.stderr
+    assert "KEEPSTEP_ETCD_BIN" in proc.stderr
 
 
 def test_an_agent_whose_etcd_is_unreachable_gives_up_with_a_clear_error(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""A private etcd server on loopback, and where to find the etcd binary.
+"""A private etcd server on loopback.
 
 Where it sits: integration tests, chaos runs and a one-machine `keepstep run` start their
 own etcd through `EtcdServer.start`; everything else reaches it through
@@ -10,31 +10,30 @@ silently become 2 s, and failure detection would be slower than keepstep promise
 `etcd_cluster.EtcdCluster` starts several of these as the members of one cluster; the
 flags every member gets are `member_args`.
 
-`find_etcd(env)` picks the binary: $KEEPSTEP_ETCD, else `etcd` on PATH if it is at least
-3.5.13, else the newest build under the cache that `scripts/build-etcd` fills.
+Which binary to run (and the lowest etcd version that works) is `etcd_binary`'s
+business; `find_etcd` is importable from here too.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
 import signal
 import socket
 import subprocess
 import time
 import urllib.request
 import weakref
-from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
 from keepstep.errors import ConfigError, KeepstepError
+from keepstep.launch.etcd_binary import find_etcd as find_etcd
+from keepstep.launch.etcd_binary import is_executable, too_old
 
-MIN_VERSION = (3, 5, 13)
-_VERSION = re.compile(r"etcd Version:\s*(\d+)\.(\d+)\.(\d+)")
 _PORT_ATTEMPTS = 5
 ETCD_GOMAXPROCS = 1  # see `EtcdServer.spawn`
+# etcd < 3.5 will not start on arm64 unless this names the architecture; it sets nothing else.
+_PASSED_ETCD_ENV = ("ETCD_UNSUPPORTED_ARCH",)
 
 
 class EtcdServerError(KeepstepError):
@@ -148,7 +147,11 @@ class EtcdServer:
     def spawn(self) -> None:
         """Start the process and return at once (a cluster member cannot be healthy alone)."""
         # ETCD_* variables would configure etcd behind our flags' back.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("ETCD_") or k in _PASSED_ETCD_ENV
+        }
         # A private etcd serves a few agents' small requests on a machine whose cores train.
         # With one Go scheduler thread (not one per core) it hands goroutines between threads
         # less: in a 4-node `keepstep run` on 2 cores it used 4.9 ms of CPU a step instead of
@@ -185,8 +188,10 @@ class EtcdServer:
         deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
+                why = too_old(self.binary)  # an older etcd refuses our flags
+                because = "" if why is None else f" ({why})"
                 raise EtcdServerError(
-                    f"etcd exited with status {proc.returncode} while starting; "
+                    f"etcd exited with status {proc.returncode} while starting{because}; "
                     f"log {self.log_path}:\n{self.log_tail()}"
                 )
             try:
@@ -239,13 +244,14 @@ def member_args(
         # is far more than any watch that reconnects needs.
         "--auto-compaction-mode=periodic",
         "--auto-compaction-retention=1h",
+        "--logger=zap",  # 3.4's default logger ignores --log-level; 3.5 on only have zap
         "--log-level=warn",
     ]
 
 
 def check_settings(binary: str, heartbeat_ms: int, election_ms: int, timeout: float) -> None:
     """Raise ConfigError for settings etcd would refuse (or a start that cannot wait)."""
-    if not _is_executable(Path(binary)):
+    if not is_executable(Path(binary)):
         raise ConfigError(f"etcd binary {binary!r} is not an executable file")
     if heartbeat_ms < 1 or election_ms < 5 * heartbeat_ms:
         raise ConfigError(
@@ -259,66 +265,6 @@ def check_settings(binary: str, heartbeat_ms: int, election_ms: int, timeout: fl
 def port_taken(err: EtcdServerError) -> bool:
     """Whether etcd failed because a port we probed as free was taken before it bound."""
     return "address already in use" in str(err)
-
-
-def find_etcd(env: Mapping[str, str]) -> str:
-    """The etcd binary to run: $KEEPSTEP_ETCD, else a recent enough `etcd` on PATH, else
-    the newest one that `scripts/build-etcd` put in the cache."""
-    explicit = env.get("KEEPSTEP_ETCD")
-    if explicit:
-        if not _is_executable(Path(explicit)):
-            raise ConfigError(f"KEEPSTEP_ETCD={explicit!r} is not an executable file")
-        return explicit
-    wanted = ".".join(map(str, MIN_VERSION))
-    tried = []
-    on_path = shutil.which("etcd", path=env.get("PATH", os.defpath))
-    if on_path is None:
-        tried.append("no `etcd` on PATH")
-    else:
-        version = etcd_version(on_path)
-        if version is not None and version >= MIN_VERSION:
-            return on_path
-        shown = "unknown" if version is None else ".".join(map(str, version))
-        tried.append(f"{on_path} is version {shown}, older than {wanted}")
-    cache = cache_dir(env) / "bin"
-    builds = []
-    for path in cache.glob("etcd-v*/etcd"):
-        match = re.fullmatch(r"etcd-v(\d+)\.(\d+)\.(\d+)", path.parent.name)
-        if match and _is_executable(path):
-            version = (int(match[1]), int(match[2]), int(match[3]))
-            if version >= MIN_VERSION:
-                builds.append((version, str(path)))
-    if builds:
-        return max(builds)[1]
-    tried.append(f"no build >= {wanted} under {cache}/etcd-v*/etcd")
-    raise ConfigError(
-        f"no etcd >= {wanted} found ({'; '.join(tried)}). Run scripts/build-etcd to build one "
-        "into the cache, or set KEEPSTEP_ETCD=/path/to/etcd"
-    )
-
-
-def etcd_version(binary: str, timeout: float = 10.0) -> tuple[int, int, int] | None:
-    """The version `binary --version` reports, or None if it does not say."""
-    try:
-        out = subprocess.run(
-            [binary, "--version"], capture_output=True, timeout=timeout, check=False
-        ).stdout.decode(errors="replace")
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    match = _VERSION.search(out)
-    return None if match is None else (int(match[1]), int(match[2]), int(match[3]))
-
-
-def cache_dir(env: Mapping[str, str]) -> Path:
-    """${KEEPSTEP_CACHE:-${XDG_CACHE_HOME:-~/.cache}/keepstep}, as scripts/build-etcd uses."""
-    if env.get("KEEPSTEP_CACHE"):
-        return Path(env["KEEPSTEP_CACHE"])
-    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
-    return Path(env.get("XDG_CACHE_HOME") or home / ".cache") / "keepstep"
-
-
-def _is_executable(path: Path) -> bool:
-    return path.is_file() and os.access(path, os.X_OK)
 
 
 def free_port(host: str) -> int:

@@ -3,6 +3,7 @@ restarts, finding the binary, and the latency figures the agent's timeouts rest 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -15,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from keepstep.agent.kv import KVError, KVTimeout, WatchEvent
-from keepstep.agent.kv.etcd import EtcdKV, parse_endpoint
+from keepstep.agent.kv.etcd import EtcdKV, parse_endpoint, range_end
 from keepstep.elastic.errors import ConfigError
-from keepstep.launch.etcd_server import EtcdServer, EtcdServerError, find_etcd
+from keepstep.launch.etcd_server import EtcdServer, EtcdServerError, find_etcd, member_args
 
 
 @pytest.fixture
@@ -97,6 +98,17 @@ def test_the_server_runs_one_go_scheduler_thread_unless_told_otherwise(
     monkeypatch.setenv("GOMAXPROCS", "3")
     with EtcdServer.start(etcd_binary, tmp_path / "b") as srv:
         assert environ(srv.pid)["GOMAXPROCS"] == "3"
+
+
+def test_etcd_variables_do_not_reach_the_server_but_the_arch_permit_does(
+    etcd_binary: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ETCD_NAME", "not-ours")  # would configure etcd behind our flags
+    # etcd < 3.5 starts on arm64 only with this set; it configures nothing.
+    monkeypatch.setenv("ETCD_UNSUPPORTED_ARCH", "arm64")
+    with EtcdServer.start(etcd_binary, tmp_path / "a") as srv:
+        env = environ(srv.pid)
+        assert "ETCD_NAME" not in env and env["ETCD_UNSUPPORTED_ARCH"] == "arm64"
 
 
 def test_early_exit_raises_with_the_log_tail(tmp_path: Path) -> None:
@@ -254,38 +266,99 @@ def fake_etcd(directory: Path, version: str) -> Path:
     return Path(script(directory / "etcd", f"echo 'etcd Version: {version}'"))
 
 
-def test_find_etcd_prefers_keepstep_etcd_and_checks_it(tmp_path: Path) -> None:
-    given = fake_etcd(tmp_path / "mine", "3.4.0")  # an explicit choice is not second-guessed
-    assert find_etcd({"KEEPSTEP_ETCD": str(given), "PATH": ""}) == str(given)
+def test_find_etcd_prefers_keepstep_etcd_bin_and_checks_it(tmp_path: Path) -> None:
+    given = fake_etcd(tmp_path / "mine", "3.4.0")  # the oldest that works
+    on_path = fake_etcd(tmp_path / "bin", "3.6.16")
+    env = {"KEEPSTEP_ETCD_BIN": str(given), "PATH": str(on_path.parent)}
+    assert find_etcd(env) == str(given)
+    with pytest.raises(
+        ConfigError, match=r"KEEPSTEP_ETCD_BIN='/nowhere/etcd' is not an executable"
+    ):
+        find_etcd({"KEEPSTEP_ETCD_BIN": "/nowhere/etcd"})
+
+
+def test_an_etcd_older_than_the_minimum_is_refused_at_start_with_both_versions(
+    tmp_path: Path,
+) -> None:
+    # What etcd 3.3 does with the flags every member gets: it has no --log-level.
+    old = script(
+        tmp_path / "etcd",
+        'if [ "$1" = --version ]; then echo "etcd Version: 3.3.25"; exit 0; fi\n'
+        "echo 'flag provided but not defined: -log-level' >&2; exit 2",
+    )
+    assert find_etcd({"KEEPSTEP_ETCD_BIN": old}) == old  # a named binary is not second-guessed
+    with pytest.raises(EtcdServerError) as info:
+        EtcdServer.start(old, tmp_path / "d", timeout=5.0)
+    text = str(info.value)
+    assert f"{old} is etcd 3.3.25, and keepstep needs etcd >= 3.4.0" in text
+    assert "apt-get install etcd-server" in text and "-log-level" in text
+
+
+def test_the_old_name_still_works_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    given = fake_etcd(tmp_path / "mine", "3.4.23")
+    with caplog.at_level(logging.WARNING):
+        assert find_etcd({"KEEPSTEP_ETCD": str(given), "PATH": ""}) == str(given)
+    assert "KEEPSTEP_ETCD is deprecated" in caplog.text
+    assert f"set KEEPSTEP_ETCD_BIN={given} instead" in caplog.text
     with pytest.raises(ConfigError, match=r"KEEPSTEP_ETCD='/nowhere/etcd' is not an executable"):
         find_etcd({"KEEPSTEP_ETCD": "/nowhere/etcd"})
+    caplog.clear()
+    newer = fake_etcd(tmp_path / "newer", "3.6.16")
+    with caplog.at_level(logging.WARNING):
+        both = {"KEEPSTEP_ETCD_BIN": str(newer), "KEEPSTEP_ETCD": str(given)}
+        assert find_etcd(both) == str(newer)  # the new name wins
+    assert f"KEEPSTEP_ETCD={given} is ignored: KEEPSTEP_ETCD_BIN is set" in caplog.text
 
 
-def test_find_etcd_takes_a_recent_etcd_on_path(tmp_path: Path) -> None:
-    on_path = fake_etcd(tmp_path / "bin", "3.5.13")
+def test_find_etcd_takes_a_distribution_etcd_on_path(tmp_path: Path) -> None:
+    on_path = fake_etcd(tmp_path / "bin", "3.4.23")  # Debian 12's etcd-server
+    fake_etcd(tmp_path / "cache" / "bin" / "etcd-v3.6.16", "3.6.16")
     env = {"PATH": str(tmp_path / "bin"), "KEEPSTEP_CACHE": str(tmp_path / "cache")}
     assert find_etcd(env) == str(on_path)
 
 
 def test_find_etcd_skips_an_old_etcd_and_takes_the_newest_build(tmp_path: Path) -> None:
-    fake_etcd(tmp_path / "bin", "3.5.12")
+    fake_etcd(tmp_path / "bin", "3.3.25")
     cache = tmp_path / "cache"
-    for version in ["3.5.13", "3.6.2", "3.6.16", "3.4.30"]:
+    for version in ["3.5.13", "3.6.2", "3.6.16", "3.4.30", "3.3.27"]:
         fake_etcd(cache / "bin" / f"etcd-v{version}", version)
     env = {"PATH": str(tmp_path / "bin"), "KEEPSTEP_CACHE": str(cache)}
     assert find_etcd(env) == str(cache / "bin" / "etcd-v3.6.16" / "etcd")  # 16 > 2
 
 
 def test_find_etcd_says_how_to_get_one(tmp_path: Path) -> None:
-    fake_etcd(tmp_path / "bin", "3.5.0")
-    fake_etcd(tmp_path / "cache" / "bin" / "etcd-v3.4.30", "3.4.30")
+    fake_etcd(tmp_path / "bin", "3.3.0")
+    fake_etcd(tmp_path / "cache" / "bin" / "etcd-v3.3.27", "3.3.27")
     env = {"PATH": str(tmp_path / "bin"), "KEEPSTEP_CACHE": str(tmp_path / "cache")}
     with pytest.raises(ConfigError) as info:
         find_etcd(env)
     text = str(info.value)
-    assert "version 3.5.0, older than 3.5.13" in text
+    assert "version 3.3.0, older than 3.4.0" in text
     assert str(tmp_path / "cache" / "bin") in text
-    assert "scripts/build-etcd" in text and "KEEPSTEP_ETCD" in text
+    # Every way to get one: the distribution's package, a release binary on PATH, the
+    # variable, and (from a checkout) the build script.
+    assert "apt-get install etcd-server" in text
+    assert "release binary" in text and "on PATH" in text
+    assert "KEEPSTEP_ETCD_BIN=/path/to/etcd" in text
+    assert "scripts/build-etcd" in text
+    assert "\n" not in text  # the command line prints it as one line
+
+
+def test_every_member_logs_through_zap_at_warn_level(tmp_path: Path) -> None:
+    # etcd 3.4's default logger (capnslog) ignores --log-level and logs every raft step.
+    args = member_args(
+        "m", tmp_path, "127.0.0.1", 1, 2, "m=http://127.0.0.1:2", heartbeat_ms=50, election_ms=500
+    )
+    assert "--logger=zap" in args and "--log-level=warn" in args
+
+
+def test_range_end_is_the_first_key_after_the_prefix() -> None:
+    # As etcd's Go client computes it: trailing 0xff bytes are dropped, not kept.
+    assert range_end(b"/job/") == b"/job0"
+    assert range_end(b"a\xff") == b"b"
+    assert range_end(b"\xff\xff") == b"\0"  # no key is after: to the end of the keyspace
 
 
 def test_endpoint_must_be_host_and_port() -> None:

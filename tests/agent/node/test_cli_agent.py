@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from keepstep.agent.node.cli import from_flags
+from keepstep.agent.node.cli import etcd_endpoints, from_flags
 from keepstep.agent.protocol.events import read_events
 from keepstep.cli import build_parser
 from keepstep.elastic.errors import ConfigError
@@ -46,6 +47,20 @@ def test_flags_become_the_agent_configuration(tmp_path: Path) -> None:
     assert from_flags(later).admission_timeout == 120.0
 
 
+def test_the_endpoints_come_from_keepstep_etcd_endpoints_or_its_old_name(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert etcd_endpoints({"KEEPSTEP_ETCD_ENDPOINTS": "10.0.0.1:2379"}) == "10.0.0.1:2379"
+    both = {"KEEPSTEP_ETCD_ENDPOINTS": "10.0.0.1:2379", "KEEPSTEP_ETCD": "10.0.0.9:2379"}
+    assert etcd_endpoints(both) == "10.0.0.1:2379"
+    assert caplog.text == ""
+    with caplog.at_level(logging.WARNING):
+        assert etcd_endpoints({"KEEPSTEP_ETCD": "10.0.0.9:2379"}) == "10.0.0.9:2379"
+    assert "KEEPSTEP_ETCD is deprecated" in caplog.text
+    assert "set KEEPSTEP_ETCD_ENDPOINTS=10.0.0.9:2379 instead" in caplog.text
+    assert etcd_endpoints({}) is None
+
+
 @pytest.mark.slow
 def test_two_agents_started_like_pods_train_to_the_end(etcd_server: str, tmp_path: Path) -> None:
     job = f"pods-{uuid.uuid4().hex[:8]}"
@@ -54,7 +69,10 @@ def test_two_agents_started_like_pods_train_to_the_end(etcd_server: str, tmp_pat
         env = dict(os.environ)
         # The operator's env: etcd, job, node (the pod name) and host (the pod IP).
         env.update(
-            KEEPSTEP_ETCD=etcd_server, KEEPSTEP_JOB=job, KEEPSTEP_NODE=f"p{i}", KEEPSTEP_HOST=host
+            KEEPSTEP_ETCD_ENDPOINTS=etcd_server,
+            KEEPSTEP_JOB=job,
+            KEEPSTEP_NODE=f"p{i}",
+            KEEPSTEP_HOST=host,
         )
         argv = [sys.executable, "-m", "keepstep", "agent", "--nodes", "2"]
         argv += ["--global-batch", "16", "--micro-batch", "4", "--steps", "6"]
@@ -108,7 +126,9 @@ def test_agents_started_like_pods_resume_from_the_checkpoint(
 
     job, run_dir, procs = f"resumed-{uuid.uuid4().hex[:8]}", tmp_path / "pods", []
     for i in range(2):
-        env = dict(os.environ, KEEPSTEP_ETCD=etcd_server, KEEPSTEP_JOB=job, KEEPSTEP_NODE=f"p{i}")
+        env = dict(
+            os.environ, KEEPSTEP_ETCD_ENDPOINTS=etcd_server, KEEPSTEP_JOB=job, KEEPSTEP_NODE=f"p{i}"
+        )
         argv = [sys.executable, "-m", "keepstep", "agent", "--nodes", "2", *shape]
         argv += ["--steps", "20", "--resume", url, "--run-dir", str(run_dir), "--", sys.executable]
         procs.append(

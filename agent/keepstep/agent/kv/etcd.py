@@ -3,14 +3,16 @@
 Where it sits: membership, the commit protocol and the operator's status reader get a
 `KVStore`; on a cluster (and in integration tests) it is this class, pointed at the job's
 etcd. This module and `etcd_watch` (its watch streams) are the only ones that talk to etcd.
-It uses pyetcd's generated gRPC stubs directly rather than pyetcd's client methods, for three
-reasons: those methods apply one client-wide timeout (every call here has its own deadline);
-after one UNAVAILABLE answer pyetcd marks its only endpoint failed and refuses every call for
-five minutes; and pyetcd's watcher cannot end its stream (etcd keeps a watch stream open after
-the client half-closes it), so a cancelled watch would leave a thread behind. gRPC errors
-become `KVTimeout` (deadline), `LeaseLost` (the lease is gone) or `KVError` (anything else);
-a call to a dead server fails instead of hanging: at once, or, for a read that is retried,
-once its deadline passed without a member answering.
+It uses only pyetcd's generated gRPC stubs (`pyetcd.etcdrpc`, from etcd's v3 .proto files),
+not pyetcd's client methods, for three reasons: those methods apply one client-wide timeout
+(every call here has its own deadline); after one UNAVAILABLE answer pyetcd marks its only
+endpoint failed and refuses every call for five minutes; and pyetcd's watcher cannot end
+its stream (etcd keeps a watch stream open after the client half-closes it), so a
+cancelled watch would leave a thread behind. gRPC errors become `KVTimeout` (deadline),
+`LeaseLost` (the lease is gone) or `KVError` (anything else); a call to a dead server
+fails instead of hanging: at once, or, for a read that is retried, once its deadline
+passed without a member answering. Every call and field used here is in etcd's v3 API by
+3.3; the lowest server version keepstep starts is in `keepstep.launch.etcd_binary`.
 
 Several members: `endpoint` may list them ("h:p1,h:p2,h:p3", IP addresses; or one DNS
 name whose answer holds several). One gRPC channel spans them all with round-robin
@@ -37,7 +39,6 @@ from typing import Any
 
 import grpc
 from pyetcd import etcdrpc
-from pyetcd.utils import prefix_range_end
 
 from keepstep.agent.kv import (
     KV,
@@ -70,7 +71,17 @@ def _kv(raw: Any) -> KV:
 
 def _range(prefix: str) -> tuple[bytes, bytes]:
     key = prefix.encode()
-    return (key, prefix_range_end(key)) if key else (b"\0", b"\0")  # "": the whole keyspace
+    return (key, range_end(key)) if key else (b"\0", b"\0")  # "": the whole keyspace
+
+
+def range_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with `prefix` (etcd's range_end of a
+    prefix): the prefix with its last byte below 0xff incremented and what follows dropped;
+    b"\0" (to the end of the keyspace) if every byte is 0xff."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        return b"\0"
+    return stripped[:-1] + bytes([stripped[-1] + 1])
 
 
 class EtcdLease:

@@ -6,9 +6,11 @@ Two ways to configure it:
     keepstep agent --nodes 3 --min-nodes 2 --global-batch 64 --micro-batch 4 --steps 200 \\
         -- python train.py ARGS...                          what a TrainJob's pod runs
 
-In the second form the etcd endpoint, job and node come from flags or, as the operator
-sets them, from KEEPSTEP_ETCD, KEEPSTEP_JOB, KEEPSTEP_NODE and KEEPSTEP_HOST (the pod's
-IP, which peers use to reach this node's probe and process-group store). Telemetry
+In the second form the etcd endpoints, job and node come from flags or, as the operator
+sets them, from KEEPSTEP_ETCD_ENDPOINTS, KEEPSTEP_JOB, KEEPSTEP_NODE and KEEPSTEP_HOST (the
+pod's IP, which peers use to reach this node's probe and process-group store).
+KEEPSTEP_ETCD, the endpoints' old name, still works with a warning: `keepstep run` and the
+tests used the same name for the etcd binary, now KEEPSTEP_ETCD_BIN. Telemetry
 exporters come from KEEPSTEP_TELEMETRY / OTEL_EXPORTER_OTLP_ENDPOINT, an S3-compatible
 checkpoint endpoint from KEEPSTEP_S3_ENDPOINT. The environment is read here and nowhere
 deeper.
@@ -22,9 +24,11 @@ would only be replaced by another that refuses.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,10 @@ from keepstep.errors import ConfigError
 
 # Reading the newest checkpoint record and its blob from object storage.
 _RESUME_READ_S = 120.0
+ENDPOINTS_ENV = "KEEPSTEP_ETCD_ENDPOINTS"
+OLD_ENDPOINTS_ENV = "KEEPSTEP_ETCD"  # deprecated
+
+log = logging.getLogger(__name__)
 
 
 def register(sub: Any) -> None:
@@ -44,7 +52,11 @@ def register(sub: Any) -> None:
         description="Run one node agent: its workers, its membership, its snapshots.",
     )
     agent.add_argument("--config", help="agent configuration (JSON), as `keepstep run` writes it")
-    agent.add_argument("--etcd", default=env.get("KEEPSTEP_ETCD"), help="[$KEEPSTEP_ETCD]")
+    agent.add_argument(
+        "--etcd",
+        metavar="ENDPOINTS",
+        help="etcd endpoints, host:port[,host:port...] [$KEEPSTEP_ETCD_ENDPOINTS]",
+    )
     agent.add_argument("--job", default=env.get("KEEPSTEP_JOB"), help="job id [$KEEPSTEP_JOB]")
     agent.add_argument(
         "--node",
@@ -163,10 +175,11 @@ def from_flags(args: argparse.Namespace) -> Any:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
+    etcd: str = args.etcd or etcd_endpoints(os.environ) or ""
     missing = [
         flag
         for flag, value in (
-            ("--etcd (or KEEPSTEP_ETCD)", args.etcd),
+            ("--etcd (or KEEPSTEP_ETCD_ENDPOINTS)", etcd),
             ("--job (or KEEPSTEP_JOB)", args.job),
             ("--nodes", args.nodes),
             ("--global-batch", args.global_batch),
@@ -194,7 +207,7 @@ def from_flags(args: argparse.Namespace) -> Any:
     return AgentConfig(
         job=args.job,
         node=args.node,
-        etcd=args.etcd,
+        etcd=etcd,
         script=command[0],
         command=tuple(command),
         nproc=args.nproc,
@@ -221,6 +234,23 @@ def from_flags(args: argparse.Namespace) -> Any:
         warm_spare=args.warm_spare,
         max_restarts=args.max_restarts,
     )
+
+
+def etcd_endpoints(env: Mapping[str, str]) -> str | None:
+    """The etcd endpoints the environment names: $KEEPSTEP_ETCD_ENDPOINTS, else the
+    deprecated $KEEPSTEP_ETCD (with a warning that names the new variable)."""
+    endpoints, old = env.get(ENDPOINTS_ENV), env.get(OLD_ENDPOINTS_ENV)
+    if endpoints:
+        return endpoints
+    if old:
+        log.warning(
+            "%s is deprecated as the name of the etcd endpoints; set %s=%s instead",
+            OLD_ENDPOINTS_ENV,
+            ENDPOINTS_ENV,
+            old,
+        )
+        return old
+    return None
 
 
 def _resume_point(
