@@ -153,7 +153,7 @@ def test_pods_service_and_etcd_prefix_of_a_new_job(env: Env, kv: EtcdKV) -> None
         "--", "python", "examples/mlp.py", "--hidden", "32",
     ]  # fmt: skip
     envs = {e["name"]: e for e in container["env"]}
-    assert envs["KEEPSTEP_ETCD"]["value"] == env.etcd
+    assert envs["KEEPSTEP_ETCD_ENDPOINTS"]["value"] == env.etcd
     assert envs["KEEPSTEP_JOB"]["value"] == f"{env.namespace}.alpha"
     assert envs["KEEPSTEP_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert envs["KEEPSTEP_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"

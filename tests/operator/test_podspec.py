@@ -107,7 +107,7 @@ def test_env_carries_etcd_job_node_and_host_and_the_trainer_env() -> None:
     object.__setattr__(unchecked.spec, "env", tuple(env))
     (container,) = pod_manifest(unchecked, 0, ETCD)["spec"]["containers"]
     by_name = {e["name"]: e for e in container["env"]}
-    assert by_name["KEEPSTEP_ETCD"]["value"] == ETCD
+    assert by_name["KEEPSTEP_ETCD_ENDPOINTS"]["value"] == ETCD
     assert by_name["KEEPSTEP_JOB"]["value"] == "ns.demo"  # the job's identity is not overridable
     assert [e["name"] for e in container["env"]].count("KEEPSTEP_JOB") == 1
     assert by_name["KEEPSTEP_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"

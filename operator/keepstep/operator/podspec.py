@@ -4,7 +4,7 @@ and a NetworkPolicy.
 Where it sits: `decide` calls these pure functions to build `CreatePod`/`EnsureService`/
 `EnsureNetworkPolicy` actions; `kube` sends the dicts as they are. Each pod runs the node agent
 (`keepstep agent ...`) with the job's settings as flags and its identity in the environment:
-KEEPSTEP_ETCD, KEEPSTEP_JOB ("<namespace>.<name>", the job's etcd prefix),
+KEEPSTEP_ETCD_ENDPOINTS, KEEPSTEP_JOB ("<namespace>.<name>", the job's etcd prefix),
 KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP). A job resumed after a
 suspension adds `--resume <checkpoint URI>` (`resumes_from_checkpoint`). Every pod is
 hardened to pass Pod Security "restricted", with the job's spec.podTemplate laid over the
@@ -24,7 +24,13 @@ AGENT_COMMAND = ("keepstep", "agent")
 CONTAINER = "agent"
 MANAGED_BY = "keepstep-operator"
 # Set by the operator and never taken from trainer.env: they are the job's identity.
-RESERVED_ENV = ("KEEPSTEP_ETCD", "KEEPSTEP_JOB", "KEEPSTEP_NODE", "KEEPSTEP_HOST")
+RESERVED_ENV = (
+    "KEEPSTEP_ETCD",
+    "KEEPSTEP_ETCD_ENDPOINTS",
+    "KEEPSTEP_JOB",
+    "KEEPSTEP_NODE",
+    "KEEPSTEP_HOST",
+)
 
 
 def pod_name(job_name: str, index: int) -> str:
@@ -100,7 +106,7 @@ def resumes_from_checkpoint(job: Job, phase: Phase) -> bool:
 
 def agent_env(job: Job, etcd: str) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
-        {"name": "KEEPSTEP_ETCD", "value": etcd},
+        {"name": "KEEPSTEP_ETCD_ENDPOINTS", "value": etcd},
         {"name": "KEEPSTEP_JOB", "value": job.key},
         {"name": "KEEPSTEP_NODE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "KEEPSTEP_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},

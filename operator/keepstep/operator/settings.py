@@ -21,7 +21,7 @@ def _positive(name: str, value: float) -> None:
 class OperatorSettings:
     """What the operator needs to run.
 
-    etcd: the client URL of the job etcd, also handed to every agent as KEEPSTEP_ETCD.
+    etcd: the client URL of the job etcd, also handed to every agent as KEEPSTEP_ETCD_ENDPOINTS.
     namespaces: the namespaces to watch (a namespaced install: a Role in each); empty
         watches all of them (a cluster-wide install: one ClusterRole).
     lost_pod_grace_s: how long a Running pod's agent may be missing from etcd, while its
