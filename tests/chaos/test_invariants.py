@@ -270,6 +270,21 @@ def test_a_killed_node_may_exit_by_its_signal() -> None:
     assert verdict(summary, events, Observation(0, T0 + 3, (fault,))).passed
 
 
+def test_the_launcher_may_fail_only_for_the_agents_the_harness_killed() -> None:
+    # The launcher did not inject the harness's kill, so it counts n1's signal as a failure
+    # and exits 1: that alone is not a violation; any other failure still is.
+    summary, events = make_run({s: 1 for s in range(3, 6)})
+    summary["agent_exit_codes"]["n1"] = -9
+    summary["failures"] = ["agent n1 exited with signal SIGKILL"]
+    fault = {"index": 0, "kind": "kill-node", "spec": "kill-node:1@step=3", "node": "n1",
+             "t": T0 + 0.25}  # fmt: skip
+    assert verdict(summary, events, Observation(1, T0 + 3, (fault,))).passed
+    summary["failures"].append("agent n0 exited with code 1")
+    v = verdict(summary, events, Observation(1, T0 + 3, (fault,)))
+    assert broken(v) == {"clean_exit"}
+    assert v.violations == ["clean_exit: keepstep run exited with 1"]
+
+
 def test_a_launcher_that_failed() -> None:
     summary, events = make_run()
     assert broken(verdict(summary, events, Observation(1, T0 + 2))) == {"clean_exit"}

@@ -82,6 +82,8 @@ CASES: list[tuple[str, list[str], str]] = [
     ("agent-flags", ["agent", "--etcd", "127.0.0.1:9", "--job", "j"], "needs --config FILE"),
     ("agent-nodes", ["agent", "--nodes", "0"], "--nodes: 0: must be an integer >= 1"),
     ("chaos-scenario", ["chaos", "run", "{tmp}/nope.yaml"], "nope.yaml"),
+    ("chaos-report", ["chaos", "check", "{tmp}/nope.json"], "nope.json"),
+    ("chaos-bad-report", ["chaos", "check", "{tmp}/bad.json"], "not a report written by"),
     ("files", ["files", "nope"], "no shipped file 'nope'; shipped: "),
 ]
 

@@ -293,6 +293,7 @@ OPERATOR_CAN = {
     "trainjobs.keepstep.dev/status": {"patch"},
     "pods": {"create", "delete", "list", "watch"},
     "services": {"create", "get"},
+    "networkpolicies.networking.k8s.io": {"create", "get"},
     "events": {"create"},
     "customresourcedefinitions.apiextensions.k8s.io": {"list", "watch"},
 }

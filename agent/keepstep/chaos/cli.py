@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from keepstep.errors import ConfigError
+
 if TYPE_CHECKING:
     from keepstep.chaos.model import Scenario
     from keepstep.chaos.target import Target
@@ -37,7 +39,12 @@ def register(sub: Any) -> None:
         "python -m keepstep.e2e.chaos run SCENARIO.yaml",
     )
     add_run_arguments(run)
-    run.add_argument("--target", choices=["local"], default="local")
+    run.add_argument(
+        "--target",
+        choices=["local"],
+        default="local",
+        help="where the runs go: local (keepstep run on this machine) [local]",
+    )
     run.set_defaults(func=_cmd_run)
     again = verbs.add_parser("check", help="judge the runs of a report again (nothing is run)")
     again.add_argument("report", help="a report written by `keepstep chaos run`")
@@ -120,8 +127,16 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from keepstep.chaos.runner import recheck
     from keepstep.chaos.scenario import load_scenario
 
-    data = json.loads(Path(args.report).read_text())
-    verdicts = recheck(data, load_scenario(data["source"]))
+    try:
+        data = json.loads(Path(args.report).read_text())
+        source = data["source"]
+    except OSError as error:
+        raise ConfigError(f"report {args.report!r}: {error.strerror}") from None
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(
+            f"report {args.report!r}: not a report written by `keepstep chaos run`"
+        ) from None
+    verdicts = recheck(data, load_scenario(source))
     for run, verdict in zip(data["runs"], verdicts, strict=True):
         state = "holds" if not verdict.violations else f"VIOLATED: {verdict.violations}"
         print(f"run {run['index']}: {state}")

@@ -359,8 +359,6 @@ def _recoveries(
 
 def _clean_exit(summary: Mapping[str, Any] | None, seen: Observation) -> list[str]:
     out = []
-    if seen.exit_code != 0:
-        out.append(f"keepstep run exited with {seen.exit_code}")
     ended = {
         str(f["node"])
         for f in seen.faults
@@ -368,7 +366,21 @@ def _clean_exit(summary: Mapping[str, Any] | None, seen: Observation) -> list[st
         and f["kind"] in _KILLED
         and not f.get("detail", {}).get("resume_after_s")
     }
+    if seen.exit_code != 0 and not _only_our_kills(summary, seen.exit_code, ended):
+        out.append(f"keepstep run exited with {seen.exit_code}")
     for node, code in ((summary or {}).get("agent_exit_codes") or {}).items():
         if code != 0 and node not in ended:
             out.append(f"agent {node} exited with {code}")
     return out
+
+
+def _only_our_kills(
+    summary: Mapping[str, Any] | None, exit_code: int | None, ended: set[str]
+) -> bool:
+    """Whether `keepstep run` exited 1 only because agents this harness killed exited by
+    their signal: the launcher injected none of the harness's faults, so it counts those
+    exits among its failures (`summary["failures"]`, one sentence per agent)."""
+    failures = (summary or {}).get("failures")
+    if exit_code != 1 or not failures:
+        return False
+    return all(any(f.startswith(f"agent {n} exited with ") for n in ended) for f in failures)
