@@ -160,6 +160,20 @@ def test_reader_follows_growing_files(tmp_path: Path) -> None:
     assert build_view(done, now=T)["status"] == "finished"
 
 
+def test_a_run_whose_members_disagree_is_failed_not_finished() -> None:
+    done = finished_inputs()
+    assert build_view(done, now=T)["failures"] == []
+    disagree = {**done.summary, "params_sha256": None, "failures": ["the workers finished "
+                "with 2 different parameter digests"]}  # fmt: skip
+    view = build_view(RunInputs("demo", done.events, FAULTS, disagree, 10), now=T)
+    assert view["status"] == "failed"
+    assert view["failures"] == ["the workers finished with 2 different parameter digests"]
+    # A summary from before the launcher wrote its verdict: disagreeing digests fail it.
+    old = {k: v for k, v in disagree.items() if k != "failures"}
+    old["params_sha256_disagree"] = ["ab" * 32, "cd" * 32]
+    assert build_view(RunInputs("demo", done.events, FAULTS, old, 10), now=T)["status"] == "failed"
+
+
 def test_reader_skips_a_damaged_line(tmp_path: Path) -> None:
     write_lines(tmp_path / "events-n0.jsonl", run_events()[:1], tail='{"t": 1, "ki\n')
     write_lines(tmp_path / "events-n0.jsonl", run_events()[1:2])

@@ -67,6 +67,7 @@ def build_view(inputs: RunInputs, now: float) -> dict[str, Any]:
         "steps_total": inputs.steps_total,
         "world_size": commits[-1].world_size if commits else 0,
         "params_sha256": (inputs.summary or {}).get("params_sha256"),
+        "failures": _failures(inputs.summary),
         "throughput": _throughput(commits, t0),
         "world": {
             "t": [c.t - t0 for c in commits],
@@ -83,9 +84,23 @@ def build_view(inputs: RunInputs, now: float) -> dict[str, Any]:
     }
 
 
+def _failures(summary: Mapping[str, Any] | None) -> list[str]:
+    """Why a finished run failed (the launcher's verdict); a summary written before the
+    verdict existed fails when its workers reported different parameter digests."""
+    if summary is None:
+        return []
+    if "failures" in summary:
+        return [str(f) for f in summary["failures"] or []]
+    disagree = summary.get("params_sha256_disagree") or []
+    if not disagree:
+        return []
+    return [f"the workers finished with {len(disagree)} different parameter digests"]
+
+
 def _status(inputs: RunInputs, events: Sequence[Mapping[str, Any]], now: float) -> str:
     if inputs.summary is not None:
-        return "finished"
+        # A run that ended with disagreeing members (or a failed agent) is not "finished".
+        return "failed" if _failures(inputs.summary) else "finished"
     if not events:
         return "starting"
     return "live" if now - float(events[-1]["t"]) < STALE_S else "stopped"

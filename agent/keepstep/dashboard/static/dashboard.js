@@ -126,6 +126,9 @@ function drawKpis(view) {
   const badge = document.getElementById("status");
   badge.textContent = view.status;
   badge.className = `badge ${view.status}`;
+  // Why a run failed, on hover and beside the badge: a red badge alone says too little.
+  badge.title = view.failures.join("\n");
+  setText("failures", view.failures.join("; "));
   setText("kpi-step", view.steps_total ? `${view.step} / ${view.steps_total}` : `${view.step}`);
   setText("kpi-world", view.world_size);
   setText("kpi-recoveries", view.recoveries.length);
