@@ -1,7 +1,7 @@
 """The TrainJob CRD and the install manifests against a real kube-apiserver, through the real
 kubectl: the CRD is accepted and served, the samples are admitted with their defaults filled
 in, every invalid spec is refused with a message that names the values, immutable fields
-stay put, `kubectl scale` and the status subresource work, `kubectl get tj` shows the
+stay put, `kubectl scale` and the status subresource work, `kubectl get kstj` shows the
 columns, and the operator's RBAC, Deployment and etcd StatefulSet pass a server-side dry run.
 """
 
@@ -47,7 +47,7 @@ def create(cp: ControlPlane, namespace: str, job: Job) -> Any:
 
 def get(cp: ControlPlane, namespace: str, name: str) -> Any:
     return json.loads(
-        cp.kubectl("get", "tj", name, "-n", namespace, "-o", "json", check=True).stdout
+        cp.kubectl("get", "kstj", name, "-n", namespace, "-o", "json", check=True).stdout
     )
 
 
@@ -56,7 +56,7 @@ def refused(cp: ControlPlane, namespace: str, job: Job) -> str:
     done = cp.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(job))
     assert done.returncode != 0, f"accepted: {json.dumps(job['spec'])}"
     name = job["metadata"]["name"]
-    missing = cp.kubectl("get", "tj", name, "-n", namespace, "--ignore-not-found", "-o", "name")
+    missing = cp.kubectl("get", "kstj", name, "-n", namespace, "--ignore-not-found", "-o", "name")
     assert missing.stdout == "", missing.stdout
     return done.stderr
 
@@ -159,7 +159,7 @@ def test_immutable_fields_cannot_change_and_the_others_can(
     for (group, field), new in IMMUTABLE.items():
         patch = json.dumps({"spec": {group: {field: new}}})
         done = cp.kubectl(
-            "patch", "tj", "transformer", "-n", namespace, "--type=merge", "-p", patch
+            "patch", "kstj", "transformer", "-n", namespace, "--type=merge", "-p", patch
         )
         assert done.returncode != 0, f"{group}.{field} changed to {new!r}"
         old = sample["spec"][group][field]
@@ -175,7 +175,7 @@ def test_immutable_fields_cannot_change_and_the_others_can(
         "checkpoint": {"everySteps": 10},
     }
     cp.kubectl(
-        "patch", "tj", "transformer", "-n", namespace, "--type=merge", "-p",
+        "patch", "kstj", "transformer", "-n", namespace, "--type=merge", "-p",
         json.dumps({"spec": mutable}), check=True,
     )  # fmt: skip
     spec = get(cp, namespace, "transformer")["spec"]
@@ -191,9 +191,9 @@ def test_scale_sets_num_nodes_within_the_elastic_range(cp: ControlPlane, namespa
     done = cp.kubectl("scale", "trainjob/transformer", "-n", namespace, "--replicas=4")
     assert done.returncode == 0, done.stderr
     assert get(cp, namespace, "transformer")["spec"]["trainer"]["numNodes"] == 4
-    done = cp.kubectl("scale", "tj/transformer", "-n", namespace, "--replicas=5")
+    done = cp.kubectl("scale", "kstj/transformer", "-n", namespace, "--replicas=5")
     assert "trainer.numNodes (5) must be <= elasticPolicy.maxNodes (4)" in done.stderr
-    done = cp.kubectl("scale", "tj/transformer", "-n", namespace, "--replicas=1")
+    done = cp.kubectl("scale", "kstj/transformer", "-n", namespace, "--replicas=1")
     assert "elasticPolicy.minNodes (2) must be <= trainer.numNodes (1)" in done.stderr
     assert get(cp, namespace, "transformer")["spec"]["trainer"]["numNodes"] == 4
 
@@ -218,7 +218,7 @@ STATUS = {
 
 def patch_status(cp: ControlPlane, namespace: str, status: Job) -> Any:
     return cp.kubectl(
-        "patch", "tj", "transformer", "-n", namespace, "--subresource=status", "--type=merge",
+        "patch", "kstj", "transformer", "-n", namespace, "--subresource=status", "--type=merge",
         "-p", json.dumps({"status": status}),
     )  # fmt: skip
 
@@ -231,11 +231,11 @@ def test_status_subresource_takes_status_and_only_status(cp: ControlPlane, names
     assert job["status"] == STATUS
     # Through /status the spec does not change; through the main resource the status does not.
     cp.kubectl(
-        "patch", "tj", "transformer", "-n", namespace, "--subresource=status", "--type=merge",
+        "patch", "kstj", "transformer", "-n", namespace, "--subresource=status", "--type=merge",
         "-p", '{"spec": {"trainer": {"numNodes": 4}}}', check=True,
     )  # fmt: skip
     cp.kubectl(
-        "patch", "tj", "transformer", "-n", namespace, "--type=merge",
+        "patch", "kstj", "transformer", "-n", namespace, "--type=merge",
         "-p", '{"status": {"step": 0}}', check=True,
     )  # fmt: skip
     job = get(cp, namespace, "transformer")
@@ -252,17 +252,58 @@ def test_status_subresource_takes_status_and_only_status(cp: ControlPlane, names
     assert scale["status"]["selector"] == "keepstep.dev/job=transformer"
 
 
-def test_get_tj_shows_the_printer_columns(cp: ControlPlane, namespace: str) -> None:
+def test_get_kstj_shows_the_printer_columns(cp: ControlPlane, namespace: str) -> None:
     create(cp, namespace, load("samples/trainjob.yaml"))
     assert patch_status(cp, namespace, STATUS).returncode == 0
-    table = cp.kubectl("get", "tj", "-n", namespace, check=True).stdout.split("\n")
+    table = cp.kubectl("get", "kstj", "-n", namespace, check=True).stdout.split("\n")
     assert table[0].split() == ["NAME", "NODES", "STEP", "PHASE", "MTTR", "AGE"]
     assert table[1].split()[:5] == ["transformer", "3", "42", "Running", "0.37"]
-    wide = cp.kubectl("get", "tj", "-n", namespace, "-o", "wide", check=True).stdout.split("\n")
+    wide = cp.kubectl("get", "kstj", "-n", namespace, "-o", "wide", check=True).stdout.split("\n")
     assert wide[0].split()[6:] == ["DESIRED", "WORLD", "EPOCH", "RECOVERIES"]
     assert wide[1].split()[6:] == ["3", "6", "2", "1"]
     everything = cp.kubectl("get", "all", "-n", namespace, "-o", "name", check=True).stdout
     assert "trainjob.keepstep.dev/transformer" in everything.split()
+
+
+# Another project's TrainJob: the same kind in another group, with the short name "tj".
+OTHER_TRAINJOB_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "trainjobs.trainer.example.org"},
+    "spec": {
+        "group": "trainer.example.org",
+        "scope": "Namespaced",
+        "names": {"kind": "TrainJob", "plural": "trainjobs", "singular": "trainjob",
+                  "listKind": "TrainJobList", "shortNames": ["tj"]},
+        "versions": [{"name": "v1", "served": True, "storage": True, "schema": {
+            "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+        }}],
+    },
+}  # fmt: skip
+
+
+def test_the_crd_lives_beside_another_trainjob_kind(cp: ControlPlane, namespace: str) -> None:
+    """Installed beside another TrainJob CRD (Kubeflow Trainer's is one), keepstep's jobs are
+    reached by their full name and by a short name that is theirs alone."""
+    crd = json.dumps(OTHER_TRAINJOB_CRD)
+    cp.kubectl("apply", "-f", "-", input=crd, check=True)
+    try:
+        name = "crd/trainjobs.trainer.example.org"
+        cp.kubectl("wait", "--for=condition=Established", name, "--timeout=30s", check=True)
+        create(cp, namespace, load("samples/trainjob.yaml"))
+        other = {"apiVersion": "trainer.example.org/v1", "kind": "TrainJob",
+                 "metadata": {"name": "theirs"}}  # fmt: skip
+        cp.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(other), check=True)
+
+        def names(resource: str) -> list[str]:
+            out = cp.kubectl("get", resource, "-n", namespace, "-o", "name", check=True).stdout
+            return out.split()
+
+        ours = ["trainjob.keepstep.dev/transformer"]
+        assert names("trainjobs.keepstep.dev") == names("kstj") == ours
+        assert names("trainjobs.trainer.example.org") == ["trainjob.trainer.example.org/theirs"]
+    finally:
+        cp.kubectl("delete", "-f", "-", "--wait=false", input=crd)
 
 
 def test_install_manifests_pass_a_server_side_dry_run(cp: ControlPlane) -> None:

@@ -231,7 +231,7 @@ def test_status_from_agent_records_then_success_then_cleanup(env: Env, kv: EtcdK
     assert status["recoveries"] == 2
     assert status["mttrP50Seconds"] == 0.4 and status["lastMttrSeconds"] == 0.5
     assert {c["type"]: c["status"] for c in status["conditions"]}["Running"] == "True"
-    printed = env.kubectl("get", "tj", "delta")
+    printed = env.kubectl("get", "kstj", "delta")
     assert "Running" in printed and "22" in printed
 
     for member in members:

@@ -214,7 +214,7 @@ def test_kubectl_scale_from_3_to_4_nodes(training: Training, reference: str) -> 
     steps = world_by_step(events)
     assert steps[0] == 3 and steps[STEPS - 1] == 4, steps
     assert status["worldSize"] == 4, status
-    assert t.kubectl("get", "tj", name, "-o", "jsonpath={.spec.trainer.numNodes}") == "4"
+    assert t.kubectl("get", "kstj", name, "-o", "jsonpath={.spec.trainer.numNodes}") == "4"
     print(
         f"\nafter kubectl scale, seconds: pod bound {created:.2f}, "
         f"world 4 {grown[0]['t'] - scaled_at:.2f} (at step {grown[0]['step']})"

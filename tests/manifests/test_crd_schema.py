@@ -85,7 +85,7 @@ def test_names_group_and_version(crd: dict[str, Any]) -> None:
         "trainjobs",
         "trainjob",
     ]
-    assert names["shortNames"] == ["tj"]
+    assert names["shortNames"] == ["kstj"]
     assert "all" in names["categories"]
     version = crd_version(crd)
     assert version["served"] is True and version["storage"] is True

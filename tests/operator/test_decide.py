@@ -267,6 +267,8 @@ def test_every_worker_done_marks_the_job_succeeded_with_its_parameters() -> None
     d = run(j, pods, ag)
     assert d.status["phase"] == "Succeeded"
     assert d.status["paramsSha256"] == SHA
+    true = {c["type"] for c in d.status["conditions"] if c["status"] == "True"}
+    assert true == {"Succeeded", "Complete"}  # Complete: what `kubectl wait` users expect
     assert not d.of(CreatePod) and not d.of(DeletePod)
     assert any(e.reason == "Succeeded" for e in d.of(Event))
 

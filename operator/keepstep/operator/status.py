@@ -191,6 +191,9 @@ def build_status(
             why if below else "",
         ),
         Condition("Succeeded", phase is Phase.SUCCEEDED, str(phase), why),
+        # Kubernetes Jobs and Kubeflow's TrainJob name success "Complete": tools that wait
+        # for it (`kubectl wait --for=condition=Complete`) work on a TrainJob too.
+        Condition("Complete", phase is Phase.SUCCEEDED, str(phase), why),
         Condition("Failed", phase is Phase.FAILED, failed_reason or str(phase), why),
         *extra,
     ]
