@@ -92,6 +92,10 @@ def test_a_job_runs_to_completion_where_pod_security_is_restricted(training: Tra
     status = t.status("mlp")
     assert status["phase"] == "Succeeded", t.report()
     assert status["step"] == 12 and len(status["paramsSha256"]) == 64, status
+    true = {c["type"] for c in status["conditions"] if c["status"] == "True"}
+    assert {"Succeeded", "Complete"} <= true, status["conditions"]
+    # The agents reported their snapshot files: later pods get a /dev/shm sized for them.
+    assert status.get("snapshotBytes", 0) > 0, status
     for pod in t.pods("mlp").values():
         spec = pod["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True

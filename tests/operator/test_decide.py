@@ -320,6 +320,22 @@ def test_status_figures_come_from_the_agent_records() -> None:
     assert s["samplesPerSecond"] == 250.0
     assert s["recoveries"] == 3
     assert s["mttrP50Seconds"] == 0.7 and s["lastMttrSeconds"] == 0.9
+    assert "snapshotBytes" not in s  # no agent reported its snapshot files yet
+
+
+def test_the_largest_reported_snapshot_sizes_the_next_pods_dev_shm() -> None:
+    nodes = ["demo-node-0", "demo-node-1"]
+    sizes = {"demo-node-0": 300 << 20, "demo-node-1": 500 << 20}
+    ag = replace(
+        agents(nodes, epoch=1),
+        progress={n: progress(n, 5, snapshot_bytes=b) for n, b in sizes.items()},
+    )
+    d = run(job(nodes=3, status={"phase": "Running", "nextPodIndex": 2}), [running(0)], ag)
+    assert d.status["snapshotBytes"] == 500 << 20
+    # Sticky: a smaller report (a node that has not committed since a resume) keeps it.
+    ag = replace(ag, progress={"demo-node-0": progress("demo-node-0", 6, snapshot_bytes=1)})
+    status = {"phase": "Running", "nextPodIndex": 2, "snapshotBytes": 500 << 20}
+    assert run(job(nodes=2, status=status), [running(0)], ag).status["snapshotBytes"] == 500 << 20
 
 
 def test_conditions_keep_their_transition_time_while_their_status_holds() -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml  # type: ignore[import-untyped]  # no stubs in the pinned environment
 from op_builders import ETCD, UID, job, job_object
 
 from keepstep.operator.errors import SpecError
@@ -16,7 +19,10 @@ from keepstep.operator.podspec import (
     pod_name,
     resumes_from_checkpoint,
     service_manifest,
+    shm_size_limit,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_pod_runs_the_agent_with_the_jobs_shape_then_the_training_command() -> None:
@@ -255,6 +261,48 @@ def test_a_pod_template_is_laid_over_the_defaults_and_the_operator_keeps_its_own
         plain["metadata"]["ownerReferences"],
     )
     assert (spec["restartPolicy"], spec["subdomain"]) == ("Never", "demo")
+
+
+def shm_volume(pod: dict[str, Any]) -> dict[str, Any]:
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == "keepstep-shm"]
+    return dict(volume)
+
+
+def test_dev_shm_is_sized_from_the_snapshot_the_agents_reported() -> None:
+    # Before any report the memory-backed volume is bounded by the pod's memory limit only.
+    assert shm_volume(pod_manifest(job(), 0, ETCD))["emptyDir"] == {"medium": "Memory"}
+    reported = Job.from_object(job_object(status={"snapshotBytes": 1000 << 20}))
+    limit = shm_volume(pod_manifest(reported, 3, ETCD))["emptyDir"]["sizeLimit"]
+    assert limit == "1756Mi"  # 1.5 x 1000 Mi + 256 Mi of headroom
+    assert shm_size_limit(0) is None and shm_size_limit("12") is None
+    # A template's own /dev/shm volume is the user's choice: left as given.
+    obj = job_object(status={"snapshotBytes": 1000 << 20})
+    obj["spec"]["podTemplate"] = TEMPLATE
+    own = shm_volume(pod_manifest(Job.from_object(obj), 3, ETCD))
+    assert own["emptyDir"]["sizeLimit"] == "8Gi"
+
+
+def test_the_transformer_s3_sample_gets_a_dev_shm_its_snapshot_fits_in() -> None:
+    """The sample's model (examples/transformer.py with the sample's sizes) keeps its
+    parameters and AdamW's two moments in each snapshot: at least 12 bytes a parameter."""
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "examples"))
+    try:
+        from transformer import TinyGPT
+    finally:
+        sys.path.pop(0)
+    obj = yaml.safe_load((REPO / "manifests" / "samples" / "transformer-s3.yaml").read_text())
+    args = obj["spec"]["trainer"]["args"]
+    sizes = dict(zip(args[::2], (int(a) for a in args[1::2]), strict=True))
+    with torch.device("meta"):  # counted, not allocated
+        model = TinyGPT(128, sizes["--seq"], sizes["--d-model"], sizes["--layers"], 4)
+    n = sum(p.numel() for p in model.parameters())
+    assert n > 10_000_000  # the ~11M-parameter benchmark model
+    snapshot = 3 * 4 * n
+    obj["status"] = {"snapshotBytes": snapshot}
+    obj["metadata"].update(namespace="ml", uid=UID)
+    limit = shm_volume(pod_manifest(Job.from_object(obj), 0, ETCD))["emptyDir"]["sizeLimit"]
+    assert limit.endswith("Mi") and int(limit[:-2]) << 20 >= 1.5 * snapshot
 
 
 def job_with_template(template: dict[str, Any]) -> Job:

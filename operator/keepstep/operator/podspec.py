@@ -161,7 +161,26 @@ def pod_manifest(
         },
         "spec": spec,
     }
-    return job.spec.template.apply(pod)
+    return job.spec.template.apply(pod, shm_size_limit(job.status.get("snapshotBytes")))
+
+
+# /dev/shm holds the node's snapshot files. The agents report their size (status
+# snapshotBytes, the largest node's); a new pod gets that with room to grow (the optimizer's
+# slots appear at the first step, a resumed job may load a larger state) and headroom for
+# torch's own shared memory (data-loader workers). Before any report, no sizeLimit: the
+# memory-backed volume is bounded by the pod's memory limit.
+SHM_MARGIN = 1.5
+SHM_HEADROOM_BYTES = 256 << 20
+
+
+def shm_size_limit(snapshot_bytes: object) -> str | None:
+    """The sizeLimit quantity ("<n>Mi") of /dev/shm for snapshots of `snapshot_bytes`."""
+    if not isinstance(snapshot_bytes, int) or isinstance(snapshot_bytes, bool):
+        return None
+    if snapshot_bytes <= 0:
+        return None
+    wanted = int(snapshot_bytes * SHM_MARGIN) + SHM_HEADROOM_BYTES
+    return f"{-(-wanted // (1 << 20))}Mi"
 
 
 def _not_in(key: str, values: list[str]) -> dict[str, Any]:

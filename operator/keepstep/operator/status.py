@@ -25,6 +25,7 @@ OWNED = (
     "worldSize",
     "step",
     "lastSnapshotStep",
+    "snapshotBytes",
     "epoch",
     "recoveries",
     "mttrP50Seconds",
@@ -44,6 +45,7 @@ OWNED = (
 _STICKY = (
     "step",
     "lastSnapshotStep",
+    "snapshotBytes",
     "epoch",
     "samplesPerSecond",
     "recoveries",
@@ -68,6 +70,9 @@ def agent_figures(agents: AgentView | None, old: Mapping[str, Any]) -> dict[str,
         # Every member holds a snapshot of at least this step: what a recovery rolls back to.
         current = [p for p in progress if p.epoch == newest.epoch]
         out["lastSnapshotStep"] = min(p.step for p in current)
+        largest = max(p.snapshot_bytes for p in progress)
+        if largest > 0:  # the largest node's snapshot files: what /dev/shm must hold
+            out["snapshotBytes"] = max(largest, int(out.get("snapshotBytes", 0)))
     if agents.epoch is not None:
         out["epoch"] = max(int(out.get("epoch", 0)), agents.epoch.epoch)
     out.setdefault("step", 0)

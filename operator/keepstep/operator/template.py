@@ -40,9 +40,10 @@ CONTAINER_SECURITY: Mapping[str, Any] = {
     "readOnlyRootFilesystem": True,
     "capabilities": {"drop": ["ALL"]},
 }
+SHM_VOLUME = "keepstep-shm"
 VOLUMES: tuple[Mapping[str, Any], ...] = (
     {"name": "keepstep-tmp", "emptyDir": {}},
-    {"name": "keepstep-shm", "emptyDir": {"medium": "Memory"}},
+    {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}},
 )
 MOUNTS: tuple[Mapping[str, Any], ...] = (
     {"name": "keepstep-tmp", "mountPath": "/tmp"},
@@ -179,9 +180,11 @@ class PodTemplate:
                 "false as well if the agent must run as root"
             )
 
-    def apply(self, pod: dict[str, Any]) -> dict[str, Any]:
+    def apply(self, pod: dict[str, Any], shm_size_limit: str | None = None) -> dict[str, Any]:
         """The operator's `pod` (one agent container) hardened and with this template laid
-        over it; the operator's own labels, container and identity are kept."""
+        over it; the operator's own labels, container and identity are kept.
+        `shm_size_limit`: the sizeLimit of the default /dev/shm volume (a template volume
+        of that name replaces it whole)."""
         pod = copy.deepcopy(pod)
         meta, spec = pod["metadata"], pod["spec"]
         meta["labels"] = {**self.labels, **meta.get("labels", {})}
@@ -194,6 +197,11 @@ class PodTemplate:
             if source in s:
                 spec[target] = copy.deepcopy(s[source])
         spec["volumes"] = merge_by(VOLUMES, s.get("volumes", ()), "name")
+        own = {str(v["name"]) for v in s.get("volumes", ())}
+        if shm_size_limit is not None and SHM_VOLUME not in own:
+            for volume in spec["volumes"]:
+                if volume["name"] == SHM_VOLUME:
+                    volume["emptyDir"] = {**volume["emptyDir"], "sizeLimit": shm_size_limit}
         (container,) = spec["containers"]
         security = {**copy.deepcopy(CONTAINER_SECURITY), **s.get("containerSecurityContext", {})}
         container["securityContext"] = security

@@ -68,9 +68,12 @@ class ProgressPublisher:
         a step short."""
         self._write()
 
-    def record(self, commit: dict[str, Any], leads: bool = True) -> float | None:
-        """Note a commit (`leads`: this node hosts the epoch's first member); samples/s is over
-        the last 20 commits. Returns the MTTR of the recovery this commit ends, if any."""
+    def record(
+        self, commit: dict[str, Any], leads: bool = True, snapshot_bytes: int = 0
+    ) -> float | None:
+        """Note a commit (`leads`: this node hosts the epoch's first member; `snapshot_bytes`:
+        what the node's snapshot files hold now); samples/s is over the last 20 commits.
+        Returns the MTTR of the recovery this commit ends, if any."""
         closed: float | None = None
         now, step = time.time(), int(commit["step"])
         with self._lock:
@@ -89,6 +92,7 @@ class ProgressPublisher:
                 rate * self.global_batch,
                 self._last_mttr,
                 now,
+                snapshot_bytes,
             )
         self._due.set()
         return closed

@@ -72,13 +72,25 @@ class Reports:
         state = self.workers.committed(report.member)
         cur = self.view.current
         first = cur.members[0] if cur is not None else None
-        mttr = self.progress.record(record, leads=first in self.members)
+        mttr = self.progress.record(
+            record, leads=first in self.members, snapshot_bytes=self._snapshot_bytes()
+        )
         entered = state.entered
         if mttr is not None and entered is not None and entered.epoch == report.epoch:
             self._publish_recovery(report.member, {**record_fields(entered), "mttr_s": mttr})
         # One writer per job: the first worker of the epoch's first node.
         if self.durable is not None and first == report.member:
             self.durable.after_commit(snapshot_path(self.cfg, report.member), report.step + 1)
+
+    def _snapshot_bytes(self) -> int:
+        """What this node's snapshot files take (one stat per local member)."""
+        total = 0
+        for member in self.members:
+            try:
+                total += snapshot_path(self.cfg, member).stat().st_size
+            except OSError:  # not written yet, or removed with its worker
+                continue
+        return total
 
     def finished(self, report: Finish) -> None:
         self.events.write(

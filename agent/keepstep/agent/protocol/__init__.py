@@ -135,6 +135,9 @@ class ProgressRecord:
     samples_per_s: float = 0.0
     last_mttr_s: float | None = None
     updated_at: float = 0.0
+    # Bytes of this node's snapshot files (in /dev/shm on a pod): the operator sizes the
+    # memory-backed /dev/shm of the pods it creates from the largest report.
+    snapshot_bytes: int = 0
 
 
 @dataclass(frozen=True)
