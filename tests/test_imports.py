@@ -32,6 +32,9 @@ TORCH_FREE = [
     "keepstep.launch.cli",
     "keepstep.argtypes",
     "keepstep.resources",
+    "keepstep.checkpoint",
+    "keepstep.checkpoint.cli",
+    "keepstep.checkpoint.catalog",
 ]
 
 HEAVY = ("torch", "numpy", "numba")
@@ -52,7 +55,9 @@ def test_module_imports_no_torch(module: str) -> None:
     assert not loaded & set(HEAVY), f"{module} pulled in {sorted(loaded & set(HEAVY))}"
 
 
-@pytest.mark.parametrize("command", ["dashboard --help", "chaos --help", "--help"])
+@pytest.mark.parametrize(
+    "command", ["dashboard --help", "chaos --help", "checkpoint --help", "--help"]
+)
 def test_tool_help_starts_without_torch(command: str) -> None:
     argv = ["keepstep", *command.split()]
     code = (

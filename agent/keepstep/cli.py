@@ -5,6 +5,7 @@ keepstep agent ...      the node agent (what a pod runs; `keepstep run` starts t
 keepstep selfcheck ...  check bit-identical parameters across rank counts
 keepstep dashboard ...  a web page for live and finished runs
 keepstep chaos ...      seeded fault schedules with invariants
+keepstep checkpoint ... list durable checkpoints, or export one as plain state dicts
 keepstep files [NAME]   the files shipped with keepstep (examples, scenarios, the CRD)
 keepstep --version
 
@@ -175,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     from keepstep.chaos.cli import register as register_chaos
 
     register_chaos(sub)
+    from keepstep.checkpoint.cli import register as register_checkpoint
+
+    register_checkpoint(sub)
     files = sub.add_parser(
         "files",
         help="list the files shipped with keepstep, or print where one is",

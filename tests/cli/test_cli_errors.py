@@ -85,6 +85,14 @@ CASES: list[tuple[str, list[str], str]] = [
     ("chaos-report", ["chaos", "check", "{tmp}/nope.json"], "nope.json"),
     ("chaos-bad-report", ["chaos", "check", "{tmp}/bad.json"], "not a report written by"),
     ("files", ["files", "nope"], "no shipped file 'nope'; shipped: "),
+    ("checkpoint-no-verb", ["checkpoint"], "the following arguments are required: VERB"),
+    ("checkpoint-scheme", ["checkpoint", "ls", "memory://x"], "URL 'memory://x': unsupported"),
+    ("checkpoint-s3", ["checkpoint", "ls", "s3://b/ckpt"], "no S3 cred"),
+    ("checkpoint-empty", ["checkpoint", "ls", "{tmp}/none"], "{tmp}/none: no checkpoint there"),
+    ("checkpoint-exists", ["checkpoint", "export", "{tmp}", "{tmp}/bad.json"], "OUT {tmp}/bad"),
+    ("checkpoint-out-dir", ["checkpoint", "export", "{tmp}", "{tmp}/no/o.pt"], "no directory"),
+    ("checkpoint-step", ["checkpoint", "export", "--step", "-1", "x", "o"], "--step: -1: must"),
+    ("checkpoint-format", ["checkpoint", "export", "--format", "onnx", "x", "o"], "'onnx'"),
 ]
 
 
@@ -219,7 +227,16 @@ def test_a_runtime_failure_exits_1_and_a_usage_error_2(
 
 
 @pytest.mark.parametrize(
-    "argv", [["--version"], ["files"], ["files", "mlp"], ["run", "--help"], ["agent", "--help"]]
+    "argv",
+    [
+        ["--version"],
+        ["files"],
+        ["files", "mlp"],
+        ["run", "--help"],
+        ["agent", "--help"],
+        ["checkpoint", "--help"],
+        ["checkpoint", "export", "--help"],
+    ],
 )
 def test_commands_that_need_no_torch_do_not_import_it(argv: list[str], tmp_path: Path) -> None:
     proc = subprocess.run(

@@ -127,7 +127,7 @@ def restore(
     Everything is checked before anything is written, so a StateShapeError leaves the
     model, optimizer and tracked objects as they were.
     """
-    meta = _load_meta(state.meta)
+    meta = load_meta(state.meta)
     t = state.tensors
     entries = meta.get("tracked", [])
     expected = (
@@ -298,7 +298,7 @@ class _PlainUnpickler(pickle.Unpickler):
         )
 
 
-def _load_meta(raw: bytes) -> dict[str, Any]:
+def load_meta(raw: bytes) -> dict[str, Any]:
     try:
         meta = _PlainUnpickler(io.BytesIO(raw)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
