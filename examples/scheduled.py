@@ -7,8 +7,10 @@ part of the hash every member reports. The rule: advance it after `if step.commi
 
     scripts/env python examples/scheduled.py --global-batch 48 --micro-batch 4 --steps 30
 
-`--grad-scaler` adds a GradScaler (loss scaling, here in fp32): the scaled gradient is
-unscaled by a `before_optimizer_step` hook, before clipping, as torch's AMP recipe does.
+`--amp bf16|fp16` runs the forward under CPU autocast (the parameters stay float32).
+`--grad-scaler` scales the loss with a GradScaler that the job drives (`grad_scaler=`):
+it unscales the reduced gradient before clipping and skips a step whose gradient
+overflowed, on every member alike, as torch's AMP recipe does. fp16 turns it on.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,12 +38,14 @@ class Progress:
         self.steps = 0
         self.samples = 0
         self.clipped = 0  # steps whose gradient norm was over the clip
+        self.skipped = 0  # steps the loss scaling skipped (their gradient overflowed)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self.steps, "samples": self.samples, "clipped": self.clipped}
+        return {k: getattr(self, k) for k in ("steps", "samples", "clipped", "skipped")}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.steps, self.samples, self.clipped = state["steps"], state["samples"], state["clipped"]
+        for key, value in state.items():
+            setattr(self, key, value)
 
 
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
@@ -60,7 +65,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--clip", type=float, default=0.5, help="max global gradient norm")
-    parser.add_argument("--grad-scaler", action="store_true", help="scale the loss (fp32 here)")
+    parser.add_argument("--grad-scaler", action="store_true", help="scale the loss")
+    parser.add_argument("--amp", choices=("bf16", "fp16"), help="autocast the forward")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds per micro-batch (demos)")
     args = parser.parse_args()
 
@@ -68,6 +74,14 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     progress = Progress()
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp or "")
+    # float16's range needs loss scaling; the job unscales, skips and updates the scale.
+    use_scaler = args.grad_scaler or amp is torch.float16
+    # The first fp16 steps are often skipped while the scale comes down from its start; the
+    # schedule still follows the step index, as in torch's AMP recipe, and torch's warning
+    # that the optimizer has not stepped yet is expected then.
+    warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
+    scaler = torch.amp.GradScaler("cpu", growth_interval=3) if use_scaler else None
     job = keepstep.init(
         model,
         optimizer,
@@ -77,28 +91,24 @@ def main() -> None:
         args.seed,
         clip_grad_norm=args.clip,
         state={"ema": ema, "progress": progress},
+        grad_scaler=scaler,
     )
     total = args.steps if args.steps is not None else job.config.planned_steps or 1
     # Built after init, which knows the step count a launcher set: then tracked by name.
     sched = job.track("sched", LambdaLR(optimizer, warmup_cosine(max(1, total // 5), total)))
-    scaler = None
-    if args.grad_scaler:
-        scaler = torch.amp.GradScaler("cpu", growth_interval=3)
-        job.track("scaler", scaler)
-        job.before_optimizer_step(lambda _model, opt: scaler.unscale_(opt))
 
     for step in job.steps(args.steps):
         for mb in step.micro_batches():
-            loss = F.mse_loss(model(mb.inputs), mb.targets)
+            with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+                loss = F.mse_loss(model(mb.inputs), mb.targets)
             step.backward(scaler.scale(loss) if scaler is not None else loss)
             time.sleep(args.sleep)
         result = step.commit()
         if result:  # only a committed step advances what the job tracks
             sched.step()
             ema.update_parameters(model)
-            if scaler is not None:
-                scaler.update()
             progress.steps += 1
+            progress.skipped += int(result.skipped)
             progress.samples += job.config.global_batch
             progress.clipped += int((result.grad_norm or 0.0) > args.clip)
             if job.is_leader and step.index % 10 == 0:

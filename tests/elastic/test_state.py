@@ -17,6 +17,7 @@ from keepstep.elastic.train_state import (
     capture,
     check_layout,
     layout_signature,
+    params_sha256,
     restore,
 )
 
@@ -242,3 +243,13 @@ def test_non_plain_values_are_refused() -> None:
         restore(TrainState(0, {}, evil), model, opt)
     with pytest.raises(ConfigError):
         TrainState(-1, {}, b"")
+
+
+def test_params_sha256_covers_0_dim_state_and_tracked_state() -> None:
+    # BatchNorm's num_batches_tracked is a 0-dim tensor: it has no byte view of its own.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    state = model.state_dict()
+    digest = params_sha256(state, None)
+    state["1.num_batches_tracked"] += 1
+    assert params_sha256(state, None) != digest
+    assert params_sha256(state, "ab" * 32) != params_sha256(state, None)

@@ -19,7 +19,7 @@ from keepstep.launch.local import LocalResult, LocalRun, agreed_sha, run_local
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = str(REPO / "examples" / "scheduled.py")
 STEPS, GB, MB = 12, 48, 4
-KINDS = ("sched", "scaler", "ema", "progress")
+KINDS = ("sched", "grad_scaler", "ema", "progress")
 FINAL = re.compile(r"^final steps=(\d+) clipped=(\d+) params_sha256=(\w+) (.*)$", re.M)
 
 pytestmark = pytest.mark.slow

@@ -17,13 +17,13 @@ unpickler that builds plain values only (a checkpoint may come from anywhere).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from keepstep.elastic import train_state
 from keepstep.elastic.errors import SnapshotCorrupt
 from keepstep.elastic.snapshot_format import TensorEntry, read_index
 from keepstep.elastic.snapshot_layout import (
@@ -87,16 +87,8 @@ def decode(step: int, blob: bytes) -> Contents:
 
 def params_sha256(model: Mapping[str, torch.Tensor], tracked: TrackedState) -> str:
     """``Job.params_sha256`` of a job whose model has this state dict and whose tracked
-    objects are ``tracked``: sha256 over the state dict's keys and bytes in order, then the
-    tracked state's hash. (reshape(-1) gives a 0-dim tensor a byte view: same bytes.)"""
-    digest = hashlib.sha256()
-    for key, value in model.items():
-        digest.update(key.encode())
-        raw = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-        digest.update(raw.numpy().tobytes())
-    if tracked.names:
-        digest.update(b"tracked:" + tracked.sha256().encode())
-    return digest.hexdigest()
+    objects are ``tracked``."""
+    return train_state.params_sha256(model, tracked.sha256() if tracked.names else None)
 
 
 class _Held:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -58,6 +58,12 @@ def controller_from_env(env: Mapping[str, str]) -> Controller:
     return controller
 
 
+def _names(metrics: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(metrics, str):  # a tuple of its letters is never what was meant
+        raise ConfigError(f"metrics={metrics!r} must be a sequence of names, e.g. ({metrics!r},)")
+    return tuple(metrics)
+
+
 def _snapshot_buffer(path: str | None) -> SnapshotBuffer:
     if not path:
         return MemoryBuffer(0)
@@ -78,16 +84,26 @@ def init(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     state: Mapping[str, Stateful] | None = None,
     clip_grad_norm: float | None = None,
+    grad_scaler: torch.amp.GradScaler | None = None,
+    metrics: Sequence[str] = (),
+    prefetch: int = 0,
     controller: Controller | None = None,
     snapshot_path: str | None = None,
     env: Mapping[str, str] | None = None,
 ) -> Job:
     """Make a plain PyTorch loop elastic. See README for the ten-line loop.
 
-    ``state``: objects with ``state_dict()`` / ``load_state_dict()`` (LR schedulers, a
-    GradScaler, an EMA model...) kept in every snapshot with the parameters, by name
-    (`Job.track` adds more). ``clip_grad_norm``: clip the reduced gradient to this global
-    norm before each optimizer step.
+    ``state``: objects with ``state_dict()`` / ``load_state_dict()`` (LR schedulers, an
+    EMA model...) kept in every snapshot with the parameters, by name (`Job.track` adds
+    more). ``clip_grad_norm``: clip the reduced gradient to this global norm before each
+    optimizer step. ``grad_scaler``: an enabled ``torch.amp.GradScaler`` the job drives
+    (loss scaling for float16): the script calls ``step.backward(scaler.scale(loss))`` and
+    nothing else of it; the job unscales the reduced gradient before hooks and clipping,
+    skips a step whose reduced gradient has inf or nan (``CommitResult.skipped``) and
+    updates the scale as ``scaler.step(opt); scaler.update()`` would. It is tracked as
+    ``"grad_scaler"``. ``metrics``: the names ``step.log`` takes (e.g. ``("loss",)``),
+    reduced across members to the same value at any world size. ``prefetch``: micro-batches
+    read ahead on a background thread (the dataset's ``__getitem__`` must be thread-safe).
     """
     env = os.environ if env is None else env
     global_batch = _setting("global_batch", global_batch, int, env)
@@ -108,12 +124,14 @@ def init(
         host=env.get(ENV_PREFIX + "HOST") or "127.0.0.1",
         planned_steps=_setting("steps", None, int, env),
         clip_grad_norm=clip_grad_norm,
+        metrics=_names(metrics),
+        prefetch=prefetch,
     )
     if controller is None:
         controller = controller_from_env(env)
     path = snapshot_path or env.get(ENV_PREFIX + "SNAPSHOT")
     store = SnapshotStore(_snapshot_buffer(path))
-    job = Job(model, optimizer, dataset, config, controller, store, collate_fn)
+    job = Job(model, optimizer, dataset, config, controller, store, collate_fn, grad_scaler)
     if state is not None:
         if not isinstance(state, Mapping):
             raise ConfigError(f"state={state!r}: must map names to objects with state_dict()")

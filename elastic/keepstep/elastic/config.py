@@ -29,6 +29,9 @@ class JobConfig:
     What the launcher decides for this process: `host` is the address peers reach it on
     (a pod's IP, a node's network-namespace address), which gloo binds and publishes;
     `planned_steps` is the step count `job.steps()` runs to when given none.
+
+    `metrics`: the names `step.log` takes, fixed for the job so every member reduces the
+    same layout; `prefetch`: micro-batches read ahead of the training thread (data.py).
     """
 
     global_batch: int
@@ -42,6 +45,8 @@ class JobConfig:
     host: str = "127.0.0.1"
     planned_steps: int | None = None
     clip_grad_norm: float | None = None
+    metrics: tuple[str, ...] = ()
+    prefetch: int = 0
     n_micro: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -76,3 +81,18 @@ class JobConfig:
             or not (math.isfinite(clip) and clip > 0)
         ):
             raise ConfigError(f"clip_grad_norm={clip!r} must be a finite number > 0 (or None)")
+        names = self.metrics
+        if isinstance(names, str) or not all(
+            isinstance(n, str) and n.isidentifier() for n in names
+        ):
+            raise ConfigError(
+                f"metrics={names!r} must be a sequence of names step.log takes as keywords "
+                "(e.g. ('loss', 'accuracy'))"
+            )
+        if len(set(names)) != len(names):
+            raise ConfigError(f"metrics={names!r} names one metric twice")
+        object.__setattr__(self, "metrics", tuple(names))
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int):
+            raise ConfigError(f"prefetch={self.prefetch!r} must be an integer >= 0")
+        if self.prefetch < 0:
+            raise ConfigError(f"prefetch={self.prefetch!r} must be an integer >= 0")

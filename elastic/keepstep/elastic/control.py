@@ -82,6 +82,8 @@ class CommitRecord:
     step_s: float
     assignment: Mapping[str, Sequence[int]] = field(default_factory=dict)
     snapshot_s: float = 0.0  # the snapshot's share of step_s (the copy overlaps the next)
+    skipped: bool = False  # committed without an optimizer step (loss scaling overflowed)
+    metrics: Mapping[str, float] = field(default_factory=dict)  # step.log, reduced
 
 
 class Controller(Protocol):

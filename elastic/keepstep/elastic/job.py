@@ -16,12 +16,15 @@ tracked in tracked.py) is in the snapshot of the step it belongs to.
 
 Between the reduction and the optimizer step (`apply_update`) run the script's
 `before_optimizer_step` hooks and clipping by global norm: both see the same reduced
-gradient on every member, so they act identically at any world size.
+gradient on every member, so they act identically at any world size. With a grad_scaler
+(loss scaling, for float16 autocast) the job drives it through torch's own calls, in the
+order of torch's AMP recipe: `unscale_` before the hooks and clipping, `step`, `update`.
+A step whose reduced gradient is non-finite is committed without an optimizer step
+(`skip_update`), and the scale backs off, exactly as `scaler.step(); scaler.update()` do.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 import warnings
@@ -36,7 +39,9 @@ from torch.utils.data import default_collate
 from keepstep.elastic.comm import WATCH_TIMEOUT, Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
+from keepstep.elastic.data import MicroBatchLoader
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost, ScriptStateWarning
+from keepstep.elastic.loss_scale import SCALER_NAME, checked_scaler, skip_step
 from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.plan import plan
 from keepstep.elastic.reduce import make_reducer
@@ -45,7 +50,13 @@ from keepstep.elastic.rollback import VIEW_MAX_BYTES, MemberView, ResumePlan, re
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
 from keepstep.elastic.tracked import Stateful, TrackedState
-from keepstep.elastic.train_state import capture, check_layout, layout_signature, restore
+from keepstep.elastic.train_state import (
+    capture,
+    check_layout,
+    layout_signature,
+    params_sha256,
+    restore,
+)
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +76,9 @@ class Job:
         controller: Controller,
         snapshots: SnapshotStore,
         collate: Callable[[list[Any]], Any] | None = None,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
+        self.grad_scaler = checked_scaler(grad_scaler)
         fix_determinism(config.threads)
         self.model = model
         self.optimizer = optimizer
@@ -74,6 +87,7 @@ class Job:
         self.controller = controller
         self.snapshots = snapshots
         self.collate: Callable[[list[Any]], Any] = collate or default_collate
+        self.loader = MicroBatchLoader(dataset, self.collate, config.prefetch)
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameters that require grad")
@@ -89,6 +103,8 @@ class Job:
         self.left = False
         self.reconfigurations: list[Reconfiguration] = []
         self.tracked = TrackedState()
+        if self.grad_scaler is not None:
+            self.tracked.add(SCALER_NAME, self.grad_scaler)
         self.lr_watch = LrWatch(optimizer)
         self.hooks: list[Hook] = []
         self._warned_moved = False
@@ -104,17 +120,27 @@ class Job:
     # -- what the script adds -----------------------------------------------------------
     def track(self, name: str, obj: S) -> S:
         """Keep ``obj`` (anything with ``state_dict()`` / ``load_state_dict()``: an LR
-        scheduler, a GradScaler, an EMA model, the script's own counters) in every snapshot
-        under ``name``; returns it. Register before `steps()`; advance it only for committed
+        scheduler, an EMA model, the script's own counters) in every snapshot under
+        ``name``; returns it. Register before `steps()`; advance it only for committed
         steps, after ``if step.commit():`` (see tracked.py)."""
+        if self.grad_scaler is not None and obj is self.grad_scaler:
+            raise ConfigError(
+                f"tracked state {name!r} is the grad_scaler given to keepstep.init, which the "
+                f"job already tracks as {SCALER_NAME!r}: pass it once, as grad_scaler="
+            )
+        if self.grad_scaler is not None and name == SCALER_NAME:
+            raise ConfigError(
+                f"tracked state name {name!r} is taken by the grad_scaler given to "
+                "keepstep.init; pick another name"
+            )
         self.tracked.add(name, obj)
         return obj
 
     def before_optimizer_step(self, hook: Hook) -> Hook:
         """Call ``hook(model, optimizer)`` at every commit after the reduced gradient is in
-        ``.grad`` and before clipping and the optimizer step (unscale, inspect, adjust);
-        returns it, so it can decorate. It must act the same on every member: it sees the
-        same gradient everywhere."""
+        ``.grad`` (unscaled, with a grad_scaler) and before clipping and the optimizer step
+        (inspect, adjust), but not for a skipped step; returns it, so it can decorate. It
+        must act the same on every member: it sees the same gradient everywhere."""
         if not callable(hook):
             raise ConfigError(f"before_optimizer_step({hook!r}): not callable")
         self.hooks.append(hook)
@@ -137,6 +163,15 @@ class Job:
             if self.fresh:
                 self._snapshot()
             self._switch(self.controller.initial(self.config.collective_timeout))
+        try:
+            yield from self._loop(total)
+        finally:
+            self.loader.close()
+        self.snapshots.wait()
+        if not self.left:
+            self.controller.on_finish(self.done, self.params_sha256())
+
+    def _loop(self, total: int) -> Iterator[Step]:
         retries = 0
         announced = False  # a member flagged a planned change in the step just committed
         while not self.left and self.done < total:
@@ -153,9 +188,6 @@ class Job:
                 raise ConfigError(f"step {step.index} ended without step.commit()")
             announced = result.announced
             retries = self._apply(step.index, result, retries)
-        self.snapshots.wait()
-        if not self.left:
-            self.controller.on_finish(self.done, self.params_sha256())
 
     def _apply(self, index: int, result: CommitResult, retries: int) -> int:
         """Act on how step `index` ended; return the overflow retries in a row so far."""
@@ -195,7 +227,7 @@ class Job:
                     f"{moved} changed after it: the step is repeated and would advance it "
                     "twice. Advance tracked state only under `if step.commit():`."
                 ),
-                stacklevel=4,  # _check_unmoved <- _apply <- steps() <- the script's loop
+                stacklevel=5,  # _check_unmoved <- _apply <- _loop <- steps() <- the script
             )
 
     # -- committing -------------------------------------------------------------------
@@ -205,13 +237,17 @@ class Job:
 
     def apply_update(self, index: int) -> float | None:
         """Hooks, clipping and the optimizer step on the reduced gradient (in .grad);
-        returns the gradient's global norm before clipping when clipping is on."""
-        # The previous snapshot copy reads the live tensors: it must end before they change.
-        # Waiting for it is the snapshot's cost to this step (starting the next copy is
-        # added when the job takes it; the copy itself overlaps the next step).
-        t0 = time.perf_counter()
-        self.snapshots.wait()
-        self.snapshot_s = time.perf_counter() - t0
+        returns the gradient's global norm before clipping when clipping is on.
+
+        With a grad_scaler the gradient is unscaled first, so hooks and clipping see the
+        true gradient. `scaler.step` then always steps: a reduction that succeeded summed
+        finite micro-batch gradients only, and their mean is finite, so `unscale_` finds no
+        inf (a non-finite step goes to `skip_update` instead).
+        """
+        self._wait_for_snapshot()
+        scaler = self.grad_scaler
+        if scaler is not None:
+            scaler.unscale_(self.optimizer)
         for hook in self.hooks:
             hook(self.model, self.optimizer)
         norm = None
@@ -223,11 +259,37 @@ class Job:
             )
             norm = float(total)
         self.lr_watch.check(index, self.tracked.objects())
-        self.optimizer.step()
+        if scaler is not None:
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+        self._advance()
+        return norm
+
+    def skip_update(self, index: int, reason: str) -> None:
+        """Commit step `index` without an optimizer step: its reduced gradient has inf or
+        nan, and the grad_scaler backs off, as torch's `scaler.step(); scaler.update()` do
+        for such a step. Hooks and clipping do not run: there is no gradient to act on."""
+        scaler = self.grad_scaler
+        assert scaler is not None, "only a job with a grad_scaler skips steps"
+        self._wait_for_snapshot()  # as in apply_update: nothing changes before the copy ends
+        log.info("step %d skipped, the loss scale backs off: %s", index, reason)
+        skip_step(scaler, self.optimizer)
+        self._advance()
+
+    def _wait_for_snapshot(self) -> None:
+        # The previous snapshot copy reads the live tensors: it must end before they change.
+        # Waiting for it is the snapshot's cost to this step (starting the next copy is
+        # added when the job takes it; the copy itself overlaps the next step).
+        t0 = time.perf_counter()
+        self.snapshots.wait()
+        self.snapshot_s = time.perf_counter() - t0
+
+    def _advance(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self.done += 1
         self.loaded_step = self.done
-        return norm
 
     def _snapshot(self) -> None:
         state = capture(
@@ -250,16 +312,10 @@ class Job:
         return m is not None and m.includes_me and m.members[0] == m.me
 
     def params_sha256(self) -> str:
-        """sha256 over the model's state dict in key order, then the tracked state: the
-        bit-identity check every member reports at the end. With nothing tracked it is the
-        model's alone (the same value as before tracked state existed)."""
-        digest = hashlib.sha256()
-        for key, value in self.model.state_dict().items():
-            digest.update(key.encode())
-            digest.update(value.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-        if self.tracked.names:
-            digest.update(b"tracked:" + self.tracked.sha256().encode())
-        return digest.hexdigest()
+        """The bit-identity check every member reports at the end (train_state.params_sha256:
+        the model's state dict, then the tracked state)."""
+        tracked = self.tracked.sha256() if self.tracked.names else None
+        return params_sha256(self.model.state_dict(), tracked)
 
     def state_sha256(self, name: str | None = None) -> str:
         """sha256 over one tracked object's state, or all of them (see tracked.py)."""

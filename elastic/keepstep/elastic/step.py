@@ -7,14 +7,19 @@ a gradient overflow that needs a rescaled retry) is latched: `commit()` returns 
 raising through the user's loop. Nothing is applied to the model unless every member's
 reduction succeeded. What the rest of the job must do about a step (report the commit,
 act on an announced change, recover) is in the `CommitResult`, which `Job` applies.
+
+A reduced gradient with inf or nan ends the job (`NonFiniteGradient`) unless the job
+scales the loss (`keepstep.init(grad_scaler=...)`): then the step is committed but
+skipped, as torch's AMP recipe skips it. The decision comes from the reduction's counts,
+which are the same on every member, so every member skips the same steps.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +27,7 @@ import torch.distributed as dist
 
 from keepstep.elastic.control import CommitRecord
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
+from keepstep.elastic.metrics import StepMetrics
 from keepstep.elastic.reduce import ReduceDone, ReduceNonFinite, ReduceOverflow
 from keepstep.elastic.rng import rng_scope
 
@@ -44,7 +50,10 @@ class CommitResult:
 
     ``announced``: some member flagged a planned change (drain, join) in this step's sum;
     ``record``: what a committed step reports; ``failure``: the lost peer of a failed one;
-    ``grad_norm``: the reduced gradient's global norm before clipping, when the job clips.
+    ``grad_norm``: the reduced gradient's global norm before clipping, when the job clips;
+    ``skipped``: the step committed without an optimizer step, because its reduced (loss
+    scaled) gradient has inf or nan; the grad_scaler backed off (then ``grad_norm`` is None);
+    ``metrics``: what ``step.log`` recorded, reduced (each name's mean over the step).
     """
 
     outcome: StepOutcome
@@ -52,11 +61,15 @@ class CommitResult:
     record: CommitRecord | None = None
     failure: PeerLost | None = None
     grad_norm: float | None = None
+    skipped: bool = False
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         committed = self.outcome is StepOutcome.COMMITTED
         if committed != (self.record is not None):
             raise ConfigError(f"a {self.outcome.value} step has a record iff it committed")
+        if self.skipped and not committed:
+            raise ConfigError(f"a {self.outcome.value} step cannot be skipped: only a commit is")
         if (self.outcome is StepOutcome.FAILED) != (self.failure is not None):
             raise ConfigError(f"a {self.outcome.value} step has a failure iff it failed")
 
@@ -65,7 +78,8 @@ class CommitResult:
 
 
 class NonFiniteGradient(KeepstepError):
-    """The global gradient of a step has inf or nan: no rescaling can fix it."""
+    """The global gradient of a step has inf or nan, and the job scales no loss: no
+    rescaling of the reduction can fix it, and without a grad_scaler nothing skips it."""
 
 
 @dataclass(frozen=True)
@@ -98,17 +112,28 @@ class Step:
         self._current: int | None = None
         self._backward_done = False
         self._started = time.perf_counter()
+        names = job.config.metrics
+        self._metrics = StepMetrics(names, job.config.n_micro) if names else None
         job.reducer.begin_step()
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """Yield this member's micro-batches, each inside its own keyed RNG scope."""
         job = self.job
-        for mb_id in self.micro_batch_ids:
+        ids = self.micro_batch_ids
+        planned = [((self.index, mb), job.order.indices(self.index, mb)) for mb in ids]
+        ahead: list[tuple[tuple[int, int], list[int]]] = []
+        if job.loader.prefetch:
+            # The next step's micro-batches under the same plan: a guess the loader drops
+            # if the plan changes (their samples depend on the step, never on the plan).
+            ahead = [((self.index + 1, mb), job.order.indices(self.index + 1, mb)) for mb in ids]
+        for i, mb_id in enumerate(ids):
             if job.comm is not None and job.comm.aborted(wait=False):
                 # The epoch is already lost: stop computing, the commit will report it.
                 return
-            indices = self._indices[mb_id] = job.order.indices(self.index, mb_id)
-            data = job.collate([job.dataset[i] for i in indices])
+            if job.loader.prefetch:
+                job.loader.ahead(planned[i:] + ahead)
+            indices = self._indices[mb_id] = planned[i][1]
+            data = job.loader.get((self.index, mb_id), indices)
             self._current, self._backward_done = mb_id, False
             with rng_scope(job.config.seed, self.index, mb_id):
                 yield MicroBatch(mb_id, tuple(indices), data)
@@ -137,6 +162,21 @@ class Step:
             p.grad = None
         self._backward_done = True
 
+    def log(self, **values: object) -> None:
+        """Log scalars of the current micro-batch (e.g. ``step.log(loss=loss)``), by the
+        names declared in ``keepstep.init(metrics=...)``. At commit each is averaged over
+        the step's micro-batches across members, the same value at any world size
+        (``CommitResult.metrics``; also in the run's events and summary)."""
+        if self._current is None:
+            raise ConfigError("step.log(...) called outside `for mb in step.micro_batches()`")
+        if self._metrics is None:
+            names = ", ".join(values)
+            raise ConfigError(
+                f"step.log({names}=...): the job declares no metrics; pass "
+                f"metrics=({', '.join(repr(n) for n in values)},) to keepstep.init"
+            )
+        self._metrics.log(self._current, values)
+
     @property
     def outcome(self) -> StepOutcome:
         return StepOutcome.OPEN if self.result is None else self.result.outcome
@@ -147,7 +187,7 @@ class Step:
 
     def commit(self) -> CommitResult:
         """Reduce across members, run the `before_optimizer_step` hooks, clip, and apply
-        the optimizer.
+        the optimizer (with a grad_scaler: unscale first; skip a non-finite step).
 
         The result is false unless the step committed; the job applies it (it is also kept
         as `step.result`) when the loop body ends: it snapshots the step then, so state the
@@ -189,12 +229,27 @@ class Step:
                 return self._fail(error)
             job.reducer.set_retry_exponents(peak)
             return CommitResult(StepOutcome.RETRY)
-        if isinstance(outcome, ReduceNonFinite):
-            raise NonFiniteGradient(f"step {self.index}: {outcome.reason}")
-        assert isinstance(outcome, ReduceDone)
+        metrics: dict[str, float] = {}
+        if self._metrics is not None:
+            # Before the optimizer step: a peer lost here still leaves the step uncommitted.
+            summed = self._metrics.buffer()
+            try:
+                comm.allreduce(summed, dist.ReduceOp.SUM, timeout)
+            except PeerLost as error:
+                return self._fail(error)
+            metrics = self._metrics.reduce(summed, self.index)
         # The state changes here, not when the job applies the result: the user's code
         # after commit() sees the new parameters.
-        norm = job.apply_update(self.index)
+        if isinstance(outcome, ReduceNonFinite):
+            if job.grad_scaler is None:
+                raise NonFiniteGradient(f"step {self.index}: {outcome.reason}")
+            # The scaled loss overflowed somewhere in the global batch. Every member reads
+            # the same summed counts, so every member skips this step.
+            job.skip_update(self.index, outcome.reason)
+            norm, skipped = None, True
+        else:
+            assert isinstance(outcome, ReduceDone)
+            norm, skipped = job.apply_update(self.index), False
         record = CommitRecord(
             step=self.index,
             epoch=comm.epoch,
@@ -204,9 +259,16 @@ class Step:
             step_s=time.perf_counter() - self._started,
             assignment=job.assignment,
             snapshot_s=job.snapshot_s,
+            skipped=skipped,
+            metrics=metrics,
         )
         return CommitResult(
-            StepOutcome.COMMITTED, announced=announced, record=record, grad_norm=norm
+            StepOutcome.COMMITTED,
+            announced=announced,
+            record=record,
+            grad_norm=norm,
+            skipped=skipped,
+            metrics=metrics,
         )
 
     def _fail(self, error: PeerLost) -> CommitResult:

@@ -23,6 +23,7 @@ the same as one written before tracked state existed.
 from __future__ import annotations
 
 import builtins
+import hashlib
 import io
 import pickle
 from collections.abc import Mapping
@@ -211,6 +212,22 @@ def _plan_optimizer(
                 )
             )
     return params, plans
+
+
+def params_sha256(model_state: Mapping[str, torch.Tensor], tracked_sha256: str | None) -> str:
+    """sha256 over a model's state dict in key order (names and bytes), then the tracked
+    state's hash when the job tracks any: the bit-identity check every member reports at
+    the end, and what `keepstep checkpoint` checks an export against. With nothing tracked
+    it is the model's alone (the same value as before tracked state existed)."""
+    digest = hashlib.sha256()
+    for key, value in model_state.items():
+        digest.update(key.encode())
+        # reshape(-1): a 0-dim tensor (BatchNorm's num_batches_tracked) has no byte view.
+        raw = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        digest.update(raw.numpy().tobytes())
+    if tracked_sha256 is not None:
+        digest.update(b"tracked:" + tracked_sha256.encode())
+    return digest.hexdigest()
 
 
 def layout_signature(model: torch.nn.Module) -> Layout:

@@ -147,6 +147,8 @@ class Commit:
     step_s: float
     assignment: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     snapshot_s: float = 0.0
+    skipped: bool = False
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

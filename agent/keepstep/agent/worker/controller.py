@@ -168,6 +168,8 @@ class AgentController:
                 step_s=record.step_s,
                 assignment={k: tuple(v) for k, v in record.assignment.items()},
                 snapshot_s=record.snapshot_s,
+                skipped=record.skipped,
+                metrics=dict(record.metrics),
             )
         )
 

@@ -1,0 +1,210 @@
+"""Turning (step, micro-batch) into a batch: the loader, its prefetch, and sources of any size.
+
+Where it sits: `Step.micro_batches()` asks the job's `MicroBatchLoader` for each of its
+micro-batches. Which samples a micro-batch reads is `SampleOrder`'s (rng.py), a pure
+function of (seed, step, micro-batch id); the loader only reads them (`dataset[i]` and the
+collate function). With `prefetch > 0` it reads ahead on background threads: the rest of
+the step's micro-batches, and the next step's under the current plan. A guess that the
+plan then changes (a membership change, a retry) is dropped unread: what a micro-batch
+holds never depends on when or where it was read, so prefetching cannot change a number.
+
+That is also what makes a source resumable: the job's position is its step, and the
+samples of any step are known without reading the ones before it. `TokenFile` and
+`TokenShards` are such sources for token streams of any size: memory-mapped, so only the
+pages a micro-batch touches are read.
+
+The dataset's `__getitem__` must be deterministic per index (random augmentation belongs in
+the forward, inside the step's keyed RNG scope) and, with prefetch, safe to call from
+another thread (reads of files and arrays are; most datasets are).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from keepstep.elastic.errors import ConfigError
+
+Collate = Callable[[list[Any]], Any]
+Key = tuple[int, int]  # (step, micro-batch id)
+
+
+class MicroBatchLoader:
+    """Reads micro-batches, optionally ahead of the training thread.
+
+    ``prefetch``: how many micro-batches may be read ahead (0: read on demand, in the
+    training thread); ``threads``: the background readers (default: 1, or 2 when
+    prefetching 4 or more).
+    """
+
+    def __init__(
+        self, dataset: Any, collate: Collate, prefetch: int = 0, threads: int | None = None
+    ) -> None:
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise ConfigError(f"prefetch={prefetch!r} must be an int >= 0 (micro-batches ahead)")
+        if threads is not None and (not isinstance(threads, int) or threads < 1):
+            raise ConfigError(f"loader threads={threads!r} must be an int >= 1")
+        self.dataset, self.collate, self.prefetch = dataset, collate, prefetch
+        self._pending: OrderedDict[Key, tuple[tuple[int, ...], Future[Any]]] = OrderedDict()
+        self._pool: ThreadPoolExecutor | None = None
+        if prefetch:
+            workers = threads if threads is not None else (2 if prefetch >= 4 else 1)
+            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="keepstep-loader")
+        self.hits = 0  # micro-batches that were ready (or in flight) when asked for
+        self.misses = 0
+
+    def read(self, indices: Sequence[int]) -> Any:
+        return self.collate([self.dataset[i] for i in indices])
+
+    def ahead(self, planned: Sequence[tuple[Key, Sequence[int]]]) -> None:
+        """Start reading the micro-batches `planned` (in the order they will be asked for),
+        up to `prefetch` of them in flight or ready; guesses no longer planned are dropped."""
+        if self._pool is None:
+            return
+        wanted = dict(planned[: self.prefetch])
+        for key in [k for k in self._pending if k not in wanted]:
+            _, future = self._pending.pop(key)
+            future.cancel()  # read already, or being read: dropped when done
+        for key, indices in wanted.items():
+            held = self._pending.get(key)
+            if held is not None and held[0] == tuple(indices):
+                continue
+            future = self._pool.submit(self.read, tuple(indices))
+            self._pending[key] = (tuple(indices), future)
+
+    def get(self, key: Key, indices: Sequence[int], timeout: float | None = None) -> Any:
+        """The batch of micro-batch `key` (step, id) made of `indices`: the prefetched one
+        if it was read from the same indices, else read now."""
+        held = self._pending.pop(key, None)
+        if held is not None and held[0] == tuple(indices):
+            self.hits += 1
+            return held[1].result(timeout)  # a reader's exception is raised here
+        self.misses += 1
+        return self.read(indices)
+
+    def close(self) -> None:
+        for _, future in self._pending.values():
+            future.cancel()
+        self._pending.clear()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+class TokenFile:
+    """A flat file of token ids (raw, little-endian `dtype`) as samples of `seq` tokens:
+    sample i is (tokens[i*seq : i*seq+seq], the same shifted by one), as int64 tensors.
+    Memory-mapped: a file of any size opens at once and a sample reads only its pages."""
+
+    def __init__(self, path: str | os.PathLike[str], seq: int, dtype: str = "uint16") -> None:
+        if not isinstance(seq, int) or seq < 1:
+            raise ConfigError(f"seq={seq!r} must be an int >= 1 (tokens per sample)")
+        try:
+            self.dtype = np.dtype(dtype)
+        except TypeError:
+            raise ConfigError(f"dtype={dtype!r} is not a numpy dtype (uint16, uint32...)") from None
+        if self.dtype.kind not in "ui":
+            raise ConfigError(f"dtype={dtype!r}: token ids are integers (uint16, uint32...)")
+        self.path, self.seq = Path(path), seq
+        if not self.path.is_file():
+            raise ConfigError(f"token file {str(self.path)!r} does not exist")
+        size = self.path.stat().st_size
+        if size % self.dtype.itemsize:
+            raise ConfigError(
+                f"token file {str(self.path)!r}: {size} bytes is not a whole number of "
+                f"{self.dtype.name} tokens"
+            )
+        self.n_tokens = size // self.dtype.itemsize
+        # The last sample needs one token past its end (its last target).
+        self._len = max(0, (self.n_tokens - 1) // seq)
+        if self._len == 0:
+            raise ConfigError(
+                f"token file {str(self.path)!r} holds {self.n_tokens} tokens: fewer than one "
+                f"sample of seq={seq} (+1)"
+            )
+        self._tokens: np.memmap[Any, Any] | None = None
+
+    def _mapped(self) -> np.memmap[Any, Any]:
+        # Opened lazily: a dataset handed to another process maps the file there.
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        return self._tokens
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < self._len:
+            raise IndexError(f"sample {i} of {self._len}")
+        row = torch.from_numpy(
+            self._mapped()[i * self.seq : (i + 1) * self.seq + 1].astype(np.int64)
+        )
+        return row[:-1], row[1:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_tokens": None}
+
+
+class TokenShards:
+    """Several token files (shards, in order) as one index space: sample i lies in the shard
+    whose cumulative sample count passes i. Shards open on first use and stay mapped (up to
+    `open_shards` of them, least recently used first out)."""
+
+    def __init__(
+        self,
+        paths: Sequence[str | os.PathLike[str]],
+        seq: int,
+        dtype: str = "uint16",
+        open_shards: int = 64,
+    ) -> None:
+        if not paths:
+            raise ConfigError("TokenShards needs at least one shard path")
+        if not isinstance(open_shards, int) or open_shards < 1:
+            raise ConfigError(f"open_shards={open_shards!r} must be an int >= 1")
+        self.shards = [TokenFile(p, seq, dtype) for p in paths]
+        self.starts: list[int] = []
+        total = 0
+        for shard in self.shards:
+            self.starts.append(total)
+            total += len(shard)
+        self._len = total
+        self.open_shards = open_shards
+        self._open: OrderedDict[int, None] = OrderedDict()
+        self._lock = threading.Lock()  # prefetch threads read concurrently
+
+    def __len__(self) -> int:
+        return self._len
+
+    def locate(self, i: int) -> tuple[int, int]:
+        """(shard number, sample within it) of sample `i`: the source's cursor for `i`."""
+        if not 0 <= i < self._len:
+            raise IndexError(f"sample {i} of {self._len}")
+        k = bisect.bisect_right(self.starts, i) - 1
+        return k, i - self.starts[k]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, j = self.locate(i)
+        with self._lock:
+            self._open[k] = None
+            self._open.move_to_end(k)
+            while len(self._open) > self.open_shards:
+                old, _ = self._open.popitem(last=False)
+                # Unmapped once no reader holds it (samples are copies, never views).
+                self.shards[old]._tokens = None
+        return self.shards[k][j]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()

@@ -1,0 +1,157 @@
+"""`step.log` and prefetching in a job: the logged loss is the same value at any world size,
+a script that logs on one member only is refused on every member, and a prefetching
+loader trains to the same bits as reading on demand.
+
+Members run on threads of this process over one HashStore (as test_mixed_precision.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._C._distributed_c10d import HashStore
+from torch.utils.data import TensorDataset
+
+import keepstep
+from keepstep.elastic import ConfigError, Job, ScheduleController
+from keepstep.elastic.metrics import StepMetrics
+
+GB, MB, SEED, STEPS = 24, 2, 5, 6
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(120, 5, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True))
+
+
+@dataclass
+class Member:
+    job: Job
+    net: nn.Module
+    log_on: bool = True
+    losses: list[dict[str, float]] = field(default_factory=list)
+    error: BaseException | None = None
+
+    def train(self) -> None:
+        try:
+            for step in self.job.steps(STEPS):
+                for mb in step.micro_batches():
+                    loss = F.mse_loss(self.net(mb.inputs), mb.targets)
+                    if self.log_on:
+                        step.log(loss=loss, first=float(mb.indices[0]))
+                    step.backward(loss)
+                result = step.commit()
+                if result:
+                    self.losses.append(dict(result.metrics))
+            self.job.snapshots.close()
+        except BaseException as error:  # re-raised by the test thread
+            self.error = error
+
+
+def run(n: int, prefetch: int = 0, silent: int | None = None) -> list[Member]:
+    """`n` members on threads; member `silent` logs nothing."""
+    store, names = HashStore(), [f"m{i}" for i in range(n)]
+    members = []
+    for i, me in enumerate(names):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 1))
+        job = keepstep.init(
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.05),
+            dataset(),
+            GB,
+            MB,
+            SEED,
+            env={},
+            controller=ScheduleController(store_=store, me=me, schedule=[names]),
+            metrics=("loss", "first"),
+            prefetch=prefetch,
+        )
+        members.append(Member(job, net, log_on=i != silent))
+    threads = [threading.Thread(target=m.train, daemon=True) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a member hung"
+    return members
+
+
+def test_the_logged_loss_is_the_same_value_at_any_world_size() -> None:
+    curves = []
+    for n in (1, 2, 3, 4):
+        members = run(n)
+        for m in members:
+            if m.error is not None:
+                raise m.error
+        assert all(m.losses == members[0].losses for m in members)  # every member, same values
+        curves.append(members[0].losses)
+    assert all(c == curves[0] for c in curves), curves
+    assert len(curves[0]) == STEPS and curves[0][-1]["loss"] < curves[0][0]["loss"]
+
+
+def test_a_member_that_logs_nothing_is_refused_on_every_member() -> None:
+    members = run(3, silent=1)
+    for m in members:
+        assert isinstance(m.error, ConfigError), m.error
+        assert "metric 'loss' was logged for 8 of 12 micro-batches" in str(m.error)
+
+
+def test_prefetching_trains_to_the_same_bits_and_logs() -> None:
+    plain, ahead = run(2), run(2, prefetch=3)
+    for m in plain + ahead:
+        if m.error is not None:
+            raise m.error
+    assert ahead[0].job.params_sha256() == plain[0].job.params_sha256()
+    assert ahead[0].losses == plain[0].losses
+    assert ahead[0].job.loader.hits > 0
+
+
+def test_step_metrics_reduce_in_micro_batch_order() -> None:
+    a, b = StepMetrics(("loss",), 4), StepMetrics(("loss",), 4)
+    a.log(0, {"loss": 0.1})
+    a.log(3, {"loss": torch.tensor(0.4)})
+    b.log(1, {"loss": 0.2})
+    b.log(2, {"loss": 0.3})
+    summed = a.buffer() + b.buffer()
+    total = 0.0
+    for v in (0.1, 0.2, 0.3, float(torch.tensor(0.4))):  # a float32 loss, as logged
+        total += v
+    assert a.reduce(summed, 0) == {"loss": total / 4}
+
+
+@pytest.mark.parametrize(
+    ("values", "words"),
+    [
+        ({"acc": 1.0}, "'acc' is not a declared metric (declared: 'loss')"),
+        ({"loss": torch.ones(3)}, "a tensor of shape (3,); log a scalar"),
+        ({"loss": "low"}, "expected a number or a 1-element tensor"),
+    ],
+)
+def test_bad_log_calls_name_the_value(values: dict[str, Any], words: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        StepMetrics(("loss",), 2).log(0, values)
+    assert words in str(error.value)
+
+
+def test_metrics_must_be_declared_as_names() -> None:
+    net = nn.Linear(5, 1)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"metrics='loss' must be a sequence of names"):
+        keepstep.init(net, opt, dataset(), GB, MB, SEED, env={}, metrics="loss")
+    with pytest.raises(ConfigError, match="names one metric twice"):
+        keepstep.init(net, opt, dataset(), GB, MB, SEED, env={}, metrics=("a", "a"))
+    with pytest.raises(ConfigError, match="prefetch=-2 must be an integer >= 0"):
+        keepstep.init(net, opt, dataset(), GB, MB, SEED, env={}, prefetch=-2)
+    job = keepstep.init(net, opt, dataset(), GB, MB, SEED, env={})
+    step = next(job.steps(1))
+    mb = next(step.micro_batches())
+    with pytest.raises(ConfigError, match=r"the job declares no metrics; pass metrics=\('loss',\)"):
+        step.log(loss=F.mse_loss(net(mb.inputs), mb.targets))
