@@ -78,16 +78,26 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
         micro_batch=SELFCHECK_MICRO_BATCH,
         mode=args.mode,
     )
-    identical = len({r.params_sha256 for r in runs}) == 1
+    # The parameters (the clipped updates included) and the logged loss of every step.
+    identical = len({(r.params_sha256, r.loss) for r in runs}) == 1
     if args.json:
         report = [
-            {"ranks": r.ranks, "params_sha256": r.params_sha256, "seconds": round(r.seconds, 2)}
+            {
+                "ranks": r.ranks,
+                "params_sha256": r.params_sha256,
+                "loss": list(r.loss),
+                "seconds": round(r.seconds, 2),
+            }
             for r in runs
         ]
         print(json.dumps({"runs": report, "identical": identical}))
     else:
         for r in runs:
-            print(f"ranks={r.ranks:<3} params_sha256={r.params_sha256}  ({r.seconds:.1f} s)")
+            last = f"{r.loss[-1]:.6f}" if r.loss else "-"
+            print(
+                f"ranks={r.ranks:<3} params_sha256={r.params_sha256} last loss={last}  "
+                f"({r.seconds:.1f} s)"
+            )
         print("identical" if identical else "NOT identical: numbers depend on the rank count")
     return 0 if identical else 1
 

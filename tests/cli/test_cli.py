@@ -22,12 +22,15 @@ def keepstep(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 
 @pytest.mark.slow
 def test_selfcheck_reports_identical_parameters_across_rank_counts() -> None:
-    proc = keepstep("selfcheck", "--ranks", "1,3", "--steps", "6", "--json")
+    # Its script clips by global norm and logs its loss: both must not see the rank count.
+    proc = keepstep("selfcheck", "--ranks", "1,2,3,4", "--steps", "6", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert [r["ranks"] for r in report["runs"]] == [1, 3]
+    assert [r["ranks"] for r in report["runs"]] == [1, 2, 3, 4]
     assert report["identical"] is True
     assert len({r["params_sha256"] for r in report["runs"]}) == 1
+    losses = [r["loss"] for r in report["runs"]]
+    assert len(losses[0]) == 6 and all(loss == losses[0] for loss in losses)
 
 
 def test_selfcheck_refuses_more_ranks_than_micro_batches() -> None:

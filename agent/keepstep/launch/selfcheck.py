@@ -14,7 +14,7 @@ from pathlib import Path
 
 from keepstep.errors import ConfigError
 from keepstep.launch import selfcheck_job
-from keepstep.launch.local import LocalRun, agreed_sha, run_local
+from keepstep.launch.local import LocalResult, LocalRun, agreed_sha, run_local
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,7 @@ class SelfcheckRun:
     ranks: int
     params_sha256: str
     seconds: float
+    loss: tuple[float, ...] = ()  # the logged loss of every step, as every member agreed
 
 
 def selfcheck(
@@ -63,5 +64,18 @@ def selfcheck(
                     f"selfcheck with {r} ranks: {member} exited with {failed[member]}:\n"
                     + result.logs[member][-2000:]
                 )
-            out.append(SelfcheckRun(r, agreed_sha(result), time.perf_counter() - t0))
+            out.append(
+                SelfcheckRun(r, agreed_sha(result), time.perf_counter() - t0, _loss(result, steps))
+            )
     return out
+
+
+def _loss(result: LocalResult, steps: int) -> tuple[float, ...]:
+    """The loss curve the members logged; ConfigError if two members logged different ones."""
+    curves = {
+        tuple(r["metrics_by_step"][str(s)]["loss"] for s in range(steps))
+        for r in result.finished().values()
+    }
+    if len(curves) != 1:
+        raise ConfigError(f"the members of one run logged {len(curves)} different loss curves")
+    return curves.pop()

@@ -1,4 +1,5 @@
-"""The training script `keepstep selfcheck` runs: a small MLP with dropout and LayerNorm.
+"""The training script `keepstep selfcheck` runs: a small MLP with dropout and LayerNorm,
+clipped by global norm, logging its loss (both must be the same at every rank count).
 
 It is a plain keepstep script (run as a file by the local launcher), kept inside the
 package so the check works from an installed wheel without the repository's examples.
@@ -23,10 +24,14 @@ def main() -> None:
         nn.Linear(12, 48), nn.LayerNorm(48), nn.GELU(), nn.Dropout(0.2), nn.Linear(48, 1)
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    job = keepstep.init(model, optimizer, TensorDataset(x, y))
+    job = keepstep.init(
+        model, optimizer, TensorDataset(x, y), clip_grad_norm=0.5, metrics=("loss",)
+    )
     for step in job.steps():
         for mb in step.micro_batches():
-            step.backward(F.binary_cross_entropy_with_logits(model(mb.inputs), mb.targets))
+            loss = F.binary_cross_entropy_with_logits(model(mb.inputs), mb.targets)
+            step.log(loss=loss)
+            step.backward(loss)
         step.commit()
 
 

@@ -218,6 +218,8 @@ class ScheduleController:
             "params_sha256": params_sha256,
             "world_size_by_step": {str(c.step): c.world_size for c in self.commits},
             "step_seconds": [c.step_s for c in self.commits],
+            # A step committed again after a rollback: its last commit is the one that stands.
+            "metrics_by_step": {str(c.step): dict(c.metrics) for c in self.commits if c.metrics},
             "samples": [s for c in self.commits for s in c.samples],
             "reconfigurations": [
                 r.__dict__ | {"members": list(r.members)} for r in self.reconfigurations
