@@ -55,11 +55,19 @@ def main() -> None:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     job = keepstep.init(
-        model, optimizer, make_dataset(), args.global_batch, args.micro_batch, args.seed
+        model,
+        optimizer,
+        make_dataset(),
+        args.global_batch,
+        args.micro_batch,
+        args.seed,
+        metrics=("loss",),
     )
     for step in job.steps(args.steps):
         for mb in step.micro_batches():
-            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+            loss = F.mse_loss(model(mb.inputs), mb.targets)
+            step.backward(loss)
+            step.log(loss=loss)  # the step's mean loss: the run's summary and dashboard
             time.sleep(args.sleep)
         step.commit()
         if job.is_leader and step.index % 10 == 0:

@@ -4,7 +4,8 @@
 headless Chromium (through chromedriver and selenium) before the run exists; then
 `keepstep run` trains 3 nodes and kills one. The page must notice the run, show it live,
 and end with the run's real numbers: one recovery bar per recovery in the summary, split
-into phases that add up to its MTTR, and the world-size dip. The screenshot and the view
+into phases that add up to its MTTR, the world-size dip, and the loss curve (examples/mlp.py
+logs its loss) with one point per step, equal to the summary's. The screenshot and the view
 it drew are kept under $KEEPSTEP_TEST_ARTIFACTS (default: the test's tmp folder).
 """
 
@@ -30,6 +31,8 @@ from selenium.webdriver.chrome.webdriver import WebDriver
 
 from keepstep.dashboard.server import DashboardApp, DashboardServer
 from keepstep.dashboard.trainjobs import FakeTrainJobs
+
+from .test_data import FAULTS, finished_inputs
 
 REPO = Path(__file__).resolve().parents[2]
 MLP = str(REPO / "examples" / "mlp.py")
@@ -180,6 +183,12 @@ def check_page(driver: WebDriver, summary: dict[str, Any]) -> None:
     assert all(v > 0 for v in rate if v is not None)
     shading = page(driver, "return document.querySelectorAll('#throughput .shapelayer path')")
     assert len(shading) >= len(recoveries)
+    # The loss curve: one point per step, each the value of the commit that stands.
+    (curve,) = page(driver, "return document.getElementById('metrics').data")
+    assert curve["name"] == "loss" and curve["x"] == list(range(20))
+    assert curve["y"] == summary["metrics"]["loss"]
+    assert all(v is not None and v > 0 for v in curve["y"])
+    assert page(driver, "return document.querySelectorAll('#metrics g.trace path.js-line')")
     text = page(driver, "return document.getElementById('kpi-recoveries').textContent")
     assert text == str(len(recoveries))
     assert page(driver, "return document.getElementById('kpi-step').textContent") == "20 / 20"
@@ -209,3 +218,24 @@ def test_cluster_table_lists_trainjobs(tmp_path: Path, browser: WebDriver) -> No
             )
         assert rows == [["ml", "mlp", "Running", "3 / 4", "3", "42 / 100", "812", "1", "350 ms"]]
         assert page(browser, "return document.getElementById('cluster').hidden") is False
+
+
+def test_a_run_that_logged_nothing_says_so(tmp_path: Path, browser: WebDriver) -> None:
+    done = finished_inputs()  # its commits carry no metrics
+    run = tmp_path / "quiet"
+    run.mkdir()
+    lines = "".join(json.dumps(e) + "\n" for e in done.events)
+    (run / "events-n0.jsonl").write_text(lines)
+    (run / "faults.json").write_text(json.dumps(FAULTS))
+    (run / "summary.json").write_text(json.dumps(done.summary))
+    with DashboardServer(DashboardApp(tmp_path, FakeTrainJobs([]))) as server:
+        browser.get(server.url)
+        deadline = time.monotonic() + 30
+        while page(browser, "return window.keepstep.draws") == 0:
+            assert time.monotonic() < deadline, "the page never drew the run"
+            time.sleep(0.2)
+        assert page(browser, "return document.getElementById('metrics').data") == []
+        note = page(browser, "return document.querySelector('#metrics .annotation').textContent")
+        assert note.startswith("no metrics logged")
+        console = browser.get_log("browser")  # type: ignore[no-untyped-call]
+        assert [e for e in console if e["level"] == "SEVERE"] == []

@@ -100,6 +100,46 @@ def test_finished_run_view() -> None:
     json.dumps(view)  # what the server sends
 
 
+def with_loss(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The run's commits with a logged loss: 1/(step+1), and 9.0 for the rolled-back step 5."""
+    out = []
+    for e in events:
+        if e["kind"] == EventKind.COMMIT:
+            loss = 9.0 if (e["epoch"], e["step"]) == (0, 5) else 1 / (e["step"] + 1)
+            e = {**e, "metrics": {"loss": loss}, "skipped": False}
+        out.append(e)
+    return out
+
+
+def test_loss_curve_is_the_standing_commits_one_point_per_step() -> None:
+    events = with_loss(run_events())
+    summary = build_summary(events, FAULTS, steps=10, global_batch=GB, micro_batch=4)
+    finished = build_view(RunInputs("demo", events, FAULTS, summary, 10), now=T + 1000)
+    loss = finished["metrics"]["loss"]
+    assert loss["step"] == list(range(10))
+    assert loss["value"] == pytest.approx([1 / (s + 1) for s in range(10)])
+    assert loss["value"] == summary["metrics"]["loss"]  # the redo of step 5, not its 9.0
+    # Live, before step 5 was redone: its commit in epoch 0 is the one that stands so far.
+    live = [e for e in events if not (e["kind"] == EventKind.COMMIT and e["epoch"] == 1)]
+    loss = build_view(RunInputs("demo", live), now=T + 2)["metrics"]["loss"]
+    assert loss["step"] == [0, 1, 2, 3, 4, 5] and loss["value"][-1] == 9.0
+
+
+def test_loss_curve_gaps_and_runs_that_logged_nothing() -> None:
+    assert build_view(finished_inputs(), now=T)["metrics"] == {}
+    events = with_loss(run_events())
+    for e in events:
+        if e["kind"] == EventKind.COMMIT and e["step"] == 2:
+            e["metrics"] = {"loss": float("nan")}
+        if e["kind"] == EventKind.COMMIT and e["step"] == 3:
+            e["metrics"] = {}
+    view = build_view(RunInputs("demo", events), now=T + 3)
+    loss = view["metrics"]["loss"]
+    assert loss["step"] == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+    assert loss["value"][2] is None  # NaN: a gap, and JSON a browser parses
+    json.loads(json.dumps(view), parse_constant=lambda c: pytest.fail(f"{c} in the view"))
+
+
 def test_live_run_view_has_recoveries_before_the_summary() -> None:
     events = run_events()
     view = build_view(RunInputs("demo", events), now=T + 3)

@@ -84,3 +84,31 @@ def test_a_rejoin_names_its_node_and_a_join_is_matched_to_its_own_node() -> None
     s = build_summary(events, faults, steps=0, global_batch=16, micro_batch=4)
     got = [(r["epoch"], r["cause"], r["node"]) for r in s["recoveries"]]
     assert got == [(1, "kill-worker", "n3"), (2, "rejoin", "n3"), (3, "join-node", "n4")]
+
+
+def test_metrics_come_from_the_commit_that_stands() -> None:
+    # Step 1 was committed in epoch 0 (loss 9.0), rolled back and redone in epoch 1: the
+    # redo stands. Step 2 logged nothing; every member of an epoch reports the same values.
+    def logged(t: float, member: str, step: int, epoch: int, **metrics: float) -> dict[str, Any]:
+        plan = PLAN4 if epoch == 0 else PLAN3
+        return {**commit(t, member, step, epoch, plan), "metrics": metrics, "skipped": False}
+
+    events = [
+        logged(1.0, "n0/0", 0, 0, loss=2.0, acc=0.5),
+        logged(1.01, "n1/0", 0, 0, loss=2.0, acc=0.5),
+        logged(2.0, "n0/0", 1, 0, loss=9.0, acc=0.1),
+        logged(3.0, "n0/0", 1, 1, loss=1.5, acc=0.75),
+        logged(3.01, "n3/0", 1, 1, loss=1.5, acc=0.75),
+        {**logged(4.0, "n0/0", 2, 1), "skipped": True},
+    ]
+    s = build_summary(events, [], steps=4, global_batch=16, micro_batch=4)
+    assert s["metrics"] == {"acc": [0.5, 0.75, None, None], "loss": [2.0, 1.5, None, None]}
+    assert s["skipped_steps"] == [2]
+    assert s["world_size_by_step"] == [4, 3, 3, 0]
+
+
+def test_a_run_that_logged_nothing_has_no_metrics() -> None:
+    # Commits written before they carried metrics (no `metrics`, no `skipped`).
+    events = [commit(1.0, "n0/0", 0, 0, PLAN4), commit(2.0, "n0/0", 1, 0, PLAN4)]
+    s = build_summary(events, [], steps=2, global_batch=16, micro_batch=4)
+    assert (s["metrics"], s["skipped_steps"]) == ({}, [])

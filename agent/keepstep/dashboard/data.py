@@ -1,8 +1,9 @@
 """What the dashboard shows, computed from a run's events: a pure function of its inputs.
 
 `build_view(inputs, now)` turns the event logs (and, once the run ended, its summary)
-into JSON-ready series: throughput and world size over time, one record per recovery
-with its MTTR split into phases, and goodput. It works on a live run as well: the
+into JSON-ready series: throughput and world size over time, what `step.log` recorded by
+step (from the commits that stand, as in the run summary), one record per recovery with
+its MTTR split into phases, and goodput. It works on a live run as well: the
 recoveries are the fold the run summary is made of (`keepstep.agent.protocol.recovery`,
 given the run's fault log once the launcher wrote it), applied to the events so far.
 Times are seconds since training started (the first agreed epoch); `t0` is that moment
@@ -15,13 +16,14 @@ and later rolled back.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from keepstep.agent.protocol import recovery
 from keepstep.agent.protocol.events import EventKind
-from keepstep.launch.summary import injected_faults
+from keepstep.launch.summary import injected_faults, logged_metrics, standing_commits
 
 # Intervals (distinct steps) the throughput line averages over: one slow step does not
 # spike the line, and a change of world size shows within a few steps.
@@ -74,6 +76,7 @@ def build_view(inputs: RunInputs, now: float) -> dict[str, Any]:
             "size": [c.world_size for c in commits],
             "step": [c.step for c in commits],
         },
+        "metrics": _metrics(events),
         "recoveries": recoveries,
         "faults": [
             {**{k: f.get(k) for k in ("kind", "node", "step", "spec")}, "t": float(f["t"]) - t0}
@@ -135,6 +138,19 @@ def _final_steps(commits: Sequence[_Commit]) -> set[tuple[int, int]]:
     for c in commits:
         newest[c.step] = max(newest.get(c.step, -1), c.epoch)
     return {(e, s) for s, e in newest.items()}
+
+
+def _metrics(events: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, list[Any]]]:
+    """Each logged name's value by step, from the commits that stand so far (a step redone
+    after a rollback shows its redo). A value that is not finite is drawn as a gap: the
+    browser's JSON parser takes no NaN or Infinity."""
+    return {
+        name: {
+            "step": sorted(by_step),
+            "value": [v if math.isfinite(v) else None for _, v in sorted(by_step.items())],
+        }
+        for name, by_step in logged_metrics(standing_commits(events)).items()
+    }
 
 
 def _throughput(commits: Sequence[_Commit], t0: float) -> dict[str, list[Any]]:

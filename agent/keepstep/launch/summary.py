@@ -3,8 +3,9 @@
 Built from the nodes' event logs and the launcher's fault log. A step may be committed
 more than once (members that committed it before a failure rolled back and redid it);
 only its commits in the newest epoch count, so the ledger shows what the final
-parameters were trained on: every micro-batch of every step exactly once. Its
-recoveries are the one fold of the event logs (`keepstep.agent.protocol.recovery`),
+parameters were trained on: every micro-batch of every step exactly once, and the values
+`step.log` recorded (`metrics`, one per step and name) are those of the steps that stand.
+Its recoveries are the one fold of the event logs (`keepstep.agent.protocol.recovery`),
 given the launcher's faults so that each is timed from the fault injected.
 
 `run_failures` is the run's verdict, the one `keepstep run`'s exit status follows: the
@@ -36,13 +37,15 @@ def build_summary(
     start_step: int = 0,
 ) -> dict[str, Any]:
     """`start_step` > 0 for a job resumed from a durable checkpoint: the steps before it
-    are accounted for by the run that wrote the checkpoint."""
+    are accounted for by the run that wrote the checkpoint.
+
+    `metrics`: each name `step.log` recorded, one value per step (None where the step
+    logged nothing); `skipped_steps`: steps committed without an optimizer step (a
+    grad_scaler found inf or nan in the reduced gradient)."""
     n_micro = global_batch // micro_batch
     commits = [e for e in events if e["kind"] == EventKind.COMMIT]
-    final_epoch: dict[int, int] = {}
-    for c in commits:
-        final_epoch[c["step"]] = max(final_epoch.get(c["step"], -1), c["epoch"])
-    final = [c for c in commits if c["epoch"] == final_epoch[c["step"]]]
+    standing = standing_commits(commits)
+    final = [c for c in commits if c["epoch"] == standing[c["step"]]["epoch"]]
 
     world: dict[int, int] = {}
     seen: dict[tuple[int, int], int] = defaultdict(int)
@@ -79,6 +82,11 @@ def build_summary(
         "micro_batch": micro_batch,
         "start_step": start_step,
         "world_size_by_step": [world.get(s, 0) for s in range(steps)],
+        "metrics": {
+            name: [values.get(s) for s in range(steps)]
+            for name, values in logged_metrics(standing).items()
+        },
+        "skipped_steps": sorted(s for s, c in standing.items() if c.get("skipped")),
         "recoveries": records,
         "mttr_p50_s": statistics.median(mttrs) if mttrs else None,
         "samples": {
@@ -90,6 +98,30 @@ def build_summary(
         },
         "faults": list(faults),
     }
+
+
+def standing_commits(events: Iterable[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:
+    """Each committed step's commit that stands: one of those in the newest epoch that
+    committed it (every member of an epoch records the same step, metrics and outcome).
+    An earlier epoch's commit of the step was rolled back and redone."""
+    out: dict[int, Mapping[str, Any]] = {}
+    for e in events:
+        if e["kind"] != EventKind.COMMIT:
+            continue
+        step = int(e["step"])
+        if step not in out or int(e["epoch"]) > int(out[step]["epoch"]):
+            out[step] = e
+    return out
+
+
+def logged_metrics(standing: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[int, float]]:
+    """What `step.log` recorded, by name (sorted) and step, from the standing commits; a
+    step that logged nothing (or a log written before commits carried metrics) has none."""
+    out: dict[str, dict[int, float]] = {}
+    for step in sorted(standing):
+        for name, value in (standing[step].get("metrics") or {}).items():
+            out.setdefault(str(name), {})[step] = float(value)
+    return dict(sorted(out.items()))
 
 
 _EFFECTS = {FaultKind.JOIN_NODE.value: Effect.JOIN, FaultKind.DRAIN_NODE.value: Effect.DRAIN}

@@ -176,6 +176,29 @@ def test_planned_change_and_unowned_epochs(memory: Any) -> None:
     assert dict(recoveries.attributes) == {"cause": "join", "planned": True}
 
 
+def test_logged_metrics_are_one_gauge_by_name_from_the_first_member(memory: Any) -> None:
+    tel, reader, _ = memory
+    tel.on_event(commit(0.1, 0, 0, 2, metrics={"loss": 2.0, "acc": 0.25}))
+    # n1/0 holds micro-batches 3-5: the same values, and it does not report them.
+    other = commit(0.11, 0, 0, 2, metrics={"loss": 99.0})
+    other.update(member="n1/0", micro_batches=[3, 4, 5])
+    tel.on_event(other)
+    tel.on_event(commit(0.2, 0, 1, 2, metrics={"loss": 1.5, "acc": 0.5}))
+    got = {dict(q.attributes)["name"]: q.value for q in points(reader)["keepstep.train.metric"]}
+    assert got == {"loss": 1.5, "acc": 0.5}
+    # A step redone in a later epoch: its redo is the value now.
+    tel.on_event(commit(0.5, 1, 1, 2, metrics={"loss": 1.25}))
+    got = {dict(q.attributes)["name"]: q.value for q in points(reader)["keepstep.train.metric"]}
+    assert got["loss"] == 1.25
+
+
+def test_a_run_without_logged_metrics_exports_no_train_metric(memory: Any) -> None:
+    tel, reader, _ = memory
+    for e in recovery_events():
+        tel.on_event(e)
+    assert "keepstep.train.metric" not in points(reader)
+
+
 def test_malformed_events_never_raise(memory: Any, caplog: pytest.LogCaptureFixture) -> None:
     tel, reader, _ = memory
     tel.on_event({"t": T, "kind": "commit", "step": "x"})
@@ -286,13 +309,15 @@ def test_prometheus_endpoint_serves_the_metrics() -> None:
     try:
         for e in recovery_events():
             tel.on_event(e)
+        tel.on_event(commit(1.8, 1, 6, 2, metrics={"loss": 0.5}))
         text = scrape(tel)
     finally:
         tel.close()
     assert 'keepstep_world_size{keepstep_node="n0",keepstep_trainjob="demo"' in text
+    assert re.search(r'keepstep_train_metric\{.*name="loss".*\} 0\.5', text)
     assert re.search(r'keepstep_recoveries_total\{cause="collective".*\} 1\.0', text)
     assert value(text, "keepstep_recovery_duration_seconds_sum") == pytest.approx(0.6, abs=1e-6)
-    assert value(text, "keepstep_step_duration_seconds_count") == 7
+    assert value(text, "keepstep_step_duration_seconds_count") == 8
     assert value(text, "keepstep_samples_rate_per_second") == pytest.approx(240.0)
     assert value(text, "keepstep_world_size") == 2
     host, port = tel.prometheus_address or ("", 0)

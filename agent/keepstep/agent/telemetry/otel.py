@@ -2,9 +2,10 @@
 
 The agent's `EventLog` hands every event it writes to `Telemetry.on_event` (the same
 dict that goes into `events-<node>.jsonl`). Commits feed step time, snapshot time, world
-size, the last step and samples/s; worker exits count failures; each recovery this node
-agreed (`telemetry.recovery`, over the one fold `protocol.recovery`) becomes one span with
-a child span per phase, the MTTR and phase histograms and the recovery counter.
+size, the last step, samples/s and what `step.log` recorded; worker exits count failures;
+each recovery this node agreed (`telemetry.recovery`, over the one fold
+`protocol.recovery`) becomes one span with a child span per phase, the MTTR and phase
+histograms and the recovery counter.
 `create_telemetry` wires the exporters a `TelemetryConfig` names (`telemetry.export`);
 tests pass in-memory readers.
 
@@ -14,12 +15,16 @@ Metric names (OTel; the Prometheus name in brackets):
     keepstep.samples.rate           gauge 1/s     [keepstep_samples_rate_per_second]
     keepstep.world_size             gauge         [keepstep_world_size]
     keepstep.step                   gauge         [keepstep_step]
+    keepstep.train.metric           gauge, name=  [keepstep_train_metric]
     keepstep.recoveries             counter       [keepstep_recoveries_total]
     keepstep.recovery.duration      histogram s   [keepstep_recovery_duration_seconds]
     keepstep.recovery.phase.duration histogram s  [keepstep_recovery_phase_duration_seconds]
     keepstep.rolled_back_steps      counter       [keepstep_rolled_back_steps_total]
     keepstep.worker.failures        counter       [keepstep_worker_failures_total]
 Every point carries the resource attributes keepstep.trainjob and keepstep.node.
+`keepstep.train.metric` is the step's value of each name `step.log` took (e.g.
+name="loss"), set only by the node that hosts the epoch's first member: each step's values
+once in the job, not once per node (after a membership change another node may lead).
 """
 
 from __future__ import annotations
@@ -84,6 +89,13 @@ class Metric(enum.Enum):
     )
     WORLD_SIZE = (Kind.GAUGE, "keepstep.world_size", "", "members of the epoch", ())
     STEP = (Kind.GAUGE, "keepstep.step", "", "last committed step", ())
+    TRAIN_METRIC = (
+        Kind.GAUGE,
+        "keepstep.train.metric",
+        "",
+        "the last committed step's value of a step.log name, its mean over the step",
+        (),
+    )
     RECOVERIES = (
         Kind.COUNTER,
         "keepstep.recoveries",
@@ -218,6 +230,11 @@ class Telemetry:
         self._histograms[Metric.STEP_TIME].record(float(event["step_s"]))
         if "snapshot_s" in event:
             self._histograms[Metric.SNAPSHOT_TIME].record(float(event["snapshot_s"]))
+        if 0 in event.get("micro_batches", ()):
+            # The epoch's first member computes micro-batch 0: one commit per step in the
+            # job, and its values are every member's (reduced across them).
+            for name, value in (event.get("metrics") or {}).items():
+                self._gauges[Metric.TRAIN_METRIC].set(float(value), {"name": str(name)})
         epoch, step = int(event["epoch"]), int(event["step"])
         key = (epoch, step)
         if self._last is not None and key <= self._last:

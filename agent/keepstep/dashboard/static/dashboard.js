@@ -4,6 +4,7 @@
 
 const POLL_MS = 2000;
 const PHASES = ["detect", "agree", "communicator", "restore", "replan", "first-step"];
+const METRIC_COLORS = ["#8e44ad", "#3b6fd8", "#1f9d55", "#f3a712", "#e4572e", "#669bbc"];
 const PHASE_COLORS = {
   detect: "#e4572e", agree: "#f3a712", communicator: "#a8c686",
   restore: "#669bbc", replan: "#8e7dbe", "first-step": "#b0b7c3",
@@ -88,6 +89,38 @@ function drawWorld(view) {
   }, CONFIG);
 }
 
+// What step.log recorded, one trace per name, against the step (the commits that stand:
+// a step redone after a rollback shows its redo). Dotted lines: where recoveries resumed.
+function drawMetrics(view) {
+  const names = Object.keys(view.metrics);
+  const traces = names.map((name, i) => ({
+    x: view.metrics[name].step, y: view.metrics[name].value, name,
+    type: "scatter", mode: "lines+markers", connectgaps: false,
+    line: { color: METRIC_COLORS[i % METRIC_COLORS.length], width: 2 }, marker: { size: 4 },
+    hovertemplate: `step %{x}<br>${name} %{y:.6g}<extra></extra>`,
+  }));
+  const resumed = view.recoveries.filter((r) => r.step !== null && r.step !== undefined);
+  const empty = names.length === 0;
+  const title = names.join() === "loss" ? "Loss curve" : "Logged metrics";
+  const height = empty ? 130 : 320;  // a line of text, not an empty chart's space
+  document.getElementById("metrics").style.height = `${height}px`;
+  return Plotly.react("metrics", traces, {
+    ...LAYOUT, height, title: { text: title, x: 0.02, xanchor: "left" },
+    xaxis: { title: { text: "step" }, visible: !empty, zeroline: false },
+    yaxis: { visible: !empty },
+    showlegend: names.length > 1,
+    shapes: (empty ? [] : resumed).map((r) => ({
+      type: "line", xref: "x", yref: "paper", x0: r.step, x1: r.step, y0: 0, y1: 1,
+      line: { color: "#e4572e", width: 1, dash: "dot" },
+    })),
+    annotations: empty ? [{
+      text: "no metrics logged: keepstep.init(metrics=('loss',)) and step.log(loss=...)",
+      xref: "paper", yref: "paper", x: 0.5, y: 0.5, showarrow: false,
+      font: { size: 13, color: "#667" },
+    }] : [],
+  }, CONFIG);
+}
+
 // One horizontal bar per recovery, split into its phases (seconds from the fault).
 function drawRecoveries(view) {
   const labels = view.recoveries.map((r) => r.label);
@@ -145,7 +178,8 @@ function drawKpis(view) {
 async function drawRun(name) {
   const view = await getJSON(`/api/runs/${encodeURIComponent(name)}`);
   drawKpis(view);
-  await Promise.all([drawThroughput(view), drawWorld(view), drawRecoveries(view)]);
+  await Promise.all([drawThroughput(view), drawWorld(view), drawMetrics(view),
+    drawRecoveries(view)]);
   window.keepstep.view = view;
   window.keepstep.draws += 1;
   document.body.dataset.drawn = view.run;
