@@ -41,15 +41,20 @@ from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
 from keepstep.elastic.data import MicroBatchLoader
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost, ScriptStateWarning
-from keepstep.elastic.loss_scale import SCALER_NAME, checked_scaler, skip_step
+from keepstep.elastic.loss_scale import (
+    SCALER_NAME,
+    check_not_the_scaler,
+    checked_scaler,
+    skip_step,
+)
 from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.plan import plan
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import SampleOrder, fix_determinism
-from keepstep.elastic.rollback import VIEW_MAX_BYTES, MemberView, ResumePlan, resume_plan
+from keepstep.elastic.rollback import MemberView, resume_plan
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
-from keepstep.elastic.tracked import Stateful, TrackedState
+from keepstep.elastic.tracked import REPEATED_STEP_RULE, Stateful, TrackedState
 from keepstep.elastic.train_state import (
     capture,
     check_layout,
@@ -57,6 +62,7 @@ from keepstep.elastic.train_state import (
     params_sha256,
     restore,
 )
+from keepstep.elastic.transfer import exchange_views, snapshot_limit, transfer_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +129,7 @@ class Job:
         scheduler, an EMA model, the script's own counters) in every snapshot under
         ``name``; returns it. Register before `steps()`; advance it only for committed
         steps, after ``if step.commit():`` (see tracked.py)."""
-        if self.grad_scaler is not None and obj is self.grad_scaler:
-            raise ConfigError(
-                f"tracked state {name!r} is the grad_scaler given to keepstep.init, which the "
-                f"job already tracks as {SCALER_NAME!r}: pass it once, as grad_scaler="
-            )
-        if self.grad_scaler is not None and name == SCALER_NAME:
-            raise ConfigError(
-                f"tracked state name {name!r} is taken by the grad_scaler given to "
-                "keepstep.init; pick another name"
-            )
+        check_not_the_scaler(name, obj, self.grad_scaler)
         self.tracked.add(name, obj)
         return obj
 
@@ -221,12 +218,9 @@ class Job:
         moved = [] if self._warned_moved else self.tracked.moved_since_capture()
         if moved:
             self._warned_moved = True
+            why = f"step {index} did not commit ({outcome.value}) but tracked state {moved}"
             warnings.warn(
-                ScriptStateWarning(
-                    f"step {index} did not commit ({outcome.value}) but tracked state "
-                    f"{moved} changed after it: the step is repeated and would advance it "
-                    "twice. Advance tracked state only under `if step.commit():`."
-                ),
+                ScriptStateWarning(f"{why} changed after it: {REPEATED_STEP_RULE}"),
                 stacklevel=5,  # _check_unmoved <- _apply <- _loop <- steps() <- the script
             )
 
@@ -346,14 +340,7 @@ class Job:
         if not membership.includes_me:
             self.left = True
             return
-        # Validate the membership against the batch before anyone waits on a rendezvous.
-        plan(
-            self.done,
-            membership.members,
-            self.config.global_batch,
-            self.config.micro_batch,
-            membership.weights,
-        )
+        self._plan(membership)  # refuses a membership the batch cannot be split over, early
         # After a false alarm the agents raise the epoch's timeouts (see timeout_scale):
         # every collective of the epoch, and each read of its store, waits that much longer.
         scale = membership.timeout_scale
@@ -371,13 +358,7 @@ class Job:
         before = self.done
         received = self._agree_and_restore(self.comm)
         t2 = time.perf_counter()
-        self.assignment = plan(
-            self.done,
-            membership.members,
-            self.config.global_batch,
-            self.config.micro_batch,
-            membership.weights,
-        )
+        self.assignment = self._plan(membership)
         t3 = time.perf_counter()
         record = Reconfiguration(
             epoch=membership.epoch,
@@ -392,15 +373,20 @@ class Job:
         self.reconfigurations.append(record)
         self.controller.on_reconfigured(record)
 
+    def _plan(self, membership: Membership) -> dict[str, list[int]]:
+        c, m = self.config, membership
+        return plan(self.done, m.members, c.global_batch, c.micro_batch, m.weights)
+
     def _agree_and_restore(self, comm: Communicator) -> bool:
         """Roll every member to the same committed step; return True if state came by wire."""
         self.snapshots.wait()
         mine = MemberView(self.fresh, self.done, tuple(i.step for i in self.snapshots.infos()))
-        views = self._exchange(comm, mine)
+        views = exchange_views(comm, mine, self.collective_timeout)
         decision = resume_plan(views)
         log.info("epoch %d: %s", comm.epoch, decision.reason)
         resume = decision.resume_step
-        received = self._transfer(comm, decision)
+        limit = snapshot_limit(self.model)
+        received = transfer_snapshot(comm, self.snapshots, decision, limit, self.collective_timeout)
         if self.loaded_step != resume or received:
             extra = restore(self.snapshots.load(resume), self.model, self.optimizer, self.tracked)
             self.reducer.load_state_dict(extra)
@@ -409,27 +395,3 @@ class Job:
         self.done = resume
         self.fresh = False
         return received and self.done > 0
-
-    def _exchange(self, comm: Communicator, mine: MemberView) -> list[MemberView]:
-        """Every member's view in rank order, as bounded JSON (never pickle)."""
-        blobs = comm.allgather_bytes(mine.encode(), VIEW_MAX_BYTES, self.collective_timeout)
-        return [MemberView.decode(blob, rank) for rank, blob in enumerate(blobs)]
-
-    def _transfer(self, comm: Communicator, decision: ResumePlan) -> bool:
-        """Send the source's snapshot of the resume step to the needy; True if it came here."""
-        if not decision.needy:
-            return False
-        source = decision.source
-        blob = self.snapshots.export(decision.resume_step) if comm.rank == source else b""
-        size = torch.tensor([len(blob)], dtype=torch.int64)
-        comm.broadcast(size, source, self.collective_timeout)
-        wire = (
-            torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-            if comm.rank == source
-            else torch.empty(int(size.item()), dtype=torch.uint8)
-        )
-        comm.broadcast(wire, source, self.collective_timeout)
-        if comm.rank not in decision.needy:
-            return False
-        self.snapshots.import_(wire.numpy().tobytes())
-        return True

@@ -32,6 +32,21 @@ def checked_scaler(scaler: object) -> torch.amp.GradScaler | None:
     return scaler
 
 
+def check_not_the_scaler(name: str, obj: object, scaler: torch.amp.GradScaler | None) -> None:
+    """ConfigError if tracking `obj` as `name` would track the job's scaler twice or take
+    its name."""
+    if scaler is not None and obj is scaler:
+        raise ConfigError(
+            f"tracked state {name!r} is the grad_scaler given to keepstep.init, which the "
+            f"job already tracks as {SCALER_NAME!r}: pass it once, as grad_scaler="
+        )
+    if scaler is not None and name == SCALER_NAME:
+        raise ConfigError(
+            f"tracked state name {name!r} is taken by the grad_scaler given to "
+            "keepstep.init; pick another name"
+        )
+
+
 def skip_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
     """Let the scaler skip this step and back off, as `scaler.step(); scaler.update()` do
     for a step with inf or nan in its gradient.

@@ -37,6 +37,11 @@ import torch
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, StateShapeError
 
 PREFIX = "tracked/"
+# What to do instead of advancing tracked state in a step that did not commit.
+REPEATED_STEP_RULE = (
+    "the step is repeated and would advance it twice. Advance tracked state only under "
+    "`if step.commit():`."
+)
 _LEAVES = (type(None), bool, int, float, complex, str, bytes)
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _MAX_DEPTH = 64  # deeper trees are refused rather than risking the recursion limit
