@@ -34,8 +34,12 @@ def test_pod_runs_the_agent_with_the_jobs_shape_then_the_training_command() -> N
     assert container["args"] == [
         "--nodes", "3", "--min-nodes", "2", "--nproc", "1", "--global-batch", "64",
         "--micro-batch", "4", "--steps", "100", "--seed", "7",
+        "--termination-log", "/dev/termination-log",
         "--", "python", "train.py", "--lr", "0.1",
     ]  # fmt: skip
+    # Why the agent failed lands in the container's status (or its last log lines).
+    assert container["terminationMessagePath"] == "/dev/termination-log"
+    assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
 def test_checkpoint_flags_come_before_the_separator() -> None:

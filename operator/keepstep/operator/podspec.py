@@ -53,6 +53,9 @@ def owner_reference(job: Job) -> dict[str, Any]:
     }
 
 
+TERMINATION_LOG = "/dev/termination-log"
+
+
 def agent_args(spec: JobSpec, resume: bool = False) -> list[str]:
     """The agent's flags: the job's shape, then `--` and the training command. With
     `resume` (and a checkpoint URI) the agent continues from the newest durable checkpoint
@@ -73,6 +76,9 @@ def agent_args(spec: JobSpec, resume: bool = False) -> list[str]:
         str(spec.num_steps),
         "--seed",
         str(spec.seed),
+        # Why a failed agent failed, in its container's status (terminated.message).
+        "--termination-log",
+        TERMINATION_LOG,
     ]
     if spec.checkpoint is not None:
         args += [
@@ -129,6 +135,9 @@ def pod_manifest(
         "command": list(AGENT_COMMAND),
         "args": agent_args(job.spec, resume),
         "env": agent_env(job, etcd),
+        "terminationMessagePath": TERMINATION_LOG,
+        # An agent killed before it could write the log: the last lines of its output.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if job.spec.resources:
         container["resources"] = dict(job.spec.resources)

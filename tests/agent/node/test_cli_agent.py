@@ -143,3 +143,18 @@ def test_agents_started_like_pods_resume_from_the_checkpoint(
     finished = {e["params_sha256"] for e in events if e["kind"] == "finish"}
     assert finished == {reference}
     assert min(e["step"] for e in events if e["kind"] == "commit") == 12
+
+
+def test_a_failed_agent_says_why_in_its_termination_log(etcd_server: str, tmp_path: Path) -> None:
+    env = dict(os.environ, KEEPSTEP_ETCD_ENDPOINTS=etcd_server, KEEPSTEP_NODE="p0")
+    env["KEEPSTEP_JOB"] = f"fails-{uuid.uuid4().hex[:8]}"
+    log = tmp_path / "termination-log"  # a pod's /dev/termination-log
+    argv = [sys.executable, "-m", "keepstep", "agent", "--nodes", "1", "--max-restarts", "0"]
+    argv += ["--global-batch", "8", "--micro-batch", "4", "--steps", "2"]
+    argv += ["--termination-log", str(log), "--run-dir", str(tmp_path / "run")]
+    argv += ["--", sys.executable, "-c", "import sys; sys.exit(3)"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=100)
+    assert done.returncode == 1, done.stderr
+    message = log.read_text()
+    assert message.startswith("keepstep agent p0: ") and "code 3" in message, message
+    assert message in done.stderr  # the same line the agent printed

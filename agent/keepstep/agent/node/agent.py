@@ -331,4 +331,19 @@ def run_agent(cfg: AgentConfig, kv: KVStore, telemetry: Telemetry | None = None)
     if not ok:
         why = agent.failed or agent.workers.exit_codes()
         print(f"keepstep agent {cfg.node}: {why}", file=sys.stderr)
+        if cfg.termination_log is not None:
+            write_termination_log(cfg.termination_log, f"keepstep agent {cfg.node}: {why}")
     return 0 if ok else 1
+
+
+TERMINATION_LOG_MAX_BYTES = 4096  # what the kubelet keeps of a termination message
+
+
+def write_termination_log(path: Path, message: str) -> None:
+    """Write `message` (cut to what the kubelet keeps) for the container's status; a log
+    that cannot be written loses only the message (the exit status still says failed)."""
+    data = message.encode(errors="replace")[:TERMINATION_LOG_MAX_BYTES]
+    try:
+        path.write_bytes(data)
+    except OSError as error:
+        log.warning("termination log %s not written: %s", path, error)

@@ -124,6 +124,11 @@ def register(sub: Any) -> None:
         "gives up [3600]",
     )
     agent.add_argument("--warm-spare", action="store_true", help="keep a warm spare worker")
+    agent.add_argument(
+        "--termination-log",
+        metavar="PATH",
+        help="write why the agent failed here (in a pod: /dev/termination-log) [none]",
+    )
     agent.add_argument("--run-dir", help="event log and worker logs [a temporary folder]")
     agent.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     agent.set_defaults(func=_cmd_agent)
@@ -233,6 +238,7 @@ def from_flags(args: argparse.Namespace) -> Any:
         resume_step=resume_step,
         warm_spare=args.warm_spare,
         max_restarts=args.max_restarts,
+        termination_log=Path(args.termination_log) if args.termination_log else None,
     )
 
 

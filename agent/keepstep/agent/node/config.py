@@ -58,6 +58,9 @@ class AgentConfig:
     resume_blob: Path | None = None  # a durable checkpoint to start every worker from
     resume_step: int = 0
     warm_spare: bool = False  # keep a process with torch imported to replace a crashed worker
+    # Where a failed agent writes why (a pod's /dev/termination-log: the kubelet puts it in
+    # the container's status, where `kubectl describe pod` and the operator read it).
+    termination_log: Path | None = None
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -165,7 +168,7 @@ def dump_config(cfg: AgentConfig, path: Path) -> None:
 
 def load_config(path: Path) -> AgentConfig:
     raw: dict[str, Any] = json.loads(path.read_text())
-    for name in ("run_dir", "snapshot_dir", "resume_blob"):
+    for name in ("run_dir", "snapshot_dir", "resume_blob", "termination_log"):
         if raw.get(name) is not None:
             raw[name] = Path(raw[name])
     raw["script_args"] = tuple(raw.get("script_args", ()))
