@@ -155,3 +155,49 @@ def test_metrics_must_be_declared_as_names() -> None:
     mb = next(step.micro_batches())
     with pytest.raises(ConfigError, match=r"the job declares no metrics; pass metrics=\('loss',\)"):
         step.log(loss=F.mse_loss(net(mb.inputs), mb.targets))
+
+
+def test_a_peer_lost_in_the_metrics_sum_leaves_the_step_untouched() -> None:
+    """The gradient's sum succeeded here, the metrics' sum did not (the peer died between
+    them): nothing may have moved, or the repeated step would differ from a member whose
+    gradient sum failed. Neither the reducer's exponents nor any `.grad`."""
+    from keepstep.elastic.errors import PeerLost
+    from keepstep.elastic.step import StepOutcome
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    job = keepstep.init(net, opt, dataset(), GB, MB, SEED, env={}, metrics=("loss",))
+    steps = job.steps(3)
+    step = next(steps)  # step 0 commits normally: the exponents have moved once
+    for mb in step.micro_batches():
+        loss = F.mse_loss(net(mb.inputs), mb.targets)
+        step.log(loss=loss)
+        step.backward(loss)
+    assert step.commit()
+    step = next(steps)
+    before = {k: v.clone() for k, v in job.reducer.state_dict().items()}
+    params = [p.detach().clone() for p in net.parameters()]
+    assert job.comm is not None
+    real, calls = job.comm.allreduce, []
+
+    def second_call_fails(tensor: torch.Tensor, *args: Any) -> None:
+        calls.append(tensor.numel())
+        if len(calls) == 2:
+            raise PeerLost(0, "the peer died between the two sums")
+        real(tensor, *args)
+
+    job.comm.allreduce = second_call_fails  # type: ignore[method-assign]
+    for mb in step.micro_batches():
+        loss = F.mse_loss(net(mb.inputs), mb.targets)
+        step.log(loss=loss)
+        step.backward(loss)
+    result = step.commit()
+    assert result.outcome is StepOutcome.FAILED and len(calls) == 2
+    after = job.reducer.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert all(p.grad is None for p in net.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(params, net.parameters(), strict=True))
+    job.comm.allreduce = real  # type: ignore[method-assign]
+    steps.close()
+    job.snapshots.close()

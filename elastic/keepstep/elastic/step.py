@@ -220,6 +220,17 @@ class Step:
         except PeerLost as error:
             return self._fail(error)
         announced = bool(buffer[-1].item())
+        metrics: dict[str, float] = {}
+        if self._metrics is not None:
+            # Before `finish`, which writes the gradient and moves the reducer's exponents:
+            # a member that lost a peer here must still be where a member that lost it in
+            # the gradient's sum is, or the step repeated after the rollback differs.
+            summed = self._metrics.buffer()
+            try:
+                comm.allreduce(summed, dist.ReduceOp.SUM, timeout)
+            except PeerLost as error:
+                return self._fail(error)
+            metrics = self._metrics.reduce(summed, self.index)
         outcome = job.reducer.finish(buffer, job.config.n_micro, job.params)
         if isinstance(outcome, ReduceOverflow):
             peak = job.reducer.retry_max_buffer()
@@ -229,15 +240,6 @@ class Step:
                 return self._fail(error)
             job.reducer.set_retry_exponents(peak)
             return CommitResult(StepOutcome.RETRY)
-        metrics: dict[str, float] = {}
-        if self._metrics is not None:
-            # Before the optimizer step: a peer lost here still leaves the step uncommitted.
-            summed = self._metrics.buffer()
-            try:
-                comm.allreduce(summed, dist.ReduceOp.SUM, timeout)
-            except PeerLost as error:
-                return self._fail(error)
-            metrics = self._metrics.reduce(summed, self.index)
         # The state changes here, not when the job applies the result: the user's code
         # after commit() sees the new parameters.
         if isinstance(outcome, ReduceNonFinite):
