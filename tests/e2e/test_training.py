@@ -196,7 +196,8 @@ def test_kubectl_scale_from_3_to_4_nodes(training: Training, reference: str) -> 
     t, name = training, "scale"
     for _ in range(4):
         t.add_node()
-    t.apply(trainjob(name))
+    # Slower steps: the 4th pod's agent must start (python, torch) while steps remain.
+    t.apply(trainjob(name, sleep=2 * SLEEP))
     t.wait("3 pods bound", lambda: bound(t, name, 3))
     running_mid_run(t, name)
     scaled_at = time.time()

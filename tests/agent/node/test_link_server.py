@@ -128,7 +128,10 @@ def test_a_peer_that_is_not_the_agents_own_is_refused_unread(
     server = LinkServer(addr, handled, admit=same_user_and(owns))
     try:
         with caplog.at_level(logging.WARNING), raw(addr) as sock:
-            sock.sendall(line(Hello("n0/0"), 1))
+            try:
+                sock.sendall(line(Hello("n0/0"), 1))
+            except BrokenPipeError:
+                pass  # the server closed the connection before the line went out
             assert closed_unanswered(sock)
         assert seen == [os.getpid()]  # the kernel's word on who connected
         assert handled.asked == []
