@@ -13,6 +13,11 @@ thread of its own (so a request that waits never holds up another). What each do
 
 The answers are typed replies; an error raised here reaches the worker as its type
 (`link_server` turns it into an ErrorReply).
+
+A connection speaks for one worker: the member it said hello as. Anything else on it (a
+message before its hello, one naming another member, a second hello as another member, a
+hello as a member whose live worker holds another connection) is refused, so one worker's
+process cannot report, fail or finish in another's name.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class WorkerRequests:
             raise BadMessage("op", f"{message.OP.value!r} is not a worker's message")
         if message.member not in self.workers:
             raise BadMessage("member", f"{message.member!r} is not a worker of this node")
+        self._check_speaker(conn, message)
         match message:
             case Hello():
                 # The worker imported everything and built its model: it can be admitted.
@@ -92,3 +98,22 @@ class WorkerRequests:
             case Reconfigured():
                 self.reports.reconfigured(message)
                 return None
+
+    def _check_speaker(self, conn: Connection, message: Message) -> None:
+        """BadMessage unless `conn` may speak for `message.member` (see the docstring)."""
+        member = message.member  # type: ignore[union-attr]  # every worker message names one
+        said = self.workers.member_of(conn)
+        if isinstance(message, Hello):
+            if said is not None and said != member:
+                raise BadMessage(
+                    "member", f"this connection said hello as {said!r}, not {member!r}"
+                )
+            held = self.workers.get(member).conn
+            if held is not None and held is not conn:
+                raise BadMessage(
+                    "member", f"{member!r} is connected already, on another connection"
+                )
+            return
+        if said != member:
+            why = "said no hello" if said is None else f"said hello as {said!r}"
+            raise BadMessage("member", f"{member!r}: this connection {why}")

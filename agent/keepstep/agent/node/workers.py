@@ -119,6 +119,14 @@ class WorkerTable:
         with self._lock:
             return self._apply(member, self._states[member].hello(conn)), self._flag
 
+    def member_of(self, conn: Connection) -> str | None:
+        """The member whose live link `conn` is (it said hello on it), if any."""
+        with self._lock:
+            for member, state in self._states.items():
+                if state.conn is conn:
+                    return member
+        return None
+
     def disconnected(self, conn: Connection) -> None:
         with self._lock:
             for member, state in list(self._states.items()):
