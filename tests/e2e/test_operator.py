@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -62,6 +64,12 @@ class Env:
         return "operator log tail:\n" + self.operator.tail(chars)
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
 def env(
     trainjob_crd: ControlPlane, jobs_etcd: str, tmp_path_factory: pytest.TempPathFactory
@@ -72,6 +80,7 @@ def env(
     cp.wait_for_service_account(namespace)
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     flags = ("--resync", str(RESYNC), "--lost-pod-grace", str(LOST_POD_GRACE))
+    flags += ("--health", f"http://127.0.0.1:{free_port()}/healthz")
     operator = Operator(cp, jobs_etcd, namespace, log, (*flags, "--below-min-grace", "600"))
     operator.start()
     try:
@@ -149,6 +158,7 @@ def test_pods_service_and_etcd_prefix_of_a_new_job(env: Env, kv: EtcdKV) -> None
     assert container["args"] == [
         "--nodes", "3", "--min-nodes", "2", "--nproc", "1", "--global-batch", "32",
         "--micro-batch", "4", "--steps", "50", "--seed", "3",
+        "--termination-log", "/dev/termination-log",
         "--checkpoint", "file:///ckpt/alpha", "--checkpoint-every", "10",
         "--", "python", "examples/mlp.py", "--hidden", "32",
     ]  # fmt: skip
@@ -361,3 +371,17 @@ def test_a_resumed_job_starts_its_agents_from_its_checkpoint(env: Env, kv: EtcdK
 def args_of(pod: dict[str, Any]) -> list[str]:
     args: list[str] = pod["spec"]["containers"][0]["args"]
     return args
+
+
+def test_the_operator_answers_its_liveness_probe(env: Env) -> None:
+    """What the Deployment's liveness and readiness probes ask (--health URL)."""
+    url = env.operator.argv[env.operator.argv.index("--health") + 1]
+
+    def answered() -> int | None:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as reply:
+                return int(reply.status)
+        except OSError:
+            return None
+
+    assert env.wait("the liveness endpoint", answered) == 200, env.log_tail()

@@ -24,6 +24,7 @@ from keepstep.e2e.podproc import (
     exit_code,
     expand,
     process_spec,
+    termination_file,
 )
 from keepstep.e2e.podstate import Act, LocalPod, Termination, backoff_s, decide
 from keepstep.e2e.podstatus import desired_status, differs
@@ -128,6 +129,14 @@ def test_process_spec_runs_command_and_args_with_runner_env_under_pod_env() -> N
     assert spec.env_dict() == {"PATH": "/pod/bin", "HOME": "/h", "NODE": "p1"}
     assert spec.log_name == "ns1_p1.log"
     assert spec.log_path(Path("/w")) == Path("/w/ns1_p1.log")
+
+
+def test_the_termination_message_path_becomes_a_file_of_the_pods_own() -> None:
+    p = pod(command=["keepstep", "agent", "--termination-log", "/dev/termination-log"])
+    p["spec"]["containers"][0]["terminationMessagePath"] = "/dev/termination-log"
+    spec = process_spec(p, IP, {})
+    assert spec.argv[:3] == ("keepstep", "agent", "--termination-log")
+    assert spec.argv[3] == str(termination_file("ns1", "p1")) != "/dev/termination-log"
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,8 @@ ELASTIC: dict[str, object] = {
     "microBatchSize": None,
 }
 STATUS = {
-    "phase", "nodes", "worldSize", "step", "lastSnapshotStep", "epoch", "recoveries",
+    "phase", "nodes", "worldSize", "step", "lastSnapshotStep", "snapshotBytes", "epoch",
+    "recoveries",
     "mttrP50Seconds", "lastMttrSeconds", "samplesPerSecond", "paramsSha256", "selector",
     "nextPodIndex", "observedGeneration", "belowMinNodesSince", "podFailures",
     "createBackoffUntil", "conditions",

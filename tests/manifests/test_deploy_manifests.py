@@ -140,7 +140,12 @@ def test_operator_deployment_runs_the_operator_against_the_etcd_service() -> Non
     argv = container["command"] + container["args"]
     assert argv[:4] == ["python", "-m", "keepstep.operator", "--etcd"]
     url = re.fullmatch(r"http://([a-z0-9-]+)\.([a-z0-9-]+)\.svc:(\d+)", argv[4])
-    assert url is not None and len(argv) == 5, argv
+    assert url is not None and argv[5:] == ["--health", "http://0.0.0.0:8080/healthz"], argv
+    # The liveness and readiness probes ask kopf's endpoint, on the port it serves.
+    (port,) = container["ports"]
+    assert (port["name"], port["containerPort"]) == ("health", 8080)
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     service = objects("etcd.yaml")[("Service", url[1])]
     assert url[2] == service["metadata"]["namespace"]
     assert int(url[3]) in {p["port"] for p in service["spec"]["ports"]}

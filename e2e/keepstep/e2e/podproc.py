@@ -16,6 +16,7 @@ so: a pod that silently ran with half its environment would be harder to debug.
 from __future__ import annotations
 
 import re
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,11 @@ def log_name(namespace: str, name: str) -> str:
     return f"{namespace}_{name}.log"
 
 
+def termination_file(namespace: str, name: str) -> Path:
+    """Where a process-backed pod's container writes its termination message."""
+    return Path(tempfile.gettempdir()) / f"keepstep-pod-{namespace}_{name}-termination-log"
+
+
 def first_container(pod: Pod) -> Mapping[str, Any]:
     containers = pod.get("spec", {}).get("containers") or []
     if not containers:
@@ -96,6 +102,12 @@ def process_spec(pod: Pod, node_ip: str, base_env: Mapping[str, str]) -> Process
     argv = [expand(part, pod_env) for part in [*command, *(container.get("args") or [])]]
     env = {**base_env, **pod_env}
     meta = pod.get("metadata", {})
+    # The kubelet gives each container a file of its own at terminationMessagePath; here
+    # that path would be the host's: the container's argv names a per-pod file instead.
+    message_path = container.get("terminationMessagePath")
+    if message_path:
+        own = str(termination_file(meta.get("namespace", ""), meta.get("name", "")))
+        argv = [own if part == message_path else part for part in argv]
     return ProcessSpec(
         argv=tuple(argv),
         env=tuple(sorted(env.items())),

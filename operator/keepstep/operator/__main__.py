@@ -4,9 +4,11 @@ environment or its command line).
     python -m keepstep.operator --etcd URL [--namespace NS ...] [--kubeconfig PATH]
         [--standalone | --peering NAME] [--lost-pod-grace S] [--below-min-grace S]
         [--pending-grace S] [--backoff-limit N] [--failure-window S]
-        [--backoff-base S] [--backoff-max S] [--resync S] [--api-timeout S] [--verbose]
+        [--backoff-base S] [--backoff-max S] [--resync S] [--api-timeout S] [--health URL]
+        [--verbose]
 
-It runs kopf with no liveness endpoint and, unless --peering names a peering object, as a
+It runs kopf (with its liveness endpoint at --health URL when given: the pod's liveness
+and readiness probes) and, unless --peering names a peering object, as a
 standalone operator (one replica). Without --namespace it watches every namespace (the
 cluster-wide install, manifests/rbac.yaml); with it, only the namespaces named (repeat the
 flag, or separate them with commas), needing nothing cluster-scoped (the namespaced
@@ -109,6 +111,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
     parser.add_argument(
         "--api-timeout", type=float, default=10.0, metavar="S", help="per API request (10)"
     )
+    parser.add_argument(
+        "--health",
+        metavar="URL",
+        help="serve liveness/readiness at this URL, e.g. http://0.0.0.0:8080/healthz (none)",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logs, kopf's included")
     args = parser.parse_args(argv)
     try:
@@ -128,6 +135,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
             api_timeout_s=args.api_timeout,
             standalone=args.peering is None,
             peering=args.peering,
+            health=args.health,
         )
     except OperatorError as error:
         parser.error(str(error))
@@ -167,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             memo=runtime,
             standalone=settings.standalone,
             peering_name=settings.peering,
-            liveness_endpoint=None,
+            liveness_endpoint=settings.health,
             clusterwide=not settings.namespaces,
             namespaces=list(settings.namespaces),
         )

@@ -7,9 +7,12 @@ module receives it (or the part it needs) as an argument and never reads the env
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from keepstep.operator.errors import SpecError
+
+_HEALTH = re.compile(r"http://[^/:\s]+:\d{1,5}/\S*")
 
 
 def _positive(name: str, value: float) -> None:
@@ -55,6 +58,9 @@ class OperatorSettings:
     backoff_max_s: float = 300.0
     standalone: bool = True
     peering: str | None = None
+    # kopf's liveness endpoint ("http://0.0.0.0:8080/healthz"): the pod's liveness and
+    # readiness probes; None serves none.
+    health: str | None = None
 
     def __post_init__(self) -> None:
         if not self.etcd or not isinstance(self.etcd, str):
@@ -64,6 +70,11 @@ class OperatorSettings:
                 raise SpecError(f"namespaces={self.namespaces!r}: {namespace!r} is not a namespace")
         if len(set(self.namespaces)) != len(self.namespaces):
             raise SpecError(f"namespaces={self.namespaces!r} names a namespace twice")
+        if self.health is not None and not _HEALTH.fullmatch(self.health):
+            raise SpecError(
+                f"health={self.health!r} must be an http URL with a port and a path, such as "
+                "http://0.0.0.0:8080/healthz"
+            )
         _positive("lost_pod_grace_s", self.lost_pod_grace_s)
         _positive("agent_start_grace_s", self.agent_start_grace_s)
         _positive("below_min_grace_s", self.below_min_grace_s)
