@@ -47,9 +47,11 @@ class Port:
     args: tuple[str, ...]
 
 
+# Enough steps after the fault's step: the launcher sees the job's step from progress
+# records written every 0.2 s, so on fast steps the kill lands a few steps late.
 PORTS = [
-    Port("mnist", 10, 20, 16, 4, 8, ("--samples", "32")),
-    Port("gpt", 16, 30, 8, 2, 6, ("--block-size", "16", "--warmup", "2", "--log-every", "1")),
+    Port("mnist", 10, 20, 16, 4, 16, ("--samples", "32")),
+    Port("gpt", 16, 30, 8, 2, 24, ("--block-size", "16", "--warmup", "2", "--log-every", "4")),
 ]
 FAULT = "kill-worker:1@step=3"
 
@@ -144,7 +146,9 @@ def test_the_port_trains_alike_alone_and_under_a_fault(port: Port, tmp_path: Pat
     assert summary["params_sha256_disagree"] == []
     # The summary's hash covers the parameters and the tracked scheduler.
     assert summary["params_sha256"] == reference["params_sha256"]
-    assert summary["recoveries"][0]["cause"] == "kill-worker", summary["recoveries"]
+    (fault,) = json.loads((run_dir / "faults.json").read_text())
+    assert fault["t"] is not None, fault  # the kill landed before the job ended
+    assert "kill-worker" in {r["cause"] for r in summary["recoveries"]}, summary["recoveries"]
     samples = summary["samples"]
     assert samples["lost"] == 0 and samples["duplicated"] == 0
     # Every member that trained to the end printed the lone run's hashes. (A restarted
