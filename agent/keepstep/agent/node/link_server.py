@@ -124,8 +124,8 @@ class LinkServer:
                 return
             refusal = self._check(sock)
             if refusal is not None:
+                self._refused(refusal)  # said before the peer can see the close
                 sock.close()
-                self._refused(refusal)
                 continue
             conn = Connection(sock)
             threading.Thread(
