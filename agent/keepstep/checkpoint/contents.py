@@ -26,13 +26,7 @@ import torch
 from keepstep.elastic import train_state
 from keepstep.elastic.errors import SnapshotCorrupt
 from keepstep.elastic.snapshot_format import TensorEntry, read_index
-from keepstep.elastic.snapshot_layout import (
-    HEADER,
-    SLOT_MAGIC,
-    SLOT_STRUCT,
-    SlotState,
-    payload_checksum,
-)
+from keepstep.elastic.snapshot_layout import exported_payload
 from keepstep.elastic.tracked import TrackedState
 from keepstep.elastic.train_state import load_meta
 
@@ -49,19 +43,9 @@ class Contents:
 
 def decode(step: int, blob: bytes) -> Contents:
     """The state in a blob of ``step``; SnapshotCorrupt naming what does not check out."""
-    if len(blob) < HEADER:
-        raise SnapshotCorrupt(f"checkpoint of step {step}: {len(blob)} B, shorter than a header")
-    magic, state, _, saved_step, nbytes, checksum, _ = SLOT_STRUCT.unpack_from(blob, 0)
-    payload = memoryview(blob)[HEADER:]
-    if magic != SLOT_MAGIC or state != SlotState.VALID or nbytes != len(payload):
-        raise SnapshotCorrupt(
-            f"checkpoint of step {step}: not a snapshot slot (magic {magic!r}, state {state}, "
-            f"payload {nbytes} B of {len(payload)} B)"
-        )
+    saved_step, payload, _ = exported_payload(blob, f"checkpoint of step {step}")
     if saved_step != step:
         raise SnapshotCorrupt(f"checkpoint of step {step} holds the snapshot of step {saved_step}")
-    if payload_checksum(payload, step) != checksum:
-        raise SnapshotCorrupt(f"checkpoint of step {step}: payload checksum mismatch")
     entries, raw_meta = read_index(step, payload)
     tensors = {e.name: _copy(payload, e) for e in entries}
     meta = load_meta(raw_meta)

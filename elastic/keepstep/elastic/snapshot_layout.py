@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from keepstep.elastic.errors import SnapshotCorrupt
+
 ALIGN = 64
 FILE_STRUCT = struct.Struct("<8sIIQ")  # magic, version, reserved, slot size
 # magic, state, reserved, step, payload length, crc, generation
@@ -76,6 +78,26 @@ def payload_checksum(payload: memoryview, step: int) -> int:
     digest = xxhash.xxh3_64(_SIGNED.pack(step, len(payload)))
     digest.update(payload)
     return int(digest.intdigest())
+
+
+def exported_payload(
+    blob: bytes | bytearray | memoryview, what: str
+) -> tuple[int, memoryview, int]:
+    """The step, verified payload and checksum of one exported slot (a peer's transfer, a durable
+    checkpoint's blob); SnapshotCorrupt, its message starting with `what`, if the header
+    or the checksum does not check out."""
+    if len(blob) < HEADER:
+        raise SnapshotCorrupt(f"{what}: {len(blob)} B, shorter than a header")
+    magic, state, _, step, nbytes, checksum, _ = SLOT_STRUCT.unpack_from(blob, 0)
+    payload = memoryview(blob)[HEADER:]
+    if magic != SLOT_MAGIC or state != SlotState.VALID or nbytes != len(payload):
+        raise SnapshotCorrupt(
+            f"{what}: not a snapshot slot (magic {magic!r}, state {state}, "
+            f"payload {nbytes} B of {len(payload)} B)"
+        )
+    if payload_checksum(payload, step) != checksum:
+        raise SnapshotCorrupt(f"{what}: payload checksum mismatch")
+    return int(step), payload, int(checksum)
 
 
 def slot_header(view: memoryview, slot: int) -> SlotHeader | None:

@@ -41,6 +41,7 @@ from keepstep.elastic.snapshot_layout import (
     VERSION,
     SlotHeader,
     SlotState,
+    exported_payload,
     finish_slot,
     payload_checksum,
 )
@@ -161,17 +162,8 @@ class SnapshotStore:
         """Verify a slot received from ``export`` on a peer and write it into the older slot."""
         if not isinstance(blob, bytes | bytearray | memoryview):
             raise ConfigError(f"blob: must be bytes, got {type(blob).__name__}")
-        if len(blob) < HEADER:
-            raise SnapshotCorrupt(f"received blob of {len(blob)} B is shorter than a header")
-        magic, state, _, step, nbytes, crc, _ = SLOT_STRUCT.unpack_from(blob, 0)
-        payload = memoryview(blob)[HEADER:]
-        if magic != SLOT_MAGIC or state != SlotState.VALID or nbytes != len(payload):
-            raise SnapshotCorrupt(
-                f"received blob: bad header (magic {magic!r}, state {state}, "
-                f"payload {nbytes} B, blob {len(blob)} B)"
-            )
-        if payload_checksum(payload, step) != crc:
-            raise SnapshotCorrupt(f"received snapshot of step {step}: checksum mismatch")
+        step, payload, crc = exported_payload(blob, "received snapshot")
+        nbytes = len(payload)
         read_index(step, payload)  # refuse a payload we could not load later
         self.wait(timeout)
         slot, at = self._prepare(step, nbytes)
