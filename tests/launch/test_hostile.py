@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from keepstep.agent import protocol
-from keepstep.agent.kv.etcd import EtcdKV
+from keepstep.agent.kv import KVError
+from keepstep.agent.kv.etcd import EtcdCredentials, EtcdKV
 from keepstep.agent.protocol import NodeRecord
 from keepstep.agent.protocol.events import read_events
 from keepstep.agent.protocol.link import native_address, socket_address
@@ -112,7 +113,15 @@ def test_strangers_cannot_steer_a_running_job(tmp_path: Path) -> None:
         assert sorted(started) == ["n0", "n1"]
         config = json.loads((run_dir / "agent-n0.json").read_text())
         job = config["job"]
-        kv = EtcdKV(config["etcd"])
+        # A stranger on the machine reaches the etcd port but gets no answer without a
+        # certificate from the run's CA; the test reads the records as the job itself.
+        stranger = EtcdKV(config["etcd"], timeout=2.0)
+        try:
+            with pytest.raises(KVError):
+                stranger.get_prefix(protocol.prefix(job, "nodes"), 2.0)
+        finally:
+            stranger.close()
+        kv = EtcdKV(config["etcd"], credentials=EtcdCredentials.from_dir(config["etcd_tls"]))
         try:
             nodes = {
                 item.key.rpartition("/")[2]: protocol.decode(NodeRecord, item.value)

@@ -189,8 +189,10 @@ def etcd_member(pid: int, timeout: float = 1.0) -> EtcdMember:
     """Describe the etcd with this pid (its flags say its name and client URL)."""
     argv, _ = etcd_command(pid)
     flags = dict(a.removeprefix("--").partition("=")[::2] for a in argv[1:] if a.startswith("--"))
-    endpoint = flags.get("listen-client-urls", "").split(",")[0].removeprefix("http://")
-    seen = metrics(endpoint, timeout) if endpoint else None
+    endpoint = flags.get("listen-client-urls", "").split(",")[0].split("://")[-1]
+    # Beside TLS, /metrics is served over plain HTTP on its own port.
+    plain = flags.get("listen-metrics-urls", "").split(",")[0].removeprefix("http://")
+    seen = metrics(plain or endpoint, timeout) if endpoint else None
     leader = None if seen is None else seen.get("etcd_server_is_leader") == 1.0
     return EtcdMember(pid, flags.get("name", ""), endpoint, leader)
 

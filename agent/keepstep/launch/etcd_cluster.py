@@ -19,7 +19,7 @@ import time
 import urllib.request
 from pathlib import Path
 from types import TracebackType
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from keepstep.errors import ConfigError
 from keepstep.launch.etcd_server import (
@@ -29,7 +29,11 @@ from keepstep.launch.etcd_server import (
     free_port,
     member_args,
     port_taken,
+    scheme,
 )
+
+if TYPE_CHECKING:
+    from keepstep.launch.etcd_tls import ServerTLS
 
 MEMBER_COUNTS = (1, 3)  # an even count tolerates no more losses than the odd one below it
 _PORT_ATTEMPTS = 5
@@ -62,6 +66,7 @@ class EtcdCluster:
         heartbeat_ms: int = 50,
         election_ms: int = 500,
         timeout: float = 20.0,
+        tls: ServerTLS | None = None,
     ) -> EtcdCluster:
         """Start every member and return once each answers /health (a quorum formed and
         a leader was elected); on any failure every member started is killed."""
@@ -69,15 +74,19 @@ class EtcdCluster:
         if members < 1:
             raise ConfigError(f"members={members} must be >= 1")
         for attempt in range(_PORT_ATTEMPTS):
-            ports = [(free_port(host), free_port(host)) for _ in range(members)]
-            if len({p for pair in ports for p in pair}) < 2 * members:
+            width = 2 if tls is None else 3  # client, peer (and metrics, beside TLS)
+            ports = [tuple(free_port(host) for _ in range(width)) for _ in range(members)]
+            if len({p for trio in ports for p in trio}) < width * members:
                 continue  # the kernel handed the same free port out twice
             names = [f"keepstep-{i}" for i in range(members)]
             initial = ",".join(
-                f"{name}=http://{host}:{peer}" for name, (_, peer) in zip(names, ports, strict=True)
+                f"{name}={scheme(tls)}://{host}:{trio[1]}"
+                for name, trio in zip(names, ports, strict=True)
             )
             servers = []
-            for i, (name, (client, peer)) in enumerate(zip(names, ports, strict=True)):
+            for i, (name, trio) in enumerate(zip(names, ports, strict=True)):
+                client, peer = trio[0], trio[1]
+                mport = trio[2] if tls is not None else None
                 member_dir = data_dir / f"member-{i}"
                 member_dir.mkdir(parents=True, exist_ok=True)
                 args = member_args(
@@ -89,8 +98,12 @@ class EtcdCluster:
                     initial,
                     heartbeat_ms=heartbeat_ms,
                     election_ms=election_ms,
+                    tls=tls,
+                    metrics_port=mport,
                 )
-                servers.append(EtcdServer(binary, member_dir, args, f"{host}:{client}"))
+                metrics_at = None if mport is None else f"{host}:{mport}"
+                server = EtcdServer(binary, member_dir, args, f"{host}:{client}", metrics_at)
+                servers.append(server)
             cluster = cls(tuple(servers))
             try:
                 cluster._launch(timeout)
@@ -122,7 +135,7 @@ class EtcdCluster:
         for i, member in enumerate(self.members):
             if not member.running():
                 continue
-            seen = metrics(member.endpoint, timeout)
+            seen = metrics(member.metrics_endpoint, timeout)
             if seen is not None and seen.get("etcd_server_is_leader") == 1.0:
                 return i
         return None
@@ -148,18 +161,21 @@ class EtcdCluster:
         self.stop()
 
 
-def start_etcd(binary: str, data_dir: Path, *, members: int, host: str) -> RunningEtcd:
+def start_etcd(
+    binary: str, data_dir: Path, *, members: int, host: str, tls: ServerTLS | None = None
+) -> RunningEtcd:
     """One etcd server (`members` 1: data in `data_dir` itself) or a cluster of them."""
     if members not in MEMBER_COUNTS:
         allowed = ", ".join(map(str, MEMBER_COUNTS))
         raise ConfigError(f"etcd members {members}; allowed: {allowed}")
     if members == 1:
-        return EtcdServer.start(binary, data_dir, host=host)
-    return EtcdCluster.start(binary, data_dir, members=members, host=host)
+        return EtcdServer.start(binary, data_dir, host=host, tls=tls)
+    return EtcdCluster.start(binary, data_dir, members=members, host=host, tls=tls)
 
 
 def metrics(endpoint: str, timeout: float = 1.0) -> dict[str, float] | None:
-    """What the etcd at `endpoint` ("host:port") reports on /metrics, series -> value
+    """What the etcd at `endpoint` ("host:port" of its plain-HTTP /metrics: the client
+    port, or `EtcdServer.metrics_endpoint` beside TLS) reports, series -> value
     (e.g. "etcd_server_is_leader"); None if it does not answer within `timeout`."""
     # Loopback must never go through an HTTP proxy from the environment.
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))

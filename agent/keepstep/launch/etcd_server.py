@@ -12,6 +12,10 @@ flags every member gets are `member_args`.
 
 Which binary to run (and the lowest etcd version that works) is `etcd_binary`'s
 business; `find_etcd` is importable from here too.
+
+With `tls` (`etcd_tls.ServerTLS`) the client and peer ports speak TLS and require client
+certificates; /health and /metrics then move to a third, plain-HTTP port on the same host
+(`metrics_endpoint`), which the start-up check and the chaos harness read.
 """
 
 from __future__ import annotations
@@ -25,10 +29,14 @@ import urllib.request
 import weakref
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from keepstep.errors import ConfigError, KeepstepError
 from keepstep.launch.etcd_binary import find_etcd as find_etcd
 from keepstep.launch.etcd_binary import is_executable, too_old
+
+if TYPE_CHECKING:
+    from keepstep.launch.etcd_tls import ServerTLS
 
 _PORT_ATTEMPTS = 5
 ETCD_GOMAXPROCS = 1  # see `EtcdServer.spawn`
@@ -43,11 +51,20 @@ class EtcdServerError(KeepstepError):
 class EtcdServer:
     """One etcd process; data in `data_dir/data`, its output in `data_dir/etcd.log`."""
 
-    def __init__(self, binary: str, data_dir: Path, args: list[str], endpoint: str) -> None:
+    def __init__(
+        self,
+        binary: str,
+        data_dir: Path,
+        args: list[str],
+        endpoint: str,
+        metrics_endpoint: str | None = None,
+    ) -> None:
         self.binary = binary
         self.data_dir = data_dir
         self.log_path = data_dir / "etcd.log"
         self.endpoint = endpoint  # "host:port", what EtcdKV takes
+        # "host:port" of /health and /metrics over plain HTTP (the client port without TLS).
+        self.metrics_endpoint = metrics_endpoint or endpoint
         self._args = args
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -64,8 +81,10 @@ class EtcdServer:
         heartbeat_ms: int = 50,
         election_ms: int = 500,
         timeout: float = 20.0,
+        tls: ServerTLS | None = None,
     ) -> EtcdServer:
-        """Start etcd and return once it answers /health; ports 0 pick free ones."""
+        """Start etcd and return once it answers /health; ports 0 pick free ones. With
+        `tls`, TLS with client certificates on both ports (see the module docstring)."""
         check_settings(binary, heartbeat_ms, election_ms, timeout)
         for port, what in ((client_port, "client_port"), (peer_port, "peer_port")):
             if not 0 <= port <= 65535:
@@ -75,7 +94,8 @@ class EtcdServer:
         for attempt in range(attempts):
             cport = client_port or free_port(host)
             pport = peer_port or free_port(host)
-            peer_url = f"http://{host}:{pport}"
+            mport = free_port(host) if tls is not None else None
+            peer_url = f"{scheme(tls)}://{host}:{pport}"
             args = member_args(
                 name,
                 data_dir,
@@ -85,8 +105,11 @@ class EtcdServer:
                 f"{name}={peer_url}",
                 heartbeat_ms=heartbeat_ms,
                 election_ms=election_ms,
+                tls=tls,
+                metrics_port=mport,
             )
-            server = cls(binary, data_dir, args, f"{host}:{cport}")
+            metrics = None if mport is None else f"{host}:{mport}"
+            server = cls(binary, data_dir, args, f"{host}:{cport}", metrics)
             try:
                 server._launch(timeout)
                 return server
@@ -182,7 +205,7 @@ class EtcdServer:
             raise
 
     def _wait_healthy(self, proc: subprocess.Popen[bytes], timeout: float) -> None:
-        url = f"http://{self.endpoint}/health"
+        url = f"http://{self.metrics_endpoint}/health"
         # Loopback must never go through an HTTP proxy from the environment.
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         deadline = time.monotonic() + timeout
@@ -225,10 +248,19 @@ def member_args(
     *,
     heartbeat_ms: int,
     election_ms: int,
+    tls: ServerTLS | None = None,
+    metrics_port: int | None = None,
 ) -> list[str]:
     """The flags of one member of a statically bootstrapped cluster (`initial_cluster`:
-    "name=http://host:peer,..." of every member); its data goes to `data_dir/data`."""
-    client_url, peer_url = f"http://{host}:{client_port}", f"http://{host}:{peer_port}"
+    "name=http(s)://host:peer,..." of every member); its data goes to `data_dir/data`.
+    With `tls` both ports speak TLS and /health, /metrics move to `metrics_port`."""
+    if (tls is None) != (metrics_port is None):
+        raise ConfigError("a TLS member needs a metrics port, and only a TLS member has one")
+    client_url = f"{scheme(tls)}://{host}:{client_port}"
+    peer_url = f"{scheme(tls)}://{host}:{peer_port}"
+    extra: list[str] = []
+    if tls is not None:
+        extra = [*tls.args(), f"--listen-metrics-urls=http://{host}:{metrics_port}"]
     return [
         f"--name={name}",
         f"--data-dir={data_dir / 'data'}",
@@ -246,7 +278,12 @@ def member_args(
         "--auto-compaction-retention=1h",
         "--logger=zap",  # 3.4's default logger ignores --log-level; 3.5 on only have zap
         "--log-level=warn",
+        *extra,
     ]
+
+
+def scheme(tls: ServerTLS | None) -> str:
+    return "http" if tls is None else "https"
 
 
 def check_settings(binary: str, heartbeat_ms: int, election_ms: int, timeout: float) -> None:

@@ -25,18 +25,21 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
+from contextlib import closing
 from pathlib import Path
 from typing import Any, TextIO
 
 from keepstep.agent import protocol
 from keepstep.agent.durable.writer import latest_checkpoint
 from keepstep.agent.kv import KVError
-from keepstep.agent.kv.etcd import EtcdKV
+from keepstep.agent.kv.etcd import EtcdCredentials, EtcdKV
+from keepstep.agent.kv.etcd_auth import enable_auth, grant_job
 from keepstep.agent.node.config import AgentConfig, dump_config, worker_env
 from keepstep.agent.protocol import NodeRecord, ProgressRecord
 from keepstep.agent.protocol.events import read_events
 from keepstep.errors import ConfigError, KeepstepError
 from keepstep.launch.etcd_cluster import start_etcd
+from keepstep.launch.etcd_tls import LocalAuthority
 from keepstep.launch.faults import FaultKind
 from keepstep.launch.netns import NodeNetworks
 from keepstep.launch.run_config import RunConfig
@@ -65,6 +68,7 @@ class Launcher:
         self.last_line = 0.0
         self.stopped: set[str] = set()
         self.networks: NodeNetworks | None = None
+        self.etcd_tls: Path | None = None  # the job's etcd credentials, once granted
 
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -119,10 +123,26 @@ class Launcher:
         cfg = self.cfg
         # Namespaced nodes reach etcd on the bridge; so does the launcher (a local address).
         host = self.networks.plan.bridge_address if self.networks else "127.0.0.1"
+        # TLS and auth as on a cluster: the job's agents (and this launcher's reads) act as
+        # the job's etcd user, which may touch the job's prefix only.
+        authority = LocalAuthority.create(cfg.run_dir / "etcd-tls", [host])
         etcd = start_etcd(
-            cfg.etcd_binary, cfg.run_dir / "etcd", members=cfg.etcd_members, host=host
+            cfg.etcd_binary,
+            cfg.run_dir / "etcd",
+            members=cfg.etcd_members,
+            host=host,
+            tls=authority.server,
         )
-        kv = EtcdKV(etcd.endpoint)  # "h:p", or every member's "h:p,h:p,h:p" for a cluster
+        try:
+            with closing(EtcdKV(etcd.endpoint, credentials=authority.root)) as root:
+                enable_auth(root)
+                grant_job(root, self.job)
+            self.etcd_tls = authority.job_credentials(self.job)
+        except BaseException:
+            etcd.stop(timeout=10)
+            raise
+        # "h:p", or every member's "h:p,h:p,h:p" for a cluster.
+        kv = EtcdKV(etcd.endpoint, credentials=EtcdCredentials.from_dir(self.etcd_tls))
         try:
             self.etcd_endpoint = etcd.endpoint
             for i in range(cfg.nodes):
@@ -144,6 +164,7 @@ class Launcher:
             job=self.job,
             node=node,
             etcd=self.etcd_endpoint,
+            etcd_tls=None if self.etcd_tls is None else self.etcd_tls.resolve(),
             script=cfg.script if cfg.module else str(Path(cfg.script).resolve()),
             script_args=cfg.script_args,
             # -m: the module is found as `python -m` finds it, from the launcher's directory.

@@ -34,6 +34,10 @@ class LeaseLost(KVError):
     """The lease has expired or was revoked: the keys put with it are gone."""
 
 
+class KVDenied(KVError):
+    """The store refused the call: the client's identity may not touch that key."""
+
+
 @dataclass(frozen=True)
 class KV:
     key: str

@@ -52,11 +52,16 @@ from keepstep.agent.kv import (
     check_timeout,
     lease_seconds,
 )
-from keepstep.agent.kv.etcd_channel import open_channel, parse_endpoint, parse_endpoints
+from keepstep.agent.kv.etcd_channel import (
+    EtcdCredentials,
+    open_channel,
+    parse_endpoint,
+    parse_endpoints,
+)
 from keepstep.agent.kv.etcd_keepalive import KeepAliveStream, lease_answer
 from keepstep.agent.kv.etcd_watch import EtcdWatch, rpc_error
 
-__all__ = ["EtcdKV", "EtcdLease", "parse_endpoint", "parse_endpoints"]
+__all__ = ["EtcdCredentials", "EtcdKV", "EtcdLease", "parse_endpoint", "parse_endpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -109,13 +114,17 @@ class EtcdLease:
 
 class EtcdKV:
     """A `KVStore` on the etcd at `endpoint` ("host:port", or several, comma-separated:
-    the members of one cluster); `timeout` is the default for calls without one."""
+    the members of one cluster); `timeout` is the default for calls without one.
+    With `credentials` it speaks TLS and acts as the user its client certificate names."""
 
-    def __init__(self, endpoint: str, timeout: float = 5.0) -> None:
+    def __init__(
+        self, endpoint: str, timeout: float = 5.0, credentials: EtcdCredentials | None = None
+    ) -> None:
         addresses = parse_endpoints(endpoint)
         self.endpoint = ",".join(f"{host}:{port}" for host, port in addresses)
         self.timeout = check_timeout(timeout)
-        self._channel = open_channel(addresses)
+        self.secure = credentials is not None
+        self._channel = open_channel(addresses, credentials)
         self._kvs = etcdrpc.KVStub(self._channel)
         self._leases = etcdrpc.LeaseStub(self._channel)
         self._watch_stub = etcdrpc.WatchStub(self._channel)
@@ -283,6 +292,12 @@ class EtcdKV:
             raise
         return cancel
 
+    def __enter__(self) -> EtcdKV:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -294,6 +309,18 @@ class EtcdKV:
         self._channel.close()
 
     # ------------------------------------------------------------------ internals
+
+    def call(
+        self, what: str, method: Any, request: Any, timeout: float | None, retry: bool = False
+    ) -> Any:
+        """One call of another etcd service on this client's channel (`etcd_auth` uses
+        it), with the deadline, retry and error mapping of this class's own calls."""
+        return self._unary(what, method, request, timeout, retry)
+
+    def channel(self) -> grpc.Channel:
+        """The gRPC channel, for stubs of etcd's other services (Auth, Cluster)."""
+        self._check_open()
+        return self._channel
 
     def _check_open(self) -> None:
         if self._closed:

@@ -6,18 +6,46 @@ and `open_channel` on the result. The channel balances round-robin over every ad
 calls and streams are spread over the members, and a member whose connection broke is
 skipped until it is back; a single DNS name whose answer lists every member is balanced
 the same way.
+
+With `EtcdCredentials` (a CA, a client certificate and its key, as a Kubernetes TLS Secret
+holds them: ca.crt, tls.crt, tls.key) the channel is TLS: the server must prove a name or
+address it was dialled by with a certificate from that CA, and the client certificate's
+common name is the etcd user the calls act as (see `etcd_pki`). Dialling several
+addresses, the client checks each server's certificate for the name `SERVER_NAME`.
+Without credentials it is plain gRPC, for a test's own etcd on loopback.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import os
+import ssl
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from keepstep.errors import ConfigError
 
-__all__ = ["grpc_target", "open_channel", "parse_endpoint", "parse_endpoints"]
+__all__ = [
+    "SERVER_NAME",
+    "TLS_DIR_ENV",
+    "EtcdCredentials",
+    "grpc_target",
+    "open_channel",
+    "parse_endpoint",
+    "parse_endpoints",
+]
+
+# The name a client checks the server's certificate for when it dials several addresses (one
+# name cannot be every member's address): the certificates keepstep issues carry it.
+SERVER_NAME = "keepstep-etcd"
+TLS_DIR_ENV = "KEEPSTEP_ETCD_TLS_DIR"  # where a pod's Secret volume puts its credentials
+_FILES = {"ca": "ca.crt", "cert": "tls.crt", "key": "tls.key"}
+_MAX_PEM = 64 * 1024  # a CA bundle and one chain are a few KiB
 
 _GRPC_OPTIONS = [
     # Reconnect quickly after an etcd restart (gRPC's default backoff grows to 120 s).
@@ -33,9 +61,68 @@ _GRPC_OPTIONS = [
 ]
 
 
+@dataclass(frozen=True)
+class EtcdCredentials:
+    """Who a client is to etcd: the CA its servers are signed by, and a client certificate
+    (PEM) with its key. `repr` never shows the key."""
+
+    ca: bytes
+    cert: bytes
+    key: bytes
+
+    def __repr__(self) -> str:
+        return f"EtcdCredentials(cert={len(self.cert)} bytes, key=<hidden>)"
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> EtcdCredentials:
+        """Read ca.crt, tls.crt and tls.key from `path` (a mounted TLS Secret)."""
+        folder = Path(path)
+        parts: dict[str, bytes] = {}
+        for field, name in _FILES.items():
+            file = folder / name
+            try:
+                with open(file, "rb") as f:
+                    data = f.read(_MAX_PEM + 1)
+            except OSError as err:
+                raise ConfigError(
+                    f"etcd credentials {folder}: cannot read {name} ({err.strerror}); the "
+                    "folder must hold ca.crt, tls.crt and tls.key (a TLS Secret's keys)"
+                ) from None
+            if len(data) > _MAX_PEM or b"-----BEGIN " not in data:
+                raise ConfigError(f"etcd credentials {file}: not a PEM file of <= 64 KiB")
+            parts[field] = data
+        return cls(**parts)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> EtcdCredentials | None:
+        """The credentials in the folder $KEEPSTEP_ETCD_TLS_DIR names (None: unset)."""
+        folder = env.get(TLS_DIR_ENV)
+        return cls.from_dir(folder) if folder else None
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        """Write the three files into `path` (made 0700; the files 0600) and return it."""
+        folder = Path(path)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)
+        for field, name in _FILES.items():
+            fd = os.open(folder / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(getattr(self, field))
+        return folder
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """A client context for etcd's HTTPS endpoints (/health), with these credentials."""
+        context = ssl.create_default_context(cadata=self.ca.decode())
+        # The ssl module loads a chain only from files: a private temporary folder.
+        with tempfile.TemporaryDirectory() as tmp:
+            self.write(tmp)
+            context.load_cert_chain(Path(tmp) / _FILES["cert"], Path(tmp) / _FILES["key"])
+        return context
+
+
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """Split "host:port" (an "http://" in front is accepted) into (host, port)."""
-    text = endpoint.removeprefix("http://").rstrip("/")
+    """Split "host:port" (an "http://" or "https://" in front is accepted) into (host, port)."""
+    text = endpoint.removeprefix("http://").removeprefix("https://").rstrip("/")
     host, _, port = text.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"etcd endpoint {endpoint!r} must look like 127.0.0.1:2379")
@@ -72,6 +159,20 @@ def grpc_target(addresses: list[tuple[str, int]]) -> str:
     raise ConfigError(f"etcd endpoints {addresses}: do not mix IPv4 and IPv6 addresses")
 
 
-def open_channel(addresses: list[tuple[str, int]]) -> grpc.Channel:
-    """An insecure channel over every address (see the module docstring)."""
-    return grpc.insecure_channel(grpc_target(addresses), options=_GRPC_OPTIONS)
+def open_channel(
+    addresses: list[tuple[str, int]], credentials: EtcdCredentials | None = None
+) -> grpc.Channel:
+    """A channel over every address: TLS with `credentials`, else plain (see the module
+    docstring)."""
+    target = grpc_target(addresses)
+    if credentials is None:
+        return grpc.insecure_channel(target, options=_GRPC_OPTIONS)
+    tls = grpc.ssl_channel_credentials(
+        root_certificates=credentials.ca,
+        private_key=credentials.key,
+        certificate_chain=credentials.cert,
+    )
+    options = list(_GRPC_OPTIONS)
+    if len(addresses) > 1:
+        options.append(("grpc.ssl_target_name_override", SERVER_NAME))
+    return grpc.secure_channel(target, tls, options=options)

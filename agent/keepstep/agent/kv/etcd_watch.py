@@ -24,7 +24,7 @@ import grpc
 from pyetcd import etcdrpc
 from pyetcd.etcdrpc import kv_pb2
 
-from keepstep.agent.kv import KVError, KVTimeout, LeaseLost, WatchEvent
+from keepstep.agent.kv import KVDenied, KVError, KVTimeout, LeaseLost, WatchEvent
 
 __all__ = ["EtcdWatch", "rpc_error"]
 
@@ -36,12 +36,15 @@ log = logging.getLogger("keepstep.agent.kv.etcd")
 
 
 def rpc_error(what: str, err: grpc.RpcError, timeout: float) -> KVError:
-    """The KVError that a failed gRPC call raises: KVTimeout, LeaseLost or KVError."""
+    """The KVError that a failed gRPC call raises: KVTimeout, LeaseLost, KVDenied or
+    KVError."""
     code, details = err.code(), err.details()
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return KVTimeout(f"{what}: etcd did not answer within {timeout} s")
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in (details or ""):
         return LeaseLost(f"{what}: the lease has expired or was revoked")
+    if code == grpc.StatusCode.PERMISSION_DENIED:
+        return KVDenied(f"{what}: etcd refused it: {details} (these credentials do not cover it)")
     return KVError(f"{what}: etcd answered {code.name}: {details}")
 
 
@@ -138,6 +141,10 @@ class EtcdWatch:
         created = False
         try:
             for response in call:
+                # A refused watch is created and cancelled in the same answer.
+                if response.canceled and "permission denied" in response.cancel_reason:
+                    self._deny(response.cancel_reason)
+                    return False
                 if response.created:
                     created = True
                     if self._created.is_set():
@@ -169,6 +176,16 @@ class EtcdWatch:
         finally:
             done.set()
             call.cancel()
+
+    def _deny(self, reason: str) -> None:
+        """etcd refused the watch for these credentials: asking again cannot help."""
+        error = KVDenied(f"watch {self._prefix!r}: etcd refused it: {reason}")
+        self._stop.set()
+        if not self._created.is_set():
+            self._first_error = error
+            self._created.set()
+        else:
+            log.error("%s; the watch ends", error)
 
     def _deliver(self, raw: Any) -> None:
         if self._stop.is_set():

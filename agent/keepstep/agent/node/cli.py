@@ -57,6 +57,12 @@ def register(sub: Any) -> None:
         metavar="ENDPOINTS",
         help="etcd endpoints, host:port[,host:port...] [$KEEPSTEP_ETCD_ENDPOINTS]",
     )
+    agent.add_argument(
+        "--etcd-tls",
+        metavar="DIR",
+        default=env.get("KEEPSTEP_ETCD_TLS_DIR"),
+        help="the job's etcd credentials: ca.crt, tls.crt, tls.key [$KEEPSTEP_ETCD_TLS_DIR]",
+    )
     agent.add_argument("--job", default=env.get("KEEPSTEP_JOB"), help="job id [$KEEPSTEP_JOB]")
     agent.add_argument(
         "--node",
@@ -140,7 +146,9 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     # The configuration is checked whole before the daemon's modules (and etcd's client)
     # are imported: a wrong flag or file is reported at once.
     cfg: AgentConfig = config_file(Path(args.config)) if args.config else from_flags(args)
-    from keepstep.agent.kv.etcd import EtcdKV
+    from keepstep.agent.kv.etcd import EtcdCredentials, EtcdKV
+
+    credentials = EtcdCredentials.from_dir(cfg.etcd_tls) if cfg.etcd_tls else None
     from keepstep.agent.node.agent import run_agent
     from keepstep.agent.telemetry.config import TelemetryConfig
     from keepstep.agent.telemetry.otel import create_telemetry
@@ -152,7 +160,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
         else None
     )
     try:
-        return run_agent(cfg, EtcdKV(cfg.etcd), telemetry)
+        return run_agent(cfg, EtcdKV(cfg.etcd, credentials=credentials), telemetry)
     finally:
         if telemetry is not None:
             telemetry.close()
@@ -213,6 +221,7 @@ def from_flags(args: argparse.Namespace) -> Any:
         job=args.job,
         node=args.node,
         etcd=etcd,
+        etcd_tls=Path(args.etcd_tls) if args.etcd_tls else None,
         script=command[0],
         command=tuple(command),
         nproc=args.nproc,

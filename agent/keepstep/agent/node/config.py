@@ -29,6 +29,8 @@ class AgentConfig:
     node: str
     etcd: str
     script: str
+    # The job's etcd credentials (ca.crt, tls.crt, tls.key); None: plain gRPC (a test's etcd).
+    etcd_tls: Path | None = None
     script_args: tuple[str, ...] = ()
     command: tuple[str, ...] = ()  # a worker's whole command line (else python SCRIPT ARGS)
     nproc: int = 1
@@ -168,7 +170,7 @@ def dump_config(cfg: AgentConfig, path: Path) -> None:
 
 def load_config(path: Path) -> AgentConfig:
     raw: dict[str, Any] = json.loads(path.read_text())
-    for name in ("run_dir", "snapshot_dir", "resume_blob", "termination_log"):
+    for name in ("run_dir", "snapshot_dir", "resume_blob", "termination_log", "etcd_tls"):
         if raw.get(name) is not None:
             raw[name] = Path(raw[name])
     raw["script_args"] = tuple(raw.get("script_args", ()))
