@@ -5,6 +5,7 @@ environment or its command line).
         [--standalone | --peering NAME] [--lost-pod-grace S] [--below-min-grace S]
         [--pending-grace S] [--backoff-limit N] [--failure-window S]
         [--backoff-base S] [--backoff-max S] [--resync S] [--api-timeout S] [--health URL]
+        [--etcd-ca-secret NS/NAME [--etcd-server-secret NAME --etcd-server-names DNS,...]]
         [--verbose]
 
 It runs kopf (with its liveness endpoint at --health URL when given: the pod's liveness
@@ -23,6 +24,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import kopf
 
@@ -33,6 +35,10 @@ from keepstep.operator.handlers import Runtime, build_registry
 from keepstep.operator.kube import Kube, KubeError
 from keepstep.operator.reconcile import Reconciler
 from keepstep.operator.settings import DecideConfig, OperatorSettings
+
+if TYPE_CHECKING:
+    from keepstep.agent.kv.etcd import EtcdKV
+    from keepstep.operator.etcd_access import JobAccess
 
 
 def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, bool]:
@@ -116,6 +122,24 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
         metavar="URL",
         help="serve liveness/readiness at this URL, e.g. http://0.0.0.0:8080/healthz (none)",
     )
+    parser.add_argument(
+        "--etcd-ca-secret",
+        metavar="NS/NAME",
+        help="the job etcd's CA Secret (made if missing): TLS to etcd and an etcd user and "
+        "client-certificate Secret per TrainJob (none: plain etcd, for development)",
+    )
+    parser.add_argument(
+        "--etcd-server-secret",
+        metavar="NAME",
+        help="with --etcd-ca-secret: make the etcd members' server certificate Secret NAME "
+        "in the CA's namespace if missing, for --etcd-server-names (none: made elsewhere)",
+    )
+    parser.add_argument(
+        "--etcd-server-names",
+        metavar="DNS,...",
+        default="",
+        help="the DNS names the etcd members' certificate is valid for",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logs, kopf's included")
     args = parser.parse_args(argv)
     try:
@@ -136,6 +160,9 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
             standalone=args.peering is None,
             peering=args.peering,
             health=args.health,
+            etcd_ca_secret=args.etcd_ca_secret,
+            etcd_server_secret=args.etcd_server_secret,
+            etcd_server_names=tuple(n for n in args.etcd_server_names.split(",") if n),
         )
     except OperatorError as error:
         parser.error(str(error))
@@ -157,17 +184,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # the client's loader raises its own assorted types
         print(f"keepstep.operator: no Kubernetes credentials: {error}", file=sys.stderr)
         return 2
-    # Imported here: the etcd client's import is heavy, and --help should not wait for it.
-    from keepstep.agent.kv.etcd import EtcdKV
-
     kube = Kube(connection, settings.api_timeout_s, settings.create_parallelism)
-    kv = EtcdKV(settings.etcd, timeout=settings.etcd_timeout_s)
+    try:
+        kv, access = connect_etcd(settings, kube)
+    except (KubeError, ValueError) as error:
+        print(f"keepstep.operator: the job etcd's CA: {error}", file=sys.stderr)
+        return 1
     agents = AgentStore(kv, settings.etcd_timeout_s)
     runtime = Runtime(
         settings=settings,
         connection=connection,
-        reconciler=Reconciler(kube, agents, DecideConfig.of(settings)),
+        reconciler=Reconciler(kube, agents, DecideConfig.of(settings), access=access),
         agents=agents,
+        access=access,
     )
     try:
         kopf.run(
@@ -185,6 +214,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         kv.close()
     return 0
+
+
+def connect_etcd(settings: OperatorSettings, kube: Kube) -> tuple[EtcdKV, JobAccess | None]:
+    """The operator's etcd client: plain, or (with --etcd-ca-secret) TLS as the root user,
+    with the `JobAccess` that gives each job its own user and Secret."""
+    # Imported here: the etcd client's import is heavy, and --help should not wait for it.
+    from keepstep.agent.kv.etcd import EtcdKV
+    from keepstep.operator.etcd_access import EtcdAuthority, JobAccess
+
+    if settings.etcd_ca_secret is None:
+        return EtcdKV(settings.etcd, timeout=settings.etcd_timeout_s), None
+    namespace, name = settings.etcd_ca_secret.split("/")
+    authority = EtcdAuthority.load_or_create(kube, namespace, name)
+    if settings.etcd_server_secret:
+        authority.ensure_server_secret(
+            kube, namespace, settings.etcd_server_secret, settings.etcd_server_names
+        )
+    root = authority.root_credentials()
+    kv = EtcdKV(settings.etcd, timeout=settings.etcd_timeout_s, credentials=root)
+    return kv, JobAccess(authority, kube, kv)
 
 
 if __name__ == "__main__":

@@ -145,7 +145,7 @@ def decide(
         if spent is not None:
             phase = _Phase(Phase.FAILED, ledger.verdict(spent), phase.below_min_since, str(spent))
     next_index, creating = _pods(
-        job, pods, present, losses, phase.phase, plan, hold, ledger, config.etcd
+        job, pods, present, losses, phase.phase, plan, hold, ledger, config
     )
     refused = _true(job.status, "PodCreateRefused") and not creating
     new_status = build_status(
@@ -274,7 +274,7 @@ def _pods(
     plan: _Plan,
     hold: bool,
     ledger: Ledger,
-    etcd: str,
+    config: DecideConfig,
 ) -> tuple[int, bool]:
     """Add the pod actions; returns the next unused pod index and whether pods are created.
     `hold`: the resumed run waits for the suspended one to end (its pods are deleted, none
@@ -319,7 +319,12 @@ def _pods(
         created = [
             # The node-lifecycle controller marks a dead node NotReady only after its
             # grace; until then the scheduler would happily bind the replacement there.
-            CreatePod(i, pod_manifest(job, i, etcd, lost_nodes, resume=resume))
+            CreatePod(
+                i,
+                pod_manifest(
+                    job, i, config.etcd, lost_nodes, resume=resume, etcd_tls=config.etcd_tls
+                ),
+            )
             for i in range(next_index, next_index + desired - len(live))
         ]
         plan.actions.extend(created)

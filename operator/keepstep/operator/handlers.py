@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import kopf
 
@@ -32,6 +32,9 @@ from keepstep.operator.kube import KubeError
 from keepstep.operator.model import GROUP, JOB_LABEL, KIND, PLURAL, VERSION, pod_summary
 from keepstep.operator.reconcile import Reconciler
 from keepstep.operator.settings import OperatorSettings
+
+if TYPE_CHECKING:
+    from keepstep.operator.etcd_access import JobAccess
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,7 @@ class Runtime:
     connection: Connection
     reconciler: Reconciler
     agents: AgentStore
+    access: JobAccess | None = None  # each job's etcd user (None: plain etcd)
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     written: dict[tuple[str, str], str] = field(default_factory=dict)  # our last status rv
 
@@ -207,5 +211,12 @@ def build_registry() -> kopf.OperatorRegistry:
                 f"etcd prefix of {key} not deleted: {error}", delay=2
             ) from error
         log.info("deleted %d etcd keys of %s", deleted, key)
+        if memo.access is not None:
+            try:
+                await asyncio.to_thread(memo.access.revoke, key)
+            except KVError as error:
+                raise kopf.TemporaryError(
+                    f"etcd user of {key} not deleted: {error}", delay=2
+                ) from error
 
     return registry

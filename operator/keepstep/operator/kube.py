@@ -13,6 +13,7 @@ why; other failures (unreachable, 5xx, throttled) raise `KubeError`.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import math
@@ -193,6 +194,21 @@ class Kube:
     def service_exists(self, namespace: str, name: str, tally: Tally | None = None) -> bool:
         path = f"/api/v1/namespaces/{quote(namespace)}/services/{quote(name)}"
         return self._request("get_service", "GET", path, tally, ok_missing=True) is not None
+
+    def get_secret(self, namespace: str, name: str) -> dict[str, bytes] | None:
+        """A Secret's data, decoded (None: no such Secret)."""
+        path = f"/api/v1/namespaces/{quote(namespace)}/secrets/{quote(name)}"
+        answer = self._request("get_secret", "GET", path, None, ok_missing=True)
+        if answer is None:
+            return None
+        data = answer.get("data") or {}
+        return {str(k): base64.b64decode(v) for k, v in data.items()}
+
+    def create_secret(self, manifest: Mapping[str, Any]) -> None:
+        """Create a Secret (one that exists already is left as it is)."""
+        namespace = str(manifest["metadata"]["namespace"])
+        path = f"/api/v1/namespaces/{quote(namespace)}/secrets"
+        self._request("create_secret", "POST", path, None, body=manifest)
 
     def network_policy_exists(self, namespace: str, name: str, tally: Tally | None = None) -> bool:
         path = f"{_POLICIES.format(ns=quote(namespace))}/{quote(name)}"

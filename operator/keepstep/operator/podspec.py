@@ -123,12 +123,19 @@ def agent_env(job: Job, etcd: str) -> list[dict[str, Any]]:
 
 
 def pod_manifest(
-    job: Job, index: int, etcd: str, avoid_nodes: Sequence[str] = (), *, resume: bool = False
+    job: Job,
+    index: int,
+    etcd: str,
+    avoid_nodes: Sequence[str] = (),
+    *,
+    resume: bool = False,
+    etcd_tls: bool = False,
 ) -> dict[str, Any]:
     """The pod of node `index` (indices are never reused within a job); `avoid_nodes`
     are nodes the pod must not be bound to (where the pods it replaces were lost);
-    `resume`: its agent starts from the job's newest durable checkpoint. Hardened, with
-    the job's podTemplate laid over it."""
+    `resume`: its agent starts from the job's newest durable checkpoint; `etcd_tls`: it
+    mounts the job's etcd credentials (`etcd_tls_secret`). Hardened, with the job's
+    podTemplate laid over it."""
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": job.spec.image,
@@ -170,7 +177,32 @@ def pod_manifest(
         },
         "spec": spec,
     }
-    return job.spec.template.apply(pod, shm_size_limit(job.status.get("snapshotBytes")))
+    out = job.spec.template.apply(pod, shm_size_limit(job.status.get("snapshotBytes")))
+    if etcd_tls:  # after the template: the job's identity is not the template's to change
+        _mount_etcd_credentials(out, job)
+    return out
+
+
+ETCD_TLS_VOLUME = "keepstep-etcd-tls"
+ETCD_TLS_DIR = "/etc/keepstep/etcd-tls"
+
+
+def etcd_tls_secret(job: Job) -> str:
+    """The Secret that holds the job's etcd client certificate (see `etcd_access`)."""
+    return f"{job.name}-etcd-tls"
+
+
+def _mount_etcd_credentials(pod: dict[str, Any], job: Job) -> None:
+    spec = pod["spec"]
+    secret = {"secretName": etcd_tls_secret(job), "defaultMode": 0o440}
+    spec["volumes"] = [v for v in spec["volumes"] if v.get("name") != ETCD_TLS_VOLUME]
+    spec["volumes"].append({"name": ETCD_TLS_VOLUME, "secret": secret})
+    container = spec["containers"][0]
+    mounts = [m for m in container.get("volumeMounts", ()) if m.get("mountPath") != ETCD_TLS_DIR]
+    mounts.append({"name": ETCD_TLS_VOLUME, "mountPath": ETCD_TLS_DIR, "readOnly": True})
+    container["volumeMounts"] = mounts
+    env = [e for e in container["env"] if e.get("name") != "KEEPSTEP_ETCD_TLS_DIR"]
+    container["env"] = [*env, {"name": "KEEPSTEP_ETCD_TLS_DIR", "value": ETCD_TLS_DIR}]
 
 
 # /dev/shm holds the node's snapshot files. The agents report their size (status

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from keepstep.agent.kv import KVError
 from keepstep.operator.actions import Action, Applied, ClaimPrefix, Decision, Event, PatchStatus
@@ -35,6 +35,9 @@ from keepstep.operator.kube import KubeError, Tally
 from keepstep.operator.model import AgentView, Job, JobRef, PodView, parse_time
 from keepstep.operator.refusal import after_refusal
 from keepstep.operator.settings import DecideConfig
+
+if TYPE_CHECKING:  # its etcd client is heavy; --help must not wait for it
+    from keepstep.operator.etcd_access import JobAccess
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +79,10 @@ class Reconciler:
         config: DecideConfig,
         clock: Callable[[], float] = time.time,
         expectations: Expectations | None = None,
+        access: JobAccess | None = None,
     ) -> None:
         self.kube, self.agents, self.config, self.clock = kube, agents, config, clock
+        self.access = access  # each job's etcd user and Secret (None: plain etcd)
         self.expectations = expectations if expectations is not None else Expectations()
 
     def reconcile(
@@ -110,6 +115,8 @@ class Reconciler:
                 resource_version=applied.version,
             )
         ident = (namespace, name, job.uid)
+        if self.access is not None:
+            self._grant(job)
         if pods is None:  # a list is read after our own writes: nothing to lay over it
             self.expectations.forget(ident)
             pods = self.kube.list_pods(namespace, name, tally)
@@ -164,6 +171,15 @@ class Reconciler:
             resource_version=version,
             retry_at=parse_time(decision.status.get("createBackoffUntil")),
         )
+
+    def _grant(self, job: Job) -> None:
+        """The job's etcd access before its pods: a failure is retried like a refused
+        API call (no pod is created that could not reach etcd)."""
+        assert self.access is not None
+        try:
+            self.access.ensure(job)
+        except KVError as error:
+            raise KubeError(f"{job.key}: etcd access not granted: {error}") from error
 
     def _read_agents(self, job: Job) -> AgentView | None:
         try:

@@ -39,6 +39,10 @@ class OperatorSettings:
         spec.failurePolicy (pendingTimeoutSeconds, backoffLimit, windowSeconds).
     backoff_base_s, backoff_max_s: pod creation after a failure waits base * 2**(n-1)
         seconds, at most max (see `failures`).
+    etcd_ca_secret: "namespace/name" of the job etcd's CA (a TLS Secret: tls.crt, tls.key),
+        made there if missing; with it the operator speaks TLS to etcd as its root user and
+        gives each TrainJob an etcd user and a client-certificate Secret (`etcd_access`).
+        None: plain gRPC and no etcd auth (a development etcd only).
     """
 
     etcd: str
@@ -61,8 +65,22 @@ class OperatorSettings:
     # kopf's liveness endpoint ("http://0.0.0.0:8080/healthz"): the pod's liveness and
     # readiness probes; None serves none.
     health: str | None = None
+    etcd_ca_secret: str | None = None
+    # The etcd members' server certificate Secret (in the CA's namespace), made if missing
+    # for these DNS names; None: made by whoever runs etcd.
+    etcd_server_secret: str | None = None
+    etcd_server_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.etcd_server_secret and not (self.etcd_ca_secret and self.etcd_server_names):
+            raise SpecError(
+                f"etcd_server_secret={self.etcd_server_secret!r} needs etcd_ca_secret and "
+                "etcd_server_names (the names the members answer to)"
+            )
+        if self.etcd_ca_secret is not None and self.etcd_ca_secret.count("/") != 1:
+            raise SpecError(
+                f"etcd_ca_secret={self.etcd_ca_secret!r} must be namespace/name of a Secret"
+            )
         if not self.etcd or not isinstance(self.etcd, str):
             raise SpecError(f"etcd={self.etcd!r} must be a client URL such as http://host:2379")
         for namespace in self.namespaces:
@@ -104,6 +122,8 @@ class DecideConfig:
     failure_window_s: float = 600.0
     backoff_base_s: float = 1.0
     backoff_max_s: float = 300.0
+    # Pods mount their job's etcd credentials (`etcd_access`); False: plain etcd.
+    etcd_tls: bool = False
 
     def __post_init__(self) -> None:
         if not self.etcd:
@@ -137,4 +157,5 @@ class DecideConfig:
             settings.failure_window_s,
             settings.backoff_base_s,
             settings.backoff_max_s,
+            etcd_tls=settings.etcd_ca_secret is not None,
         )
