@@ -309,7 +309,7 @@ def test_the_crd_lives_beside_another_trainjob_kind(cp: ControlPlane, namespace:
 def test_install_manifests_pass_a_server_side_dry_run(cp: ControlPlane) -> None:
     cp.kubectl("apply", "-f", str(MANIFESTS / "namespace.yaml"), check=True)
     files = [("rbac.yaml", 2), ("user-roles.yaml", 2), ("operator.yaml", 2), ("etcd.yaml", 4)]
-    files.append(("namespaced/operator.yaml", 2))
+    files.append(("namespaced/operator.yaml", 4))
     for file, objects in files:
         done = cp.kubectl("apply", "--dry-run=server", "-f", str(MANIFESTS / file))
         assert done.returncode == 0, (file, done.stderr)
@@ -336,6 +336,7 @@ OPERATOR_CAN = {
     "services": {"create", "get"},
     "networkpolicies.networking.k8s.io": {"create", "get"},
     "events": {"create"},
+    "secrets": {"create", "get"},
     "customresourcedefinitions.apiextensions.k8s.io": {"list", "watch"},
 }
 

@@ -29,6 +29,7 @@ NAMESPACED_RULES = {
     ("", "services"): {"create", "get"},
     ("networking.k8s.io", "networkpolicies"): {"create", "get"},
     ("", "events"): {"create"},
+    ("", "secrets"): {"create", "get"},
 }
 # Cluster-wide, kopf also follows the CRD (namespaced, it does not scan: settings.scanning).
 OPERATOR_RULES = {
@@ -106,7 +107,14 @@ def test_binding_gives_the_role_to_the_operator_service_account() -> None:
 def test_the_namespaced_operator_differs_only_by_the_namespaces_it_watches() -> None:
     cluster = objects("operator.yaml")
     namespaced = objects("namespaced/operator.yaml")
-    assert namespaced.keys() == cluster.keys()
+    # Besides: a Role in its own namespace for the etcd CA's Secrets (the ClusterRole has it).
+    etcd_tls = {
+        ("Role", "keepstep-operator-etcd-tls"),
+        ("RoleBinding", "keepstep-operator-etcd-tls"),
+    }
+    assert namespaced.keys() == cluster.keys() | etcd_tls
+    role = namespaced[("Role", "keepstep-operator-etcd-tls")]
+    assert rules_of(role) == {("", "secrets"): {"create", "get"}}
     assert (
         namespaced[("ServiceAccount", SERVICE_ACCOUNT)]
         == cluster[("ServiceAccount", SERVICE_ACCOUNT)]
@@ -139,8 +147,18 @@ def test_operator_deployment_runs_the_operator_against_the_etcd_service() -> Non
     (container,) = pod["containers"]
     argv = container["command"] + container["args"]
     assert argv[:4] == ["python", "-m", "keepstep.operator", "--etcd"]
-    url = re.fullmatch(r"http://([a-z0-9-]+)\.([a-z0-9-]+)\.svc:(\d+)", argv[4])
-    assert url is not None and argv[5:] == ["--health", "http://0.0.0.0:8080/healthz"], argv
+    url = re.fullmatch(r"https://([a-z0-9-]+)\.([a-z0-9-]+)\.svc:(\d+)", argv[4])
+    assert url is not None and argv[5:7] == ["--health", "http://0.0.0.0:8080/healthz"], argv
+    # TLS: the CA and the members' certificate in the etcd's namespace, for the names the
+    # client URL and the peers' URLs use.
+    tls = dict(zip(argv[7::2], argv[8::2], strict=True))
+    assert tls["--etcd-ca-secret"] == f"{NAMESPACE}/keepstep-etcd-ca"
+    names = tls["--etcd-server-names"].split(",")
+    assert f"{url[1]}.{url[2]}.svc" in names
+    assert f"*.keepstep-etcd-peers.{NAMESPACE}.svc" in names
+    sts = objects("etcd.yaml")[("StatefulSet", "keepstep-etcd")]["spec"]["template"]["spec"]
+    (volume,) = sts["volumes"]
+    assert volume["secret"]["secretName"] == tls["--etcd-server-secret"]
     # The liveness and readiness probes ask kopf's endpoint, on the port it serves.
     (port,) = container["ports"]
     assert (port["name"], port["containerPort"]) == ("health", 8080)
@@ -167,11 +185,12 @@ def test_etcd_initial_cluster_is_built_from_the_stable_dns_names() -> None:
     flags = dict(a.removeprefix("--").split("=", 1) for a in container["args"])
     host = "{pod}." + spec["serviceName"] + ".$(POD_NAMESPACE).svc"
     members = [f"{sts['metadata']['name']}-{i}" for i in range(spec["replicas"])]
-    expected = [f"{m}=http://{host.format(pod=m)}:{ports['peer']}" for m in members]
+    expected = [f"{m}=https://{host.format(pod=m)}:{ports['peer']}" for m in members]
     assert flags["initial-cluster"].split(",") == expected
     assert flags["name"] == "$(POD_NAME)"
-    assert flags["initial-advertise-peer-urls"] == f"http://{host.format(pod='$(POD_NAME)')}:2380"
-    assert flags["advertise-client-urls"] == f"http://{host.format(pod='$(POD_NAME)')}:2379"
+    assert flags["initial-advertise-peer-urls"] == f"https://{host.format(pod='$(POD_NAME)')}:2380"
+    assert flags["advertise-client-urls"] == f"https://{host.format(pod='$(POD_NAME)')}:2379"
+    assert flags["client-cert-auth"] == flags["peer-client-cert-auth"] == "true"
     assert flags["initial-cluster-state"] == "new"
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
     assert env == {"POD_NAME": "metadata.name", "POD_NAMESPACE": "metadata.namespace"}
