@@ -1,7 +1,9 @@
 """Run a training script as several local processes with a scripted membership.
 
 This is the node-agent-free harness the library's own tests and `keepstep selfcheck` use:
-one process per member, a TCPStore hosted by the launcher for the process groups, and a
+one process per member, a TCPStore hosted by the launcher on loopback for the process
+groups (every key under a random token that only the members are given, so another local
+process that finds the port can name no key of the run), and a
 `ScheduleController` in each process that replays membership changes fixed in advance
 (graceful shrinks and joins at step boundaries, the survivors of an injected crash, and a
 crashed member's restarted process, which reopens its snapshot file as an agent's
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -24,7 +27,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from torch._C._distributed_c10d import TCPStore
+from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from keepstep.elastic.control import CommitRecord, ScheduleController
 from keepstep.errors import ConfigError, KeepstepError
@@ -47,7 +50,8 @@ class _CrashingController(ScheduleController):
 def controller_from_env(env: Mapping[str, str]) -> ScheduleController:
     """Build this process's controller from the variables `run_local` sets."""
     host, _, port = env["KEEPSTEP_STORE"].rpartition(":")
-    store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+    client = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+    store = PrefixStore(env["KEEPSTEP_STORE_TOKEN"], client)
     plan = json.loads(env["KEEPSTEP_SCHEDULE"])
     die = env.get("KEEPSTEP_DIE_AFTER")
     result = env.get("KEEPSTEP_RESULT")
@@ -122,6 +126,7 @@ def run_local(run: LocalRun, run_dir: Path, env: Mapping[str, str] | None = None
     base.update(
         KEEPSTEP_CONTROLLER=CONTROLLER_SPEC,
         KEEPSTEP_STORE=f"127.0.0.1:{store.port}",
+        KEEPSTEP_STORE_TOKEN=secrets.token_hex(16),
         KEEPSTEP_SCHEDULE=json.dumps(
             {"schedule": run.schedule, "at_step": run.at_step, "timeout_scale": run.timeout_scale}
         ),
