@@ -461,3 +461,37 @@ def test_command_line_names_a_bad_argument(
     args = ["--kubeconfig", str(tmp_path / "kc"), "--name", "n1", "--work-dir", str(tmp_path)]
     assert main([*args, *extra]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_secret_volume_is_written_for_the_pod_and_its_mount_path_rewritten(
+    tmp_path: Path,
+) -> None:
+    mount = "/etc/keepstep/etcd-tls"
+    code = "import os, sys; print(open(os.environ['CREDS'] + '/tls.crt').read(), sys.argv[1])"
+    p = script_pod(code, "s")
+    container = p["spec"]["containers"][0]
+    container["args"] = [f"{mount}/ca.crt"]
+    container["env"] = [{"name": "CREDS", "value": mount}]
+    container["volumeMounts"] = [{"name": "creds", "mountPath": mount, "readOnly": True}]
+    p["spec"]["volumes"] = [
+        {"name": "creds", "secret": {"secretName": "job-tls"}},
+        {"name": "unused", "secret": {"secretName": "other"}},  # mounted by no container
+    ]
+    store: dict[tuple[str, str], dict[str, bytes]] = {}
+    asked: list[tuple[str, str]] = []
+
+    def read(namespace: str, name: str) -> dict[str, bytes] | None:
+        asked.append((namespace, name))
+        return store.get((namespace, name))
+
+    procs = NodeProcesses(IP, tmp_path, {"PATH": "/usr/bin:/bin"}, tmp_path, read_secret=read)
+    # As the kubelet: no Secret yet, no process, and the pod is not taken on.
+    assert procs.start("s", p).pid is None and procs.get("s") is None
+    store[("ns1", "job-tls")] = {"tls.crt": b"CERT", "../escape": b"x"}
+    assert procs.start("s", p).pid is not None
+    wait_until(lambda: procs.reap(time.monotonic()) or not procs.get("s").running)  # type: ignore[union-attr]
+    folder = tmp_path / "volumes" / "ns1_s" / "creds"
+    assert (tmp_path / "ns1_s.log").read_text() == f"CERT {folder}/ca.crt\n"
+    assert sorted(p.name for p in folder.iterdir()) == ["tls.crt"]  # a key is a name, never a path
+    assert oct(folder.stat().st_mode & 0o777) == "0o700"
+    assert set(asked) == {("ns1", "job-tls")}

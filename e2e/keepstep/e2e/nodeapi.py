@@ -12,6 +12,7 @@ removed by mistake. Every call carries `_request_timeout`; a watch ends after
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -131,6 +132,16 @@ class NodeApi:
         return _json(
             self._core.patch_namespaced_pod_status(name, namespace, body, **self._apply_args())
         )
+
+    def read_secret(self, namespace: str, name: str) -> dict[str, bytes] | None:
+        """A Secret's keys and values, decoded (None: there is no such Secret)."""
+        try:
+            secret = self._core.read_namespaced_secret(name, namespace, **self._args())
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+        return {str(k): base64.b64decode(v) for k, v in (secret.data or {}).items()}
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> None:
         """Remove the pod object now (its process has exited); only this very pod."""

@@ -14,30 +14,50 @@ is unreaped, because an unreaped leader keeps its PID, and so the group id, rese
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from keepstep.e2e.podproc import PodSpecError, ProcessSpec, exit_code, exit_reason, process_spec
+from keepstep.e2e.podproc import (
+    PodSpecError,
+    ProcessSpec,
+    exit_code,
+    exit_reason,
+    process_spec,
+    secret_volumes,
+)
 from keepstep.e2e.podstate import LOST_EXIT_CODE, LocalPod, Termination
+
+log = logging.getLogger(__name__)
 
 Popen = subprocess.Popen[bytes]
 NEVER_RAN = 128  # the kubelet's exit code for a container that could not start
+# (namespace, Secret name) -> its data, None if there is no such Secret.
+SecretReader = Callable[[str, str], "dict[str, bytes] | None"]
 
 
 class NodeProcesses:
     """uid -> LocalPod and its process, for the pods one node took on."""
 
-    def __init__(self, ip: str, work_dir: Path, env: Mapping[str, str], cwd: Path) -> None:
+    def __init__(
+        self,
+        ip: str,
+        work_dir: Path,
+        env: Mapping[str, str],
+        cwd: Path,
+        read_secret: SecretReader | None = None,
+    ) -> None:
         self.ip = ip
         self.work_dir = work_dir
+        self._read_secret = read_secret
         self._env = dict(env)
         self._cwd = cwd
         self._lock = threading.RLock()
@@ -81,8 +101,11 @@ class NodeProcesses:
         meta, wall = pod["metadata"], datetime.now(UTC)
         with self._lock:
             local = self._locals.get(uid) or LocalPod(uid, meta["namespace"], meta["name"], wall)
+            volumes = self._secret_volumes(pod)
+            if volumes is None:
+                return local  # as the kubelet: wait (not taken on) until the Secret exists
             try:
-                spec = process_spec(pod, self.ip, self._env)
+                spec = process_spec(pod, self.ip, self._env, volumes)
             except PodSpecError as err:
                 end = Termination(
                     NEVER_RAN,
@@ -110,6 +133,35 @@ class NodeProcesses:
             self._popens[uid] = popen
             self._locals[uid] = local.with_start(popen.pid, wall)
             return self._locals[uid]
+
+    def _secret_volumes(self, pod: Mapping[str, Any]) -> dict[str, Path] | None:
+        """Write the pod's secret volumes into folders of this node; None while a Secret
+        is missing (or cannot be read)."""
+        wanted = secret_volumes(pod)
+        if not wanted:
+            return {}
+        meta = pod["metadata"]
+        base = self.work_dir / "volumes" / f"{meta['namespace']}_{meta['name']}"
+        out = {}
+        for volume, secret in wanted.items():
+            data = None
+            if self._read_secret is not None:
+                try:
+                    data = self._read_secret(meta["namespace"], secret)
+                except Exception as err:  # the API server's client raises its own kinds
+                    log.warning("secret %s/%s unreadable: %s", meta["namespace"], secret, err)
+            if data is None:
+                return None
+            folder = base / volume
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+            for key, value in data.items():
+                if "/" in key or key.startswith("."):
+                    continue  # a Secret key is a file name, never a path
+                fd = os.open(folder / key, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(value)
+            out[volume] = folder
+        return out
 
     def mark_lost(self, uid: str, pod: Mapping[str, Any]) -> None:
         """The API says this pod ran here, but no process of ours runs it (a reboot)."""

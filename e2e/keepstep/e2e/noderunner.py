@@ -82,7 +82,11 @@ class NodeRunner:
             taints=tuple(taints),
         )
         self.procs = NodeProcesses(
-            ip, work_dir, os.environ if env is None else env, cwd or Path.cwd()
+            ip,
+            work_dir,
+            os.environ if env is None else env,
+            cwd or Path.cwd(),
+            read_secret=lambda namespace, name: self._require_api().read_secret(namespace, name),
         )
         self._reconciling = threading.Lock()  # one reconcile pass at a time
         self._patched: dict[str, tuple[Any, str]] = {}  # uid -> (status, resourceVersion)

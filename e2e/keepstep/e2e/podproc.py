@@ -8,9 +8,13 @@ JSON, as a dict) and never starts anything. Only the pod's first container runs,
 values, command and args expands as the kubelet does it: to a variable of the container
 defined before it, `$$` to `$`, and an unknown name stays as written.
 
-What the kubelet would need an image, a volume or another object for (envFrom,
-secretKeyRef, configMapKeyRef, resourceFieldRef) is refused with a PodSpecError that says
-so: a pod that silently ran with half its environment would be harder to debug.
+What the kubelet would need an image or another object for (envFrom, secretKeyRef,
+configMapKeyRef, resourceFieldRef) is refused with a PodSpecError that says so: a pod that
+silently ran with half its environment would be harder to debug. Secret volumes are the
+one kind of volume a node provides: it writes the Secret's keys into a folder of its own
+(`secret_volumes` says which Secrets a pod needs) and, as the process cannot see that
+folder at the mount path, the mount path is rewritten to the folder in the container's
+env values and arguments (`process_spec`'s `volumes`).
 """
 
 from __future__ import annotations
@@ -87,8 +91,44 @@ def first_container(pod: Pod) -> Mapping[str, Any]:
     return container
 
 
-def process_spec(pod: Pod, node_ip: str, base_env: Mapping[str, str]) -> ProcessSpec:
-    """The process that runs `pod`'s first container on the node with address `node_ip`."""
+def secret_volumes(pod: Pod) -> dict[str, str]:
+    """Volume name -> Secret name of the pod's secret volumes that its first container
+    mounts."""
+    mounted = {m.get("name") for m in first_container(pod).get("volumeMounts") or []}
+    out = {}
+    for volume in pod.get("spec", {}).get("volumes") or []:
+        secret = volume.get("secret")
+        if secret is not None and volume.get("name") in mounted:
+            out[str(volume["name"])] = str(secret.get("secretName", ""))
+    return out
+
+
+def mount_paths(pod: Pod, volumes: Mapping[str, Path]) -> dict[str, str]:
+    """Mount path -> the node's folder, for the first container's mounts of `volumes`."""
+    out = {}
+    for mount in first_container(pod).get("volumeMounts") or []:
+        folder = volumes.get(str(mount.get("name")))
+        if folder is not None:
+            out[str(mount["mountPath"]).rstrip("/")] = str(folder)
+    return out
+
+
+def rewrite_path(text: str, mounts: Mapping[str, str]) -> str:
+    """`text` with a leading mount path (the path itself or a file under it) replaced."""
+    for path, folder in mounts.items():
+        if text == path or text.startswith(path + "/"):
+            return folder + text[len(path) :]
+    return text
+
+
+def process_spec(
+    pod: Pod,
+    node_ip: str,
+    base_env: Mapping[str, str],
+    volumes: Mapping[str, Path] | None = None,
+) -> ProcessSpec:
+    """The process that runs `pod`'s first container on the node with address `node_ip`;
+    `volumes`: volume name -> the node's folder that holds it (secret volumes)."""
     container = first_container(pod)
     where = f"pod {pod_key(pod)} container {container.get('name', '?')!r}"
     if container.get("envFrom"):
@@ -98,8 +138,10 @@ def process_spec(pod: Pod, node_ip: str, base_env: Mapping[str, str]) -> Process
         raise PodSpecError(
             f"{where}: needs a command (images are ignored, so there is no entrypoint)"
         )
-    pod_env = container_env(pod, node_ip)
+    mounts = mount_paths(pod, volumes or {})
+    pod_env = {k: rewrite_path(v, mounts) for k, v in container_env(pod, node_ip).items()}
     argv = [expand(part, pod_env) for part in [*command, *(container.get("args") or [])]]
+    argv = [rewrite_path(part, mounts) for part in argv]
     env = {**base_env, **pod_env}
     meta = pod.get("metadata", {})
     # The kubelet gives each container a file of its own at terminationMessagePath; here
