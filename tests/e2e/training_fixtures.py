@@ -16,12 +16,12 @@ import json
 import os
 import secrets
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from keepstep.agent import protocol
-from keepstep.agent.kv.etcd import EtcdKV
+from keepstep.agent.kv.etcd import EtcdCredentials, EtcdKV
 from keepstep.agent.protocol.events import read_events
 from keepstep.e2e.controlplane import ControlPlane
 from keepstep.e2e.nodeprocs import proc_state
@@ -42,7 +42,18 @@ T = TypeVar("T")
 class Training:
     """One test's cluster: its nodes, the operator, the job etcd and the agents' run dir."""
 
-    def __init__(self, cp: ControlPlane, etcd: str, namespace: str, tmp: Path) -> None:
+    def __init__(
+        self,
+        cp: ControlPlane,
+        etcd: str,
+        namespace: str,
+        tmp: Path,
+        *,
+        operator_flags: Sequence[str] = OPERATOR_FLAGS,
+        credentials: EtcdCredentials | None = None,
+    ) -> None:
+        """`operator_flags`: the operator's flags besides its etcd, kubeconfig and
+        namespace; `credentials`: what the test reads etcd with (a TLS etcd's root)."""
         self.cp, self.etcd, self.namespace, self.tmp = cp, etcd, namespace, tmp
         self.token = secrets.token_hex(3)
         self.subnet = 20 + secrets.randbelow(230)  # pods of node i listen on 127.0.SUBNET.i+1
@@ -50,8 +61,8 @@ class Training:
         (tmp / "pods").mkdir()
         self.pod_env = dict(os.environ, TMPDIR=str(tmp / "pods"), OMP_NUM_THREADS="1")
         self.runners: dict[str, NodeRunner] = {}
-        self.operator = Operator(cp, etcd, namespace, tmp / "operator.log", OPERATOR_FLAGS)
-        self.kv = EtcdKV(etcd, timeout=5.0)
+        self.operator = Operator(cp, etcd, namespace, tmp / "operator.log", operator_flags)
+        self.kv = EtcdKV(etcd, timeout=5.0, credentials=credentials)
         self.jobs: list[str] = []
 
     # -- setting up ------------------------------------------------------------------------

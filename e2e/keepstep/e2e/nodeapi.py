@@ -136,12 +136,12 @@ class NodeApi:
     def read_secret(self, namespace: str, name: str) -> dict[str, bytes] | None:
         """A Secret's keys and values, decoded (None: there is no such Secret)."""
         try:
-            secret = self._core.read_namespaced_secret(name, namespace, **self._args())
+            secret = _json(self._core.read_namespaced_secret(name, namespace, **self._args()))
         except ApiException as err:
             if err.status == 404:
                 return None
             raise
-        return {str(k): base64.b64decode(v) for k, v in (secret.data or {}).items()}
+        return {str(k): base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
 
     def delete_pod(self, namespace: str, name: str, uid: str) -> None:
         """Remove the pod object now (its process has exited); only this very pod."""

@@ -20,6 +20,7 @@ Service and its peers answer to.
 from __future__ import annotations
 
 import base64
+import ipaddress
 import logging
 import threading
 from collections.abc import Mapping, Sequence
@@ -70,10 +71,13 @@ class EtcdAuthority:
     def ensure_server_secret(
         self, kube: SecretStore, namespace: str, name: str, dns: Sequence[str]
     ) -> None:
-        """Make the etcd members' server certificate Secret if it is missing."""
+        """Make the etcd members' server certificate Secret if it is missing, valid for
+        `dns` (names, or IP addresses)."""
         if kube.get_secret(namespace, name) is not None:
             return
-        pair = issue(self.ca, "keepstep-etcd", dns=[SERVER_NAME, *dns], server=True)
+        ips = [n for n in dns if _is_ip(n)]  # a test's etcd on loopback is dialled by address
+        names = [SERVER_NAME, *(n for n in dns if not _is_ip(n))]
+        pair = issue(self.ca, "keepstep-etcd", dns=names, ips=ips, server=True)
         kube.create_secret(tls_secret(namespace, name, pair, self.ca.cert))
 
     def job_credentials(self, job: Job) -> KeyPair:
@@ -118,6 +122,14 @@ class JobAccess:
         revoke_job(self.root, key)
         with self._lock:
             self._granted.clear()  # cheap to re-check; a recreated job gets a new uid anyway
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def tls_secret(namespace: str, name: str, pair: KeyPair, ca: bytes) -> dict[str, Any]:

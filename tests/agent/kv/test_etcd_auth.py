@@ -139,6 +139,11 @@ def test_auth_calls_need_a_tls_client(etcd_server: str) -> None:
             grant_job(kv, "x")
     with pytest.raises(ConfigError, match=r"job 'a/b'"):
         job_user("a/b")
+    # A Kubernetes job key may be 317 characters; a certificate's common name only 64.
+    long_a, long_b = "n" * 63 + "." + "a" * 253, "n" * 63 + "." + "b" * 253
+    assert len(job_user(long_a)) == 64 and job_user(long_a) != job_user(long_b)
+    assert job_user(long_a).startswith("keepstep-job:nnn") and job_user(long_a) == job_user(long_a)
+    assert job_user("ns.job") == "keepstep-job:ns.job"
 
 
 def test_a_tls_cluster_of_three_forms_and_reports_its_leader_over_plain_metrics(

@@ -13,6 +13,7 @@ Every call is idempotent, so a retried reconcile or a second launcher call does 
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 from typing import Any
@@ -28,14 +29,22 @@ __all__ = ["ROOT_USER", "enable_auth", "grant_job", "job_user", "revoke_job"]
 
 ROOT_USER = "root"
 _USER_PREFIX = "keepstep-job:"
-_JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+_JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,399}$")
+_MAX_NAME = 64  # a certificate's common name (X.509's upper bound)
 
 
 def job_user(job: str) -> str:
-    """The etcd user and role of `job` (also its client certificate's common name)."""
+    """The etcd user and role of `job` (also its client certificate's common name):
+    "keepstep-job:<job>", or, for a job name too long for a common name, its first
+    characters, "~" and 24 hex digits of its SHA-256 (unique, still recognisable)."""
     if not _JOB.match(job):
-        raise ConfigError(f"job {job!r} must be 1..200 of A-Z a-z 0-9 . _ - (no leading . _ -)")
-    return _USER_PREFIX + job
+        raise ConfigError(f"job {job!r} must be 1..400 of A-Z a-z 0-9 . _ - (no leading . _ -)")
+    name = _USER_PREFIX + job
+    if len(name) <= _MAX_NAME:
+        return name
+    digest = hashlib.sha256(job.encode()).hexdigest()[:24]
+    keep = _MAX_NAME - len(_USER_PREFIX) - len(digest) - 1
+    return f"{_USER_PREFIX}{job[:keep]}~{digest}"
 
 
 def enable_auth(kv: EtcdKV, timeout: float | None = None) -> None:
