@@ -238,9 +238,13 @@ def test_non_plain_values_are_refused() -> None:
         capture(1, model, opt)
     with pytest.raises(ConfigError, match="extra"):
         capture(1, model, _optim("adam", model), {"x": 1.0})  # type: ignore[dict-item]
+    # A pickle is never read, not even a harmless one: a snapshot may come from anywhere.
     evil = pickle.dumps(collections.OrderedDict())
-    with pytest.raises(SnapshotCorrupt, match="OrderedDict"):
+    with pytest.raises(SnapshotCorrupt, match="is a pickle"):
         restore(TrainState(0, {}, evil), model, opt)
+    for garbage in (b"{", b'{"x": 1}', b'{"d": [[{"s": [[1]]}, 1]]}', b'{"b": "%%"}'):
+        with pytest.raises(SnapshotCorrupt, match="unreadable snapshot meta"):
+            restore(TrainState(0, {}, garbage), model, opt)
     with pytest.raises(ConfigError):
         TrainState(-1, {}, b"")
 

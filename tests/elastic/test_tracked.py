@@ -8,7 +8,6 @@ with faults are in test_tracked_consistency.py.
 from __future__ import annotations
 
 import collections
-import pickle
 import re
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from keepstep.elastic import (
     ScheduleController,
     ScriptStateWarning,
     StateShapeError,
+    plain_json,
 )
 from keepstep.elastic.errors import PeerLost, SnapshotCorrupt
 from keepstep.elastic.snapshot_store import MemoryBuffer, SnapshotStore
@@ -295,9 +295,9 @@ def test_a_malformed_tracked_tree_is_corrupt_not_loaded() -> None:
     saved = TrackedState()
     saved.add("counter", Counter())
     snap = capture(0, model, opt, tracked=saved)
-    meta = pickle.loads(snap.meta)
+    meta = plain_json.loads(snap.meta)
     meta["tracked"][0][1] = ("Q", 1)
-    bad = type(snap)(0, snap.tensors, pickle.dumps(meta))
+    bad = type(snap)(0, snap.tensors, plain_json.dumps(meta))
     with pytest.raises(SnapshotCorrupt, match="malformed tree node 'Q'"):
         restore(bad, model, opt, saved)
 

@@ -11,8 +11,8 @@ object's state dict is decoded by ``TrackedState`` itself. The reducer's ``extra
 is keepstep's own and is left out.
 
 Every tensor is copied out of the blob into memory of its own, so that what is written holds
-each tensor once and nothing of the rest of the payload. The meta is read with the snapshot
-unpickler that builds plain values only (a checkpoint may come from anywhere).
+each tensor once and nothing of the rest of the payload. The meta is read as the snapshot's
+tagged JSON, which builds plain values only (a checkpoint may come from anywhere).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ folds ``sha256`` into the hash it reports at the end (``Job.params_sha256``).
 How it is stored: each object's state dict is walked once per capture. Tensors travel as
 tensors named ``tracked/<name>/<i>``; everything else becomes a tagged tree of plain values
 (``("V", 3)``, ``("L", [...])``, ``("T", 0)`` for the first tensor...) in the snapshot's meta,
-which is read back with the refusing unpickler: a snapshot may come from a peer, so no
+which is stored as tagged JSON (plain_json.py): a snapshot may come from a peer, so no
 object of any other type is ever built from it. A dict subclass comes back a dict and a
 tuple subclass a tuple, which every ``load_state_dict`` of torch accepts; tensors come
 back on the CPU, to be copied into place (as torch's own ``load_state_dict`` do).
@@ -149,7 +149,7 @@ class TrackedState:
     def sha256(self, name: str | None = None) -> str:
         """sha256 over one object's state, or all of them in registration order.
 
-        Independent of how the state is laid out in memory or pickled: dict items are
+        Independent of how the state is laid out in memory or encoded: dict items are
         hashed in key order and sets in sorted order, tensors by dtype, shape and bytes.
         """
         if name is not None and name not in self._objects:

@@ -13,30 +13,28 @@ Tensor names::
     extra/<key>                        whatever the caller adds (e.g. the reducer's state)
     tracked/<name>/<i>                 tensors of the script's tracked objects (tracked.py)
 
-``meta`` is a pickle of plain Python values only (param groups, non-tensor optimizer state,
-the names in order, the plain part of tracked objects' state); it is read back with an
-unpickler that refuses anything else, since a snapshot may arrive from a peer over the
-network. A snapshot without tracked objects has no ``tracked`` entry in its meta, so it is
-the same as one written before tracked state existed.
+``meta`` holds plain Python values only (param groups, non-tensor optimizer state, the
+names in order, the plain part of tracked objects' state) as tagged JSON (plain_json.py),
+never pickle: a snapshot may arrive from a peer over the network or from any checkpoint
+URL, and reading it builds data only. A snapshot without tracked objects has no
+``tracked`` entry in its meta.
 """
 
 from __future__ import annotations
 
-import builtins
 import hashlib
-import io
-import pickle
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from keepstep.elastic import plain_json
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, StateShapeError
 from keepstep.elastic.snapshot_store import Snapshot
 from keepstep.elastic.tracked import TrackedState, tensor_names
 
-_FORMAT = 1
+_FORMAT = 2  # 1: the meta was a pickle (refused now: a snapshot may come from anywhere)
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 Layout = list[tuple[str, tuple[int, ...], str]]
 
@@ -112,7 +110,7 @@ def capture(
     if tracked is not None and tracked.names:
         tracked_tensors, meta["tracked"] = tracked.capture()
         tensors.update(tracked_tensors)
-    return TrainState(step, tensors, pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+    return TrainState(step, tensors, plain_json.dumps(meta))
 
 
 def restore(
@@ -306,19 +304,15 @@ def _plain(value: Any, where: str) -> Any:
     )
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "builtins" and name in ("complex", "set", "frozenset"):
-            return getattr(builtins, name)
-        raise SnapshotCorrupt(
-            f"snapshot meta refers to {module}.{name}; only plain values are allowed"
-        )
-
-
 def load_meta(raw: bytes) -> dict[str, Any]:
+    if raw[:1] == b"\x80":  # a pickle's first opcode
+        raise SnapshotCorrupt(
+            "snapshot meta is a pickle (written by keepstep before train state format 2); "
+            "it is not read, since a snapshot may come from anywhere"
+        )
     try:
-        meta = _PlainUnpickler(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError) as e:
+        meta = plain_json.loads(raw)
+    except plain_json.PlainJSONError as e:
         raise SnapshotCorrupt(f"unreadable snapshot meta: {e}") from e
     keys = {"format", "model", "groups", "group_tensors", "state", "state_tensors", "extra"}
     if not isinstance(meta, dict) or set(meta) - {"tracked"} != keys or meta["format"] != _FORMAT:
