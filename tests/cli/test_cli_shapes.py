@@ -80,6 +80,14 @@ def test_module_and_max_restarts_reach_the_agents(
     assert agent["max_restarts"] == 0
     plain = config(etcd_binary, *argv, MLP)
     assert not plain.module and plain.max_restarts == 0
+    assert "KEEPSTEP_TENSORBOARD" not in agent["worker_env"]
+    # --tensorboard reaches every worker (keepstep.init opens the writer on the leader).
+    board = config(etcd_binary, *argv, "--tensorboard", str(tmp_path / "tb"), MLP)
+    launcher = Launcher(board, io.StringIO())
+    launcher.etcd_endpoint, launcher.resume_blob, launcher.resume_step = "127.0.0.1:1", None, 0
+    launcher._start_node("n1")
+    agent = json.loads((tmp_path / "agent-n1.json").read_text())
+    assert agent["worker_env"]["KEEPSTEP_TENSORBOARD"] == str(tmp_path / "tb")
 
 
 @pytest.mark.slow

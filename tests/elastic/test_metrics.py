@@ -20,6 +20,7 @@ from torch.utils.data import TensorDataset
 
 import keepstep
 from keepstep.elastic import ConfigError, Job, ScheduleController
+from keepstep.elastic.board import Board, open_board
 from keepstep.elastic.metrics import StepMetrics
 
 GB, MB, SEED, STEPS = 24, 2, 5, 6
@@ -55,8 +56,28 @@ class Member:
             self.error = error
 
 
-def run(n: int, prefetch: int = 0, silent: int | None = None) -> list[Member]:
-    """`n` members on threads; member `silent` logs nothing."""
+class Scalars:
+    """A stand-in for torch's SummaryWriter (the tensorboard package is not installed here):
+    what was written, by whom."""
+
+    def __init__(self, folder: str, seen: list[tuple[str, str, float, int]]) -> None:
+        self.folder, self.seen = folder, seen
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int) -> None:
+        self.seen.append((self.folder, tag, scalar_value, global_step))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run(
+    n: int, prefetch: int = 0, silent: int | None = None, boards: list[Any] | None = None
+) -> list[Member]:
+    """`n` members on threads; member `silent` logs nothing; `boards`: each member's
+    TensorBoard writer is a `Scalars` that appends to this list."""
     store, names = HashStore(), [f"m{i}" for i in range(n)]
     members = []
     for i, me in enumerate(names):
@@ -74,6 +95,8 @@ def run(n: int, prefetch: int = 0, silent: int | None = None) -> list[Member]:
             metrics=("loss", "first"),
             prefetch=prefetch,
         )
+        if boards is not None:
+            job.board = Board(f"tb-{me}", lambda folder: Scalars(folder, boards))
         members.append(Member(job, net, log_on=i != silent))
     threads = [threading.Thread(target=m.train, daemon=True) for m in members]
     for t in threads:
@@ -95,6 +118,32 @@ def test_the_logged_loss_is_the_same_value_at_any_world_size() -> None:
         curves.append(members[0].losses)
     assert all(c == curves[0] for c in curves), curves
     assert len(curves[0]) == STEPS and curves[0][-1]["loss"] < curves[0][0]["loss"]
+
+
+def test_the_leader_alone_writes_the_reduced_metrics_to_tensorboard() -> None:
+    seen: list[tuple[str, str, float, int]] = []
+    members = run(3, boards=seen)
+    for m in members:
+        if m.error is not None:
+            raise m.error
+    assert {folder for folder, *_ in seen} == {"tb-m0"}  # the leader's writer only
+    expected = [("loss", c["loss"], i) for i, c in enumerate(members[0].losses)]
+    assert [(tag, value, step) for _, tag, value, step in seen if tag == "loss"] == expected
+
+
+def test_tensorboard_without_the_package_is_refused_before_training(tmp_path: Any) -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match=r"needs the tensorboard package"):
+            open_board(str(tmp_path))
+    else:
+        assert open_board(str(tmp_path)).log_dir == str(tmp_path)
+    with pytest.raises(ConfigError, match="must name a folder"):
+        open_board("")
+    broken = Board("x", lambda folder: (_ for _ in ()).throw(OSError("disk full")))
+    broken.write(0, {"loss": 1.0})  # reported once, then off: never stops training
+    broken.write(1, {"loss": 1.0})
 
 
 def test_a_member_that_logs_nothing_is_refused_on_every_member() -> None:

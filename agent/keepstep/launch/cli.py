@@ -161,6 +161,12 @@ def register(sub: Any) -> None:
         help="continue the job from the newest durable checkpoint under URL",
     )
     run.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="the job's leader writes step.log metrics to DIR as TensorBoard scalars "
+        "(needs the tensorboard package in the workers' environment)",
+    )
+    run.add_argument(
         "--warm-spare",
         action="store_true",
         help="keep a process per node with torch imported, to replace a crashed worker fast",
@@ -241,6 +247,11 @@ def run_config(args: argparse.Namespace, env: dict[str, str]) -> RunConfig:
         etcd_members=args.etcd_members,
         module=args.module,
         max_restarts=args.max_restarts,
+        extra_env=(
+            {"KEEPSTEP_TENSORBOARD": str(Path(args.tensorboard).resolve())}
+            if args.tensorboard
+            else {}
+        ),
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import HashStore
 
+from keepstep.elastic.board import open_board
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, ScheduleController
 from keepstep.elastic.errors import ConfigError
@@ -87,6 +88,7 @@ def init(
     grad_scaler: torch.amp.GradScaler | None = None,
     metrics: Sequence[str] = (),
     prefetch: int = 0,
+    tensorboard: str | None = None,
     controller: Controller | None = None,
     snapshot_path: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -104,6 +106,8 @@ def init(
     ``"grad_scaler"``. ``metrics``: the names ``step.log`` takes (e.g. ``("loss",)``),
     reduced across members to the same value at any world size. ``prefetch``: micro-batches
     read ahead on a background thread (the dataset's ``__getitem__`` must be thread-safe).
+    ``tensorboard``: a folder where the leader writes the ``metrics`` as TensorBoard scalars
+    (needs the tensorboard package; ``keepstep run --tensorboard DIR`` sets it).
     """
     env = os.environ if env is None else env
     global_batch = _setting("global_batch", global_batch, int, env)
@@ -131,7 +135,10 @@ def init(
         controller = controller_from_env(env)
     path = snapshot_path or env.get(ENV_PREFIX + "SNAPSHOT")
     store = SnapshotStore(_snapshot_buffer(path))
+    board_dir = _setting("tensorboard", tensorboard, str, env)
+    board = open_board(board_dir) if board_dir is not None else None  # refused before training
     job = Job(model, optimizer, dataset, config, controller, store, collate_fn, grad_scaler)
+    job.board = board
     if state is not None:
         if not isinstance(state, Mapping):
             raise ConfigError(f"state={state!r}: must map names to objects with state_dict()")

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import default_collate
 
+from keepstep.elastic.board import Board
 from keepstep.elastic.comm import WATCH_TIMEOUT, Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
@@ -109,6 +110,7 @@ class Job:
         self.left = False
         self.reconfigurations: list[Reconfiguration] = []
         self.tracked = TrackedState()
+        self.board: Board | None = None  # TensorBoard scalars from the leader (board.py)
         if self.grad_scaler is not None:
             self.tracked.add(SCALER_NAME, self.grad_scaler)
         self.lr_watch = LrWatch(optimizer)

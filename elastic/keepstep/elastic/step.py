@@ -264,6 +264,8 @@ class Step:
             skipped=skipped,
             metrics=metrics,
         )
+        if job.board is not None and metrics and job.is_leader:
+            job.board.write(self.index, metrics)
         return CommitResult(
             StepOutcome.COMMITTED,
             announced=announced,
