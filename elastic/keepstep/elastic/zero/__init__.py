@@ -1,0 +1,34 @@
+"""keepstep.elastic.zero: ZeRO-1 in the exact mode, the data plane.
+
+Where it sits: between the exact reduction (every member holds the same averaged gradient)
+and the commit. The pure layout (``keepstep.elastic.shard``) says who owns which elements;
+here a member steps its own elements only, keeps optimizer state for them only, and
+all-gathers the parameters, with bits identical to the unsharded step at any world size.
+
+    ownership.py   the layout in rank order, checked (one owner per element); windows
+    optimizers.py  which optimizers are elementwise; rebuilding the script's over a shard
+    state.py       the shard's state: cut from the full state, joined, gathered
+    gather.py      the all-gather seam: a process group, or ranks on threads (the fake)
+    optimizer.py   ZeroOptimizer: step, gather, state_dict, full_state_dict
+
+    ownership = Ownership.from_layout(make_layout(sizes, members), comm_members)
+    zero = ZeroOptimizer(params, optimizer, ownership, GroupGather(group))
+    zero.step()                       # after the reduced gradient is in .grad
+"""
+
+from keepstep.elastic.zero.gather import Gather, GroupGather, LocalGathers
+from keepstep.elastic.zero.optimizer import ZeroOptimizer
+from keepstep.elastic.zero.optimizers import ELEMENTWISE
+from keepstep.elastic.zero.ownership import ALIGN, Ownership, Window, windows
+
+__all__ = [
+    "ALIGN",
+    "ELEMENTWISE",
+    "Gather",
+    "GroupGather",
+    "LocalGathers",
+    "Ownership",
+    "Window",
+    "ZeroOptimizer",
+    "windows",
+]

@@ -1,0 +1,169 @@
+"""The one collective ZeRO-1 needs: an all-gather of byte buffers, behind a small seam.
+
+Where it sits: ``ZeroOptimizer`` (zero/optimizer.py) all-gathers the updated parameters
+after every step and, on request, the optimizer state. It talks to a ``Gather``: a rank,
+a size, the device its buffers live on, and ``allgather`` of equal-length tensors with a
+timeout. ``GroupGather`` is that over a torch.distributed process group (gloo: CPU
+buffers); ``LocalGathers`` is the in-memory fake beside it, ranks on threads of one
+process, for fast tests. The job's ``Communicator`` can offer the same method (its abort
+handling then covers these collectives too).
+
+Everything is gathered as uint8: parameters of mixed dtypes travel in one collective, and
+bytes are copied, never converted, so nothing can round on the way.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+# The typed names live here; torch.distributed re-exports them only at runtime.
+from torch._C._distributed_c10d import AllgatherOptions
+
+from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
+
+__all__ = ["Gather", "GroupGather", "LocalGathers", "allgather_ragged"]
+
+
+class Gather(Protocol):
+    """All-gather among the ranks of one membership epoch."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device:
+        """Where ``allgather``'s tensors must live (gloo: the CPU)."""
+        ...
+
+    def allgather(self, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
+        """Every rank's ``mine`` (same shape and dtype on all ranks), in rank order.
+        Raises ``PeerLost`` if a rank fails or ``timeout`` passes."""
+        ...
+
+
+class GroupGather:
+    """``Gather`` over a torch.distributed process group object (``ProcessGroupGloo``)."""
+
+    def __init__(self, group: Any, epoch: int = 0) -> None:
+        self.group = group
+        self.epoch = epoch
+        self._rank = int(group.rank())
+        self._size = int(group.size())
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def allgather(self, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
+        _check(mine, self.device)
+        if self._size == 1:
+            return [mine.clone()]
+        slots = [torch.empty_like(mine) for _ in range(self._size)]
+        opts = AllgatherOptions()
+        opts.timeout = timeout
+        try:
+            self.group.allgather([slots], [mine], opts).wait(timeout)
+        except RuntimeError as err:
+            raise PeerLost(self.epoch, f"rank {self._rank}: allgather failed: {err}") from err
+        return slots
+
+
+class LocalGathers:
+    """The in-memory fake: ``world`` ranks of one process, each calling from its own thread.
+
+    ``LocalGathers(3).rank(r)`` is rank r's ``Gather``. A rank that does not arrive within
+    the timeout breaks the round for all (``PeerLost``), as a lost peer would.
+    """
+
+    def __init__(self, world: int) -> None:
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ConfigError(f"world={world!r} must be an int >= 1")
+        self.world = world
+        self._slots: list[torch.Tensor | None] = [None] * world
+        self._barrier = threading.Barrier(world)
+
+    def rank(self, rank: int) -> _LocalGather:
+        if not 0 <= rank < self.world:
+            raise ConfigError(f"rank={rank!r} must be in [0, {self.world})")
+        return _LocalGather(self, rank)
+
+    def abort(self) -> None:
+        """Break the current and every later round (``PeerLost`` on every rank): a rank
+        that failed before the gather calls it, so the others stop waiting."""
+        self._barrier.abort()
+
+    def _exchange(self, rank: int, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
+        wait_s = timeout.total_seconds()
+        try:
+            self._slots[rank] = mine.clone()
+            self._barrier.wait(wait_s)  # every slot is written
+            slots = [s for s in self._slots if s is not None]
+            shapes = {(tuple(s.shape), s.dtype) for s in slots}
+            out = [s.clone() for s in slots]
+            self._barrier.wait(wait_s)  # every rank has read: the next round may write
+        except threading.BrokenBarrierError:
+            raise PeerLost(0, f"rank {rank}: a local rank did not arrive") from None
+        if len(shapes) != 1:
+            raise ConfigError(f"allgather needs the same shape and dtype on every rank: {shapes}")
+        return out
+
+
+class _LocalGather:
+    def __init__(self, hub: LocalGathers, rank: int) -> None:
+        self._hub = hub
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._hub.world
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def allgather(self, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
+        _check(mine, self.device)
+        return self._hub._exchange(self._rank, mine, timeout)
+
+
+def allgather_ragged(
+    gather: Gather, mine: torch.Tensor, timeout: timedelta, max_bytes: int
+) -> list[torch.Tensor]:
+    """Every rank's 1-D uint8 ``mine`` (of any length up to ``max_bytes``), in rank order:
+    the lengths, then the buffers padded to the longest, under one deadline."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    n = torch.tensor([mine.numel()], dtype=torch.int64, device=gather.device)
+    lengths = [int(x) for x in gather.allgather(n, timeout)]
+    for rank, length in enumerate(lengths):
+        if not 0 <= length <= max_bytes:
+            raise BadMessage(f"rank {rank} sent {length} bytes; at most {max_bytes} expected")
+    padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=gather.device)
+    padded[: mine.numel()] = mine
+    left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+    slots = gather.allgather(padded, left)
+    return [s[:length] for s, length in zip(slots, lengths, strict=True)]
+
+
+def _check(mine: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(mine, torch.Tensor) or mine.device != device or not mine.is_contiguous():
+        raise ConfigError(f"allgather needs a contiguous tensor on {device}")
