@@ -71,6 +71,12 @@ def test_scenario_keeps_every_invariant(name: str, tmp_path: Path, reference_cac
     assert [v.invariants for v in recheck(data, result.scenario)] == [only.verdict.invariants]
     summary = only.outcome.summary
     assert summary is not None
+    # A fault at a step lands at that step, the job held at its boundary meanwhile, whether
+    # the launcher or the injector applies it.
+    for fault in faults:
+        if fault["scheduled_step"] is not None:
+            assert fault["step"] == fault["scheduled_step"] and fault["held"], fault
+    assert data["fault_step_error_max"] in (0, None)
     if name == "corrupt-snapshot":
         (fault,) = faults
         assert fault["detail"]["corrupted"] and fault["detail"]["store_refuses_slot"]

@@ -3,7 +3,11 @@
 Where it sits: `runner.py` starts `keepstep run` (which injects the step-triggered kills,
 hangs, drains and joins itself) and one `Injector` thread beside it. The injector polls
 the run directory (`rundir.RunView`) and, when a fault is due, acts from outside on the
-run's processes (`actions.py`, `cgroups.py`):
+run's processes (`actions.py`, `cgroups.py`). A fault at a step lands at that step: the
+agents hold the job at that boundary on a step gate (`step_gates.py`) while the injector
+acts (a kill of etcd or a partition releases the gate first: the release travels through
+etcd; no further step can commit before they land). Without gates (no etcd access, as in
+cluster mode) a step fault is due when the event logs show its step: a step or more late.
 
     kill-worker, kill-node, hang-node, drain-node   by time, or during a recovery
     slow-node          a CPU quota in a cgroup, or a SIGSTOP/SIGCONT duty cycle
@@ -14,7 +18,8 @@ run's processes (`actions.py`, `cgroups.py`):
 
 A node it hung without a resume time stays stopped until every other node has ended,
 then it is killed (as the launcher does with its own hangs). `finish` undoes whatever
-still lasts once the run is over. Each fault yields one record for the report.
+still lasts once the run is over. Each fault yields one record for the report, with the
+step it landed at and, for a step fault, the step it was scheduled at.
 """
 
 from __future__ import annotations
@@ -32,10 +37,15 @@ from typing import Any
 from keepstep.chaos import actions, cgroups
 from keepstep.chaos.model import Fault, FaultKind
 from keepstep.chaos.rundir import RunView, alive, children_matching, process_group
+from keepstep.chaos.step_gates import InjectorGates
 from keepstep.errors import KeepstepError
 from keepstep.launch import netns
+from keepstep.launch.gates import Claimed
 
 log = logging.getLogger("keepstep.chaos")
+
+# Faults that cut the injector off from the agents' etcd: the gate is released first.
+_RELEASE_FIRST = frozenset({FaultKind.KILL_ETCD, FaultKind.PARTITION_NODE})
 
 
 @dataclass
@@ -48,8 +58,10 @@ class Applied:
     spec: str
     via: str
     t: float | None = None
-    step: int | None = None
+    step: int | None = None  # steps the job had committed when it landed
     skipped: str | None = None
+    scheduled_step: int | None = None  # a step fault's step
+    held: bool | None = None  # a step fault: the job stood at its boundary meanwhile
     detail: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -85,13 +97,15 @@ class Injector(threading.Thread):
         self._halt = threading.Event()
         self._lock = threading.RLock()  # _apply runs under it and takes it again
         self.error: BaseException | None = None
+        self.gates = InjectorGates()  # armed once the agents' etcd can be reached
 
     # -- the loop -----------------------------------------------------------------------
     def run(self) -> None:
         try:
             while not self._halt.is_set():
                 self._tick()
-                self._halt.wait(self.poll_s)
+                # A held gate wakes the loop at once: the job stands still until it acts.
+                (self.gates.wake or self._halt).wait(self.poll_s)
         except BaseException as error:  # the runner reports it; the run still gets cleaned
             log.exception("chaos injector failed")
             self.error = error
@@ -103,13 +117,17 @@ class Injector(threading.Thread):
             found = children_matching(self.launcher_pid, str(self.run_dir / "etcd"))
             self.etcd_pids += [pid for pid in found if pid not in self.etcd_pids]
             self._etcd_found = bool(self.etcd_pids) and self.view.first_commit_t is not None
+        self.gates.arm(
+            self.view, [(i, f.at.step) for i, f in self.pending if f.at.step is not None]
+        )
+        self._fire_gated()
         now = time.time()
         for index, fault in list(self.pending):
             due = self._due(index, fault, now)
             if due:
                 self.pending.remove((index, fault))
                 with self._lock:
-                    self.records[index] = self._apply(index, fault)
+                    self.records[index] = self._apply(index, fault, self.view.step)
         with self._lock:
             for end_t, action in list(self._ongoing):
                 if now >= end_t:
@@ -130,7 +148,7 @@ class Injector(threading.Thread):
     def _due(self, index: int, fault: Fault, now: float) -> bool:
         at = fault.at
         if at.step is not None:
-            return self.view.step >= at.step
+            return index not in self.gates.gated and self.view.step >= at.step
         if at.time is not None:
             start = self.view.first_commit_t
             return start is not None and now - start >= at.time
@@ -156,9 +174,37 @@ class Injector(threading.Thread):
         """The name a scenario's node `index` has in the run (its agent's node id)."""
         return f"n{index}"
 
-    def _apply(self, index: int, fault: Fault) -> Applied:
+    def _fire_gated(self) -> None:
+        """Act on the gates the agents hold (and, late, on those the job passed unheld)."""
+        for index, claimed in self.gates.claims(self.view.step):
+            fault = next((f for i, f in self.pending if i == index), None)
+            if fault is None:  # handled already: let the job go on
+                self.gates.release(claimed)
+                continue
+            self.pending.remove((index, fault))
+            with self._lock:
+                self.records[index] = self._apply(index, fault, claimed.actual, claimed)
+
+    def _apply(
+        self, index: int, fault: Fault, step: int, claimed: Claimed | None = None
+    ) -> Applied:
+        """Apply one fault with `step` steps committed; `claimed`: the gate that holds the
+        job for it, released here (before acting on etcd's reach, else after)."""
         node = self.node_name(fault.node) if fault.node is not None else None
-        rec = Applied(index, fault.kind.value, node, str(fault), "injector", step=self.view.step)
+        rec = Applied(index, fault.kind.value, node, str(fault), "injector", step=step)
+        rec.scheduled_step = fault.at.step
+        rec.held = claimed.held if claimed else None if fault.at.step is None else False
+        first = claimed is not None and fault.kind in _RELEASE_FIRST
+        try:
+            if claimed is not None and first:
+                self.gates.release(claimed)
+            self._act_recorded(fault, node, rec)
+        finally:
+            if claimed is not None and not first:
+                self.gates.release(claimed)
+        return rec
+
+    def _act_recorded(self, fault: Fault, node: str | None, rec: Applied) -> None:
         ref = fault.at.during_recovery_of
         if fault.kind in self.skip:
             rec.skipped = self.skip[fault.kind]
@@ -173,7 +219,6 @@ class Injector(threading.Thread):
         if rec.skipped is not None:
             rec.t = None
             log.warning("chaos: fault %s skipped: %s", fault, rec.skipped)
-        return rec
 
     def _act(self, fault: Fault, node: str | None, detail: dict[str, Any]) -> str | None:
         """Apply a fault; return why it could not be applied, or None."""
@@ -336,6 +381,7 @@ class Injector(threading.Thread):
                     log.warning("chaos: could not remove cgroup %s: %s", group.path, error)
         for etcd in self._restarted:
             etcd.end()
+        self.gates.close()
         for index, fault in self.pending:
             node = self.node_name(fault.node) if fault.node is not None else None
             self.records[index] = Applied(
@@ -345,6 +391,7 @@ class Injector(threading.Thread):
                 str(fault),
                 "injector",
                 skipped=f"never due: the run ended before {fault.at}",
+                scheduled_step=fault.at.step,
             )
         self.pending.clear()
         return [self.records[i] for i in sorted(self.records)]

@@ -175,10 +175,12 @@ def _native_records(
     for index in plan.native_indices:
         fault = plan.faults[index]
         rec = Applied(index, fault.kind.value, None, str(fault), "launcher")
+        rec.scheduled_step = fault.at.step
         match = next((f for f in logged if f.get("spec") == fault.spec()), None)
         if match is not None:
             logged.remove(match)
             rec.node, rec.t, rec.step = match.get("node"), match.get("t"), match.get("step")
+            rec.held = match.get("held")
         else:
             rec.node = f"n{fault.node}" if fault.node is not None else None
             rec.skipped = f"the launcher did not inject it (see {proc_out.name})"

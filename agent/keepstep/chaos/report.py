@@ -73,11 +73,14 @@ def _header(data: dict[str, Any]) -> str:
         else ""
     )
     violations = "".join(f"<li>{html.escape(v)}</li>" for v in data["violations"][:200])
+    late = data.get("fault_step_error_max")
+    late_text = "" if late is None else f"; step faults landed at most {late} steps late"
     return (
         f"<h1>{html.escape(data['scenario'])} ({html.escape(data['target'])})</h1>"
         f"<p>{html.escape(data.get('description') or '')}</p>{verdict}{known}"
         f"<p>{data['faults_applied']} faults applied, {data['faults_skipped']} skipped, "
-        f"{len(data['recoveries'])} recoveries; goodput {ratio} of the fault-free run</p>"
+        f"{len(data['recoveries'])} recoveries; goodput {ratio} of the fault-free run"
+        f"{late_text}</p>"
         f"<table><tr><th>invariant</th><th></th></tr>{rows}</table>"
         + (f"<h3>Violations</h3><ul>{violations}</ul>" if violations else "")
     )
@@ -89,6 +92,9 @@ def _run_table(run: RunResult) -> str:
     for f in run.outcome.seen.faults:
         t = f.get("t")
         when = f"{t - start:.2f} s, step {f.get('step')}" if t else "-"
+        scheduled = f.get("scheduled_step")
+        if t and scheduled is not None and scheduled != f.get("step"):
+            when += f" (scheduled {scheduled})"
         rows.append(
             f"<tr><td>#{f['index']}</td><td>{html.escape(f['spec'])}</td><td>{f['via']}</td>"
             f"<td>{when}</td><td>{html.escape(f.get('skipped') or '')}</td>"

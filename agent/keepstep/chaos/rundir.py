@@ -109,6 +109,15 @@ class RunView:
         except (OSError, ValueError, KeyError):
             return None
 
+    def etcd_access(self, node: str = "n0") -> tuple[str, str, str | None] | None:
+        """(job, etcd endpoints, credentials folder or None) from the node's agent
+        configuration; None until it is written."""
+        try:
+            raw = json.loads((self.run_dir / f"agent-{node}.json").read_text())
+            return str(raw["job"]), str(raw["etcd"]), raw.get("etcd_tls") or None
+        except (OSError, ValueError, KeyError):
+            return None
+
     def snapshot_dir(self, node: str) -> Path:
         try:
             raw = json.loads((self.run_dir / f"agent-{node}.json").read_text())

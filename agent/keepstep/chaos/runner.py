@@ -32,7 +32,7 @@ from keepstep.chaos.model import Job, Scenario
 from keepstep.chaos.schedule import RunPlan, expand
 from keepstep.chaos.target import RunOutcome, Target
 from keepstep.errors import KeepstepError
-from keepstep.launch.summary import injected_faults
+from keepstep.launch.summary import fault_step_error, injected_faults
 
 _REFERENCE_FORMAT = 3  # bump when `Reference` changes: old cache entries are not read
 
@@ -216,6 +216,8 @@ def summarize(result: ScenarioResult) -> dict[str, Any]:
         "faults": faults,
         "faults_applied": sum(1 for f in faults if f.get("t") is not None),
         "faults_skipped": sum(1 for f in faults if f.get("skipped")),
+        # Steps late of the latest step fault (0: each landed at its step; None: none).
+        "fault_step_error_max": fault_step_error(faults),
         "recoveries": recoveries,
         "goodput": {
             "samples_per_s": rate,

@@ -3,10 +3,11 @@
 The launcher starts a private etcd (`--etcd-members 3`: a three-member cluster, which
 survives losing any one member; each agent hosts its own process-group store),
 starts one node agent per node (`keepstep agent`, in a new session so a node can be
-killed or stopped as a whole), injects the scripted faults when the job reaches their
-step, shows a progress line, and writes the run directory: event logs, worker logs,
-faults, and summary.json. Every process it started is gone when it returns. Its settings,
-`RunConfig`, were checked when they were made (`run_config.py`), before anything started.
+killed or stopped as a whole), injects the scripted faults at their step (the agents hold
+the job at that boundary meanwhile: `injector`), shows a progress line, and writes the
+run directory: event logs, worker logs, faults, and summary.json. Every process it
+started is gone when it returns. Its settings, `RunConfig`, were checked when they were
+made (`run_config.py`), before anything started.
 
 With `netns`, each node runs in a network namespace of its own on a bridge (`netns.py`):
 its agent and workers publish the namespace's address, etcd listens on the bridge's, and
@@ -24,7 +25,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping
 from contextlib import closing
 from pathlib import Path
 from typing import Any, TextIO
@@ -35,20 +35,21 @@ from keepstep.agent.kv import KVError
 from keepstep.agent.kv.etcd import EtcdCredentials, EtcdKV
 from keepstep.agent.kv.etcd_auth import enable_auth, grant_job
 from keepstep.agent.node.config import AgentConfig, dump_config, worker_env
-from keepstep.agent.protocol import NodeRecord, ProgressRecord
+from keepstep.agent.protocol import ProgressRecord
 from keepstep.agent.protocol.events import read_events
 from keepstep.errors import ConfigError, KeepstepError
 from keepstep.launch.etcd_cluster import start_etcd
 from keepstep.launch.etcd_tls import LocalAuthority
-from keepstep.launch.faults import FaultKind
+from keepstep.launch.injector import FaultInjector, kill, killpg
 from keepstep.launch.netns import NodeNetworks
 from keepstep.launch.run_config import RunConfig
 from keepstep.launch.summary import build_summary, run_failures
 
 __all__ = ["Launcher", "RunConfig"]
 
-# The launcher looks at its agents every FAST_READ_S (a local call), and reads the job's
-# progress from etcd that often only while a step-scheduled fault is near, else every
+# The launcher looks at its agents every FAST_READ_S (a local call; at once when a step
+# gate is held), and reads the job's progress from etcd that often only while a
+# step-scheduled fault is near (the fallback for a gate the job passed unheld), else every
 # SLOW_READ_S: at ten reads a second it took ~1% of a 4-node run's CPU on 2 cores, with
 # etcd's share of each read.
 FAST_READ_S = 0.1
@@ -62,11 +63,12 @@ class Launcher:
         # Unique per run: abstract sockets and etcd keys of an older run never collide.
         self.job = f"{cfg.run_dir.name.replace('_', '-')}-{uuid.uuid4().hex[:8]}"
         self.agents: dict[str, subprocess.Popen[bytes]] = {}
-        self.faults_log: list[dict[str, Any]] = []
-        self.pending = sorted(cfg.faults, key=lambda f: f.step)
-        self.next_node = cfg.nodes
         self.last_line = 0.0
         self.stopped: set[str] = set()
+        self.faults = FaultInjector(
+            cfg.faults, cfg.nodes, self.agents, self._start_node, self.stopped, self._note
+        )
+        self.faults_log = self.faults.log
         self.networks: NodeNetworks | None = None
         self.etcd_tls: Path | None = None  # the job's etcd credentials, once granted
 
@@ -145,11 +147,13 @@ class Launcher:
         kv = EtcdKV(etcd.endpoint, credentials=EtcdCredentials.from_dir(self.etcd_tls))
         try:
             self.etcd_endpoint = etcd.endpoint
+            self.faults.arm(kv, self.job)  # before any agent starts: none misses a gate
             for i in range(cfg.nodes):
                 self._start_node(f"n{i}")
             self._watch(kv)
         finally:
             self._stop_all()
+            self.faults.close()
             kv.close()
             etcd.stop(timeout=10)
 
@@ -210,83 +214,47 @@ class Launcher:
         while any(p.poll() is None for n, p in self.agents.items() if n not in self.stopped):
             if time.monotonic() > deadline:
                 raise KeepstepError(f"the job did not finish within {self.cfg.timeout:.0f} s")
+            self.faults.on_held()
             if time.monotonic() - read_at >= self._read_interval(step, rate):
                 read_at = time.monotonic()
                 step, rate = self._read_progress(kv) or (step, rate)
-            time.sleep(FAST_READ_S)
+            wake = self.faults.wake
+            if wake is not None:
+                wake.wait(FAST_READ_S)
+            else:
+                time.sleep(FAST_READ_S)
         self._show(self.cfg.steps, None, final=True)
 
     def _read_interval(self, step: int, rate: float) -> float:
         """Every etcd read takes CPU from the training it watches: read often only while a
-        step-scheduled fault is near, so it lands within a step or two of its step."""
-        if not self.pending:
+        step-scheduled fault is near, so that one the job passes unheld (its gate was not
+        armed, or no agent could hold it) still lands within a step or two of its step."""
+        due = self.faults.next_step()
+        if due is None:
             return SLOW_READ_S
         if rate <= 0:  # no rate published yet: the job may be faster than any slow read
             return FAST_READ_S
         near = max(2.0, rate * 2 * SLOW_READ_S)  # steps the job may make in two slow reads
-        return FAST_READ_S if self.pending[0].step - step <= near else SLOW_READ_S
+        return FAST_READ_S if due - step <= near else SLOW_READ_S
 
     def _read_progress(self, kv: EtcdKV) -> tuple[int, float] | None:
-        """Read the nodes' progress, inject the faults that are due, show the progress line;
-        return the job's step and its rate in steps a second (None: etcd did not answer)."""
+        """Read the nodes' progress, inject the faults the job passed unheld, show the
+        progress line; return the job's step and its rate in steps a second (None: etcd did
+        not answer)."""
         try:
             progress = [
                 protocol.decode(ProgressRecord, item.value)
                 for item in kv.get_prefix(protocol.prefix(self.job, "progress"), 2.0)
             ]
-            step = max((p.step for p in progress), default=0)
-            # The node records (the workers' pids) only when a fault is due.
-            due = bool(self.pending) and self.pending[0].step <= step
-            nodes = {
-                item.key.rpartition("/")[2]: protocol.decode(NodeRecord, item.value)
-                for item in (kv.get_prefix(protocol.prefix(self.job, "nodes"), 2.0) if due else ())
-            }
         except KVError:
             return None
-        self._inject(step, nodes)
+        step = max((p.step for p in progress), default=0)
+        self.faults.on_progress(step)
         # The newest record (the epoch leader's, published most often) speaks for the job.
         newest = max(progress, key=lambda p: (p.epoch, p.step), default=None)
         self._show(step, newest)
         rate = newest.samples_per_s / self.cfg.global_batch if newest is not None else 0.0
         return step, rate
-
-    def _inject(self, step: int, nodes: Mapping[str, NodeRecord]) -> None:
-        while self.pending and self.pending[0].step <= step:
-            fault = self.pending.pop(0)
-            node = f"n{fault.node}" if fault.node is not None else f"n{self.next_node}"
-            proc = self.agents.get(node)
-            if fault.kind is FaultKind.KILL_WORKER:
-                record = nodes.get(node)
-                pid = record.workers.get(protocol.member_id(node, 0)) if record else None
-                if pid is None:
-                    self._note(f"fault {fault} skipped: node {node} has no worker now")
-                    continue
-                _kill(pid, signal.SIGKILL)
-            elif proc is None or proc.poll() is not None:
-                if fault.kind is not FaultKind.JOIN_NODE:
-                    self._note(f"fault {fault} skipped: node {node} is not running")
-                    continue
-            if fault.kind is FaultKind.KILL_NODE:
-                _killpg(proc, signal.SIGKILL)
-            elif fault.kind is FaultKind.HANG_NODE:
-                _killpg(proc, signal.SIGSTOP)
-                self.stopped.add(node)
-            elif fault.kind is FaultKind.DRAIN_NODE:
-                assert proc is not None
-                _kill(proc.pid, signal.SIGTERM)
-            elif fault.kind is FaultKind.JOIN_NODE:
-                self.next_node += 1
-                self._start_node(node)
-            self.faults_log.append(
-                {
-                    "kind": fault.kind.value,
-                    "node": node,
-                    "step": step,
-                    "spec": str(fault),
-                    "t": time.time(),
-                }
-            )
-            self._note(f"fault {fault} injected at step {step} on {node}")
 
     def _note(self, text: str) -> None:
         prefix = "\r" if self.out.isatty() else ""
@@ -314,9 +282,9 @@ class Launcher:
         """End every node this launcher started: the whole process group, by its id."""
         for node, proc in self.agents.items():
             if node in self.stopped:
-                _killpg(proc, signal.SIGKILL)
+                killpg(proc, signal.SIGKILL)
             elif proc.poll() is None:
-                _kill(proc.pid, signal.SIGTERM)
+                kill(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 5.0
         for proc in self.agents.values():
             try:
@@ -324,7 +292,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 pass
         for proc in self.agents.values():
-            _killpg(proc, signal.SIGKILL)  # workers of a killed agent, if any are left
+            killpg(proc, signal.SIGKILL)  # workers of a killed agent, if any are left
             if proc.poll() is None:
                 proc.wait(timeout=5)
         for leftover in self.cfg.run_dir.glob("agent-*.json"):
@@ -345,19 +313,3 @@ def _agent_reason(run_dir: Path, node: str) -> str:
         return ""
     found = [line.removeprefix(said) for line in lines if line.startswith(said)]
     return found[-1] if found else ""
-
-
-def _kill(pid: int, sig: signal.Signals) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def _killpg(proc: subprocess.Popen[bytes] | None, sig: signal.Signals) -> None:
-    if proc is None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

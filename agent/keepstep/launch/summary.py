@@ -6,7 +6,10 @@ only its commits in the newest epoch count, so the ledger shows what the final
 parameters were trained on: every micro-batch of every step exactly once, and the values
 `step.log` recorded (`metrics`, one per step and name) are those of the steps that stand.
 Its recoveries are the one fold of the event logs (`keepstep.agent.protocol.recovery`),
-given the launcher's faults so that each is timed from the fault injected.
+given the launcher's faults so that each is timed from the fault injected. `faults` is the
+launcher's fault log (`launch.injector`): each fault's `scheduled_step` and `step`, the
+steps committed when it landed; `fault_step_error_max` is the largest difference (0: every
+fault landed at its step; None: no step-scheduled fault landed).
 
 `run_failures` is the run's verdict, the one `keepstep run`'s exit status follows: the
 job trained every step, its workers agree on the parameters, and every agent exited 0
@@ -97,7 +100,18 @@ def build_summary(
             "plan_mismatches": mismatches,
         },
         "faults": list(faults),
+        "fault_step_error_max": fault_step_error(faults),
     }
+
+
+def fault_step_error(faults: Iterable[Mapping[str, Any]]) -> int | None:
+    """How many steps late the latest step-scheduled fault landed (None: none landed)."""
+    errors = [
+        int(f["step"]) - int(f["scheduled_step"])
+        for f in faults
+        if f.get("t") is not None and f.get("scheduled_step") is not None
+    ]
+    return max(errors, default=None)
 
 
 def standing_commits(events: Iterable[Mapping[str, Any]]) -> dict[int, Mapping[str, Any]]:

@@ -26,7 +26,9 @@ from keepstep.agent.protocol.messages import (
     Excluded,
     Failure,
     Finish,
+    GatesPush,
     Hello,
+    Hold,
     Initial,
     JobCannotContinue,
     MembershipReply,
@@ -80,6 +82,9 @@ EVERY_TYPE: list[Message] = [
     Ok(),
     ErrorReply(ErrorCode.ADMISSION_TIMEOUT, "n0/0 was not admitted within 1 s"),
     PendingPush(True),
+    Hold("n1/0", 30),
+    GatesPush((30, 45)),
+    GatesPush(()),  # every gate is open
 ]
 
 

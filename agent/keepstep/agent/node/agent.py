@@ -5,8 +5,9 @@ decisions on the next epoch (`healer`, over the pure `agreement`), the store thi
 hosts for process groups (`stores`), worker processes (`supervisor`) and what the agent
 knows of each (`workers`), the local link to them (`link_server`) and the answers on it
 (`requests`, with the reports a worker sends published by `reports`), liveness probes
-(`probe`), this node's leased record (`registration`). This module wires them, and acts
-on what etcd and the supervisor tell it.
+(`probe`), this node's leased record (`registration`), the step gates its workers hold at
+while a scheduled fault is injected (`gates`). This module wires them, and acts on what
+etcd and the supervisor tell it.
 
 Detection that does not wait for a collective to fail: a worker that exits (the
 supervisor sees it at once) and a member node whose lease expired (hang, partition)
@@ -29,8 +30,9 @@ from keepstep.agent import protocol
 from keepstep.agent.durable.writer import CheckpointWriter
 from keepstep.agent.kv import KVError, KVStore, WatchEvent
 from keepstep.agent.node import agreement
-from keepstep.agent.node.config import AgentConfig, snapshot_path, worker_spec
+from keepstep.agent.node.config import AgentConfig, answer_bounds, snapshot_path, worker_spec
 from keepstep.agent.node.durable import DurableCheckpoints, seed_snapshot
+from keepstep.agent.node.gates import GateHolds, hold_timeout_for
 from keepstep.agent.node.healer import Healer
 from keepstep.agent.node.link_server import LinkServer, same_user_and
 from keepstep.agent.node.probe import ProbeServer
@@ -111,8 +113,10 @@ class NodeAgent:
         reports = Reports(
             cfg, kv, self.events, self.view, self.workers, self.progress, self.durable
         )
+        hold = hold_timeout_for(answer_bounds(cfg).decision, cfg.op_timeout)
+        self.gates = GateHolds(kv, cfg.job, cfg.node, self.events, cfg.op_timeout, hold)
         self.requests = WorkerRequests(
-            self.workers, self.healer, reports, self.progress, self.events, self._fail
+            self.workers, self.healer, reports, self.progress, self.events, self._fail, self.gates
         )
         self.link = LinkServer(
             socket_address(cfg.job, cfg.node),
@@ -236,6 +240,10 @@ class NodeAgent:
 
     # -- what etcd tells us -------------------------------------------------------------
     def _apply(self, event: WatchEvent) -> None:
+        if self.gates.owns(event.key):
+            if self.gates.apply(event):
+                self.gates.push(self.workers.connections())
+            return
         change = self.view.apply(event)
         if change.lost_self and not self.done.is_set():
             threading.Thread(target=self._reregister, daemon=True).start()

@@ -4,11 +4,13 @@ Where it sits: `node/link_server` decodes a worker's message and calls `handle` 
 thread of its own (so a request that waits never holds up another). What each does:
 
     Hello          the worker is ready: offered to epochs from now, and told whether a
-                   planned change is pending
+                   planned change is pending and which step gates are closed
     Initial        the healer admits it (waits until an epoch includes it, bounded)
     Boundary       the healer agrees the planned change announced in the last step
     Failure        the healer agrees the survivors of a failed epoch
     Finish         the worker is done, whatever its exit status turns out to be
+    Hold           the worker reached a closed step gate: answered once it is open
+                   (`node/gates`, bounded)
     Commit, Reconfigured   reports, published by `node/reports`; not answered
 
 The answers are typed replies; an error raised here reaches the worker as its type
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from keepstep.agent.node.gates import GateHolds
 from keepstep.agent.node.healer import Healer
 from keepstep.agent.node.progress import ProgressPublisher
 from keepstep.agent.node.reports import Reports
@@ -37,11 +40,13 @@ from keepstep.agent.protocol.messages import (
     Failure,
     Finish,
     Hello,
+    Hold,
     Initial,
     JobCannotContinue,
     Message,
     Ok,
     PendingPush,
+    Push,
     Reconfigured,
     Reply,
 )
@@ -56,13 +61,16 @@ class WorkerRequests:
         progress: ProgressPublisher,
         events: EventLog,
         on_fatal: Callable[[str], None],
+        gates: GateHolds | None = None,
     ) -> None:
-        """`on_fatal(reason)` is told when the job cannot go on (the agent then fails)."""
+        """`on_fatal(reason)` is told when the job cannot go on (the agent then fails);
+        `gates`: the step gates (None: none are ever armed, as in unit tests)."""
         self.workers, self.healer, self.reports = workers, healer, reports
         self.progress, self.events, self.on_fatal = progress, events, on_fatal
+        self.gates = gates
 
     def handle(self, conn: Connection, message: Message) -> Reply | None:
-        if isinstance(message, Reply | PendingPush):
+        if isinstance(message, Reply | Push):
             raise BadMessage("op", f"{message.OP.value!r} is not a worker's message")
         if message.member not in self.workers:
             raise BadMessage("member", f"{message.member!r} is not a worker of this node")
@@ -73,6 +81,9 @@ class WorkerRequests:
                 self.events.write(EventKind.WORKER_READY, member=message.member)
                 _, pending = self.workers.hello(message.member, conn)
                 conn.send(PendingPush(pending))
+                if self.gates is not None:
+                    # Pushed before the answer: the worker knows its gates before it trains.
+                    self.gates.push([conn])
                 return Ok()
             case Initial():
                 return self.healer.admit(message.member)
@@ -87,6 +98,10 @@ class WorkerRequests:
                 except JobCannotContinue as error:
                     self.on_fatal(str(error))
                     raise
+            case Hold():
+                if self.gates is not None:
+                    self.gates.hold(message.member, message.done)
+                return Ok()
             case Finish():
                 # From here on the worker is done, whatever its exit status turns out to be.
                 self.workers.finished(message.member)

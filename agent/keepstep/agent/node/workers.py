@@ -165,6 +165,11 @@ class WorkerTable:
             self._flag = flag
             return [s.conn for s in self._states.values() if s.conn is not None]
 
+    def connections(self) -> list[Connection]:
+        """The open links of the workers that said hello."""
+        with self._lock:
+            return [s.conn for s in self._states.values() if s.conn is not None]
+
     def ended_well(self) -> bool:
         with self._lock:
             return all(s.ended_well for s in self._states.values())

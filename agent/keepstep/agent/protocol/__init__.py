@@ -5,6 +5,8 @@ imports neither torch nor an etcd client, so the operator may import it). Record
 JSON; every field has a type and a default so that old readers survive new fields.
 
     /keepstep/jobs/<job>/epoch            EpochRecord   the agreed membership (CAS)
+    /keepstep/jobs/<job>/gates/<name>     GateRecord    hold the job at a step boundary while
+                                          a scheduled fault is injected (CAS; GateState)
     /keepstep/jobs/<job>/nodes/<node>     NodeRecord    one per live agent (leased)
     /keepstep/jobs/<job>/pending/<member> PendingRecord a worker waiting to be admitted
     /keepstep/jobs/<job>/leaving/<node>   LeavingRecord a node draining at the next boundary
@@ -20,6 +22,7 @@ it. `protocol.recovery.RecoveryRecord` is folded from the event logs instead.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, TypeVar
@@ -46,6 +49,9 @@ def prefix(job: str, kind: str) -> str:
 # only the keys below `watched_below`: progress (a put per node several times a second)
 # and recovery records would otherwise wake every agent of the job for nothing.
 WATCHED_KINDS = ("done", "epoch", "leaving", "nodes", "pending")
+# Step gates sort below "progress" too: the agent's one watch sees them (`node/gates`).
+GATES = "gates"
+assert GATES < "progress" and all(kind < "progress" for kind in WATCHED_KINDS)
 
 
 def watched_below(job: str) -> str:
@@ -145,3 +151,49 @@ class DoneRecord:
     node: str
     steps: int
     params_sha256: str
+
+
+class GateState(enum.StrEnum):
+    """Where a step gate is. Whoever schedules a fault at step K (the launcher, the chaos
+    injector) arms a gate at K; every agent holds its workers at the boundary where K
+    steps are committed while the gate is not open; the first agent there marks it held;
+    the armer claims it, injects, and releases it. Every move is a compare-and-set on the
+    record's revision, so exactly one side makes each::
+
+        ARMED --an agent: a worker reached the step--> HELD --armer: claims--> FIRING
+        ARMED, EXPIRED --armer: the job passed the step unheld (late)--> FIRING
+        FIRING --armer: injected--> RELEASED
+        HELD --an agent: nobody claimed it within its hold bound--> EXPIRED
+    """
+
+    ARMED = "armed"
+    HELD = "held"
+    FIRING = "firing"
+    RELEASED = "released"
+    EXPIRED = "expired"
+
+    @property
+    def open(self) -> bool:
+        """Workers pass the gate's boundary without waiting."""
+        return self in (GateState.RELEASED, GateState.EXPIRED)
+
+
+@dataclass(frozen=True)
+class GateRecord:
+    """A step gate. `step`: the boundary it holds (steps committed); `held_step`: the
+    steps committed when it was held or claimed (`step`, or more for a gate the job
+    reached late); `node`: the agent that held it."""
+
+    name: str
+    step: int
+    state: GateState = GateState.ARMED
+    node: str = ""
+    held_step: int = -1
+    updated_at: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", GateState(self.state))  # a str, when decoded
+
+    def closes(self, done: int) -> bool:
+        """Whether a worker that has committed `done` steps waits at this gate."""
+        return not self.state.open and self.step <= done

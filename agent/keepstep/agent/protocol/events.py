@@ -43,6 +43,11 @@ class EventKind(enum.StrEnum):
         finish               member, done (steps trained), params_sha256
         resumed              member, step (seeded from a durable checkpoint)
         checkpoint-submitted step, url
+        gate-held            gate, step (the gate's), done (steps committed: the step it
+                             held at), member (the worker that reached it first)
+        gate-expired         gates, done, member, alone (false: this agent expired the gate
+                             in etcd, nobody claimed it; true: still closed after twice the
+                             bound, the agent let its worker go on alone)
     The healer (the agent whose proposal won the compare-and-set):
         epoch-agreed         epoch, members, reason, store, timeout_scale (the epoch's
                              timeouts x their defaults; absent before it existed: 1);
@@ -72,6 +77,8 @@ class EventKind(enum.StrEnum):
     FINISH = "finish"
     RESUMED = "resumed"
     CHECKPOINT_SUBMITTED = "checkpoint-submitted"
+    GATE_HELD = "gate-held"
+    GATE_EXPIRED = "gate-expired"
     EPOCH_AGREED = "epoch-agreed"
     EXCLUDED = "excluded"
     RECONFIGURED = "reconfigured"

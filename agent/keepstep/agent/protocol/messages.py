@@ -5,10 +5,10 @@ Where it sits: `link` frames these as JSON lines; the worker's side (`worker/lin
 (`node/link_server`, `node/requests`) decodes requests and dispatches on their type.
 Dataclasses and JSON only: no pickle, no torch, so that either side decodes only data.
 
-    worker -> agent, answered          Hello, Initial, Boundary, Failure, Finish
+    worker -> agent, answered          Hello, Initial, Boundary, Failure, Finish, Hold
     worker -> agent, not answered      Commit, Reconfigured (reports, once a step at most)
     agent -> worker, answers           MembershipReply, Excluded, NoChange, Ok, ErrorReply
-    agent -> worker, pushed            PendingPush
+    agent -> worker, pushed            PendingPush, GatesPush
 
 On the wire a message is one JSON object: its `op` and its fields, e.g.
 ``{"op": "boundary", "member": "n0/0", "done": 12}``. `decode` refuses an unknown op, a
@@ -42,6 +42,8 @@ class Op(enum.StrEnum):
     OK = "ok"
     ERROR = "error"
     PENDING = "pending"
+    HOLD = "hold"
+    GATES = "gates"
 
 
 class ErrorCode(enum.StrEnum):
@@ -167,6 +169,15 @@ class Reconfigured:
     received_state: bool
 
 
+@dataclass(frozen=True)
+class Hold:
+    """The worker reached a step gate (`done` steps committed): answered once it is open."""
+
+    OP: ClassVar[Op] = Op.HOLD
+    member: str
+    done: int
+
+
 # -- agent -> worker ---------------------------------------------------------------------
 @dataclass(frozen=True)
 class MembershipReply:
@@ -216,10 +227,20 @@ class PendingPush:
     pending: bool
 
 
-Request = Hello | Initial | Boundary | Failure | Finish
+@dataclass(frozen=True)
+class GatesPush:
+    """The steps of the job's gates that are not open: a worker that has committed one of
+    them (or more) asks `Hold` before its next step."""
+
+    OP: ClassVar[Op] = Op.GATES
+    steps: tuple[int, ...]
+
+
+Request = Hello | Initial | Boundary | Failure | Finish | Hold
 Report = Commit | Reconfigured
 Reply = MembershipReply | Excluded | NoChange | Ok | ErrorReply
-Message = Request | Report | Reply | PendingPush
+Push = PendingPush | GatesPush
+Message = Request | Report | Reply | Push
 
 _TYPES: dict[Op, type[Any]] = {
     cls.OP: cls
@@ -237,6 +258,8 @@ _TYPES: dict[Op, type[Any]] = {
         Ok,
         ErrorReply,
         PendingPush,
+        Hold,
+        GatesPush,
     )
 }
 assert set(_TYPES) == set(Op), "every op has exactly one message type"

@@ -3,7 +3,10 @@
 `keepstep.init` builds it from the environment the agent sets
 (KEEPSTEP_CONTROLLER=keepstep.agent.worker.controller:controller_from_env). Every decision is
 the agent's; this side only asks over the local link (`link_client`, typed messages) and
-caches the agent's "change pending" flag, which the job reads at every commit.
+caches the agent's "change pending" flag, which the job reads at every commit, and the
+steps of the job's closed step gates: at a boundary where it has committed one of them, the
+worker holds (`Hold`) until the agent says the gate is open, so that a fault scheduled at
+that step is injected while the job stands exactly there (`agent/node/gates`).
 
 Every question has its bound (`AnswerBounds`, set by the agent from its own bounds): an
 agent that stays silent past it is wedged, and the worker raises AgentUnresponsive rather
@@ -37,7 +40,9 @@ from keepstep.agent.protocol.messages import (
     Excluded,
     Failure,
     Finish,
+    GatesPush,
     Hello,
+    Hold,
     Initial,
     MembershipReply,
     Message,
@@ -68,6 +73,8 @@ class AgentController:
         self.timeout = timeout
         self.bounds = bounds or AnswerBounds()
         self._pending = threading.Event()
+        self._gates_lock = threading.Lock()
+        self._gates: tuple[int, ...] = ()  # steps of the closed gates (the agent's last push)
         self._client = LinkClient(link, self._on_push, self.bounds.reply)
         # Each epoch names the store its group rendezvouses on (hosted by one of its
         # nodes); consecutive epochs usually share it, so connections are kept.
@@ -83,6 +90,9 @@ class AgentController:
                 self._pending.set()
             else:
                 self._pending.clear()
+        elif isinstance(message, GatesPush):
+            with self._gates_lock:
+                self._gates = message.steps
 
     def _membership(self, reply: Reply) -> Membership | None:
         """The membership a reply names (None: no change at this boundary). An exclusion
@@ -130,10 +140,23 @@ class AgentController:
         return self._pending.is_set()
 
     def poll(self, done: int, announced: bool) -> Membership | None:
+        self._hold(done)
         if not announced:
             return None
         reply = self._client.request(Boundary(self.member, done), self.bounds.decision)
         return self._membership(reply)
+
+    def _hold(self, done: int) -> None:
+        """Wait at a closed step gate the job has reached (`done` steps committed). The
+        agent answers once every such gate is open; the push that says so may come after
+        the answer, so the steps passed are dropped here."""
+        with self._gates_lock:
+            due = any(step <= done for step in self._gates)
+        if not due:
+            return
+        self._client.request(Hold(self.member, done), self.bounds.decision)
+        with self._gates_lock:
+            self._gates = tuple(step for step in self._gates if step > done)
 
     def on_failure(self, epoch: int, done: int, error: PeerLost, timeout: float) -> Membership:
         request = Failure(self.member, epoch, done, error.reason)
