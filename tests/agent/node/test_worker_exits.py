@@ -33,6 +33,8 @@ from keepstep.agent.node.supervisor import (
     WorkerSpec,
     after_exit,
     describe_exit,
+    dying,
+    exiting_in,
 )
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.events import read_events
@@ -107,6 +109,24 @@ def test_alive_is_false_at_once_after_a_kill_even_before_the_watcher_ran(
         sys.setswitchinterval(old)
     assert heard == []  # the agent indeed did not know yet
     assert answer is False
+
+
+STAT = "4242 (python -m a (b)) S 1 4242 4242 0 -1 {flags} 0 0 0 0 2 1 0 0 20 0 9 0 1"
+STATUS = "Name:\tpython\nState:\tS (sleeping)\nSigPnd:\t{own}\nShdPnd:\t{shared}\n"
+
+
+def test_a_worker_exiting_or_with_a_kill_pending_is_not_alive() -> None:
+    # Between a SIGKILL and the zombie, a process with many threads tears down for a
+    # while; /proc says so before waitid does.
+    quiet = STATUS.format(own="0" * 16, shared="0" * 16)
+    assert not exiting_in(STAT.format(flags=0x400100), quiet)
+    assert exiting_in(STAT.format(flags=0x400104), quiet)  # PF_EXITING
+    pending = STATUS.format(own="0" * 16, shared="0000000000000100")  # bit 9: SIGKILL
+    assert exiting_in(STAT.format(flags=0x400100), pending)
+    term = STATUS.format(own="0000000000004000", shared="0" * 16)  # SIGTERM: handled, maybe
+    assert not exiting_in(STAT.format(flags=0x400100), term)
+    assert not exiting_in("garbage", "")
+    assert not dying(os.getpid()) and not dying(2**22 + 7)  # this process; no such process
 
 
 @pytest.fixture

@@ -137,16 +137,57 @@ def _parent(pid: int) -> int | None:
 
 
 def running(pid: int) -> bool:
-    """Whether our child `pid` has not exited, without reaping it.
+    """Whether our child `pid` has not exited and is not on its way out, without reaping it.
 
     Not `Popen.poll()`: it answers None ("running") whenever another thread waits on the
     process, and the watcher always does, so a killed worker whose watcher had not got
-    the GIL yet was offered to the next epoch as ready.
+    the GIL yet was offered to the next epoch as ready. Nor only `waitid`: a SIGKILLed
+    worker with torch's threads takes 100-200 ms on a loaded machine to become a zombie,
+    and an epoch agreed meanwhile kept it ("lost nothing"); a process with a SIGKILL
+    pending or already exiting (the kernel's PF_EXITING) counts as gone.
     """
     try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return False
     except ChildProcessError:
         return False  # reaped already: it exited
+    return not dying(pid)
+
+
+_PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)
+
+
+def dying(pid: int) -> bool:
+    """Whether the kernel says `pid` is exiting or has a SIGKILL pending (False if /proc
+    cannot tell)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            stat = f.read()
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            status = f.read()
+    except OSError:
+        return False
+    return exiting_in(stat, status)
+
+
+def exiting_in(stat: str, status: str) -> bool:
+    """`dying` on the text of /proc/<pid>/stat and /proc/<pid>/status."""
+    fields = stat.rpartition(")")[2].split()  # after the command, which may hold spaces
+    try:
+        if int(fields[6]) & _PF_EXITING:  # the 9th field of stat: flags
+            return True
+    except (IndexError, ValueError):
+        return False
+    for line in status.splitlines():
+        name, _, value = line.partition(":")
+        if name in ("SigPnd", "ShdPnd"):
+            try:
+                if int(value.strip(), 16) & _SIGKILL_BIT:
+                    return True
+            except ValueError:
+                continue
+    return False
 
 
 class ExitAction(enum.Enum):
