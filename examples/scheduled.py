@@ -1,5 +1,6 @@
 """The MLP of mlp.py with the state real scripts carry: an LR warmup + cosine schedule,
-gradient clipping, an EMA of the weights and a progress counter, kept by keepstep.
+gradient clipping, an EMA of the weights, a progress counter and a cursor into a data
+stream of the script's own, kept by keepstep.
 
 Everything a step advances besides the parameters is tracked with the job, so it is in
 every snapshot: it rolls back with them, reaches a restarted worker or a joiner, and is
@@ -48,6 +49,32 @@ class Progress:
             setattr(self, key, value)
 
 
+class StreamCursor:
+    """Where the script is in a stream it reads on its own (held-out batches to evaluate
+    on, say): a position that wraps around the stream, counting the passes."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.position = 0
+        self.passes = 0
+
+    def advance(self, samples: int) -> None:
+        self.position += samples
+        while self.position >= self.length:
+            self.position -= self.length
+            self.passes += 1
+
+    def state_dict(self) -> dict[str, int]:
+        return {"length": self.length, "position": self.position, "passes": self.passes}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.length, self.position, self.passes = (
+            state["length"],
+            state["position"],
+            state["passes"],
+        )
+
+
 def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
     def factor(i: int) -> float:
         if i < warmup:
@@ -74,6 +101,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     progress = Progress()
+    cursor = StreamCursor(length=1000)  # a length no multiple of the batch: it wraps unevenly
     amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp or "")
     # float16's range needs loss scaling; the job unscales, skips and updates the scale.
     use_scaler = args.grad_scaler or amp is torch.float16
@@ -90,7 +118,7 @@ def main() -> None:
         args.micro_batch,
         args.seed,
         clip_grad_norm=args.clip,
-        state={"ema": ema, "progress": progress},
+        state={"ema": ema, "progress": progress, "cursor": cursor},
         grad_scaler=scaler,
     )
     total = args.steps if args.steps is not None else job.config.planned_steps or 1
@@ -111,6 +139,7 @@ def main() -> None:
             progress.skipped += int(result.skipped)
             progress.samples += job.config.global_batch
             progress.clipped += int((result.grad_norm or 0.0) > args.clip)
+            cursor.advance(job.config.global_batch)
             if job.is_leader and step.index % 10 == 0:
                 print(f"step {step.index} lr {optimizer.param_groups[0]['lr']:.5f}", flush=True)
     if not job.left:

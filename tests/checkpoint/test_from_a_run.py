@@ -122,21 +122,23 @@ def test_export_loads_into_a_fresh_model(mlp: Run, tmp_path: Path, examples: Non
 
 def test_tracked_script_state_comes_along(scheduled: Run, tmp_path: Path, examples: None) -> None:
     from mlp import make_model
-    from scheduled import Progress, warmup_cosine
+    from scheduled import Progress, StreamCursor, warmup_cosine
 
     out = tmp_path / "scheduled.pt"
     proc = keepstep("export", scheduled.url, str(out))
     assert proc.returncode == 0, proc.stderr
     saved = torch.load(out, weights_only=True)
-    assert list(saved["state"]) == ["ema", "progress", "sched"]  # the script's order
+    assert list(saved["state"]) == ["ema", "progress", "cursor", "sched"]  # the script's order
     progress = saved["state"]["progress"]
     assert (progress["steps"], progress["samples"]) == (STEPS, STEPS * GB)
+    assert saved["state"]["cursor"]["position"] == STEPS * GB % 1000
     # The script's objects, built as it builds them, loaded from the export.
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     sched = LambdaLR(optimizer, warmup_cosine(max(1, STEPS // 5), STEPS))
-    objects = {"ema": ema, "progress": Progress(), "sched": sched}
+    cursor = StreamCursor(length=1000)
+    objects = {"ema": ema, "progress": Progress(), "cursor": cursor, "sched": sched}
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
     tracked = TrackedState()
@@ -147,5 +149,5 @@ def test_tracked_script_state_comes_along(scheduled: Run, tmp_path: Path, exampl
     assert optimizer.param_groups[0]["lr"] == sched.get_last_lr()[0]
     # Each object's hash, as every worker printed it at the end.
     log = (scheduled.run_dir / "worker-n0-0.log").read_text()
-    printed = dict(re.findall(r" (ema|progress|sched)=([0-9a-f]{64})", log))
+    printed = dict(re.findall(r" (ema|progress|cursor|sched)=([0-9a-f]{64})", log))
     assert saved["state_sha256"] == printed == {n: tracked.sha256(n) for n in objects}

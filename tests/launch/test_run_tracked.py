@@ -1,5 +1,6 @@
-"""`keepstep run` with a script that tracks an LR schedule, a GradScaler, an EMA and a
-counter: real agents restart a killed worker, admit a joiner, lose a node and drain one.
+"""`keepstep run` with a script that tracks an LR schedule, a GradScaler, an EMA, a
+counter and a data cursor: real agents restart a killed worker, admit a joiner, lose a
+node and drain one; every member ends with the fault-free run's parameters and state.
 
 The run summary's params_sha256 is every finishing member's hash of the parameters and
 the tracked state; it must be one value (the summary says null when members disagree),
@@ -9,13 +10,14 @@ equal to the fault-free one-member run's.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from keepstep.launch.local import LocalRun, agreed_sha, run_local
+from keepstep.launch.local import LocalResult, LocalRun, agreed_sha, run_local
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = str(REPO / "examples" / "scheduled.py")
@@ -25,8 +27,17 @@ ARGS = ("--grad-scaler",)
 pytestmark = pytest.mark.slow
 
 
+FINAL = re.compile(r"^final steps=\d+ clipped=\d+ params_sha256=\w+ (.*)$", re.M)
+
+
+def state_hashes(log: str) -> dict[str, str]:
+    """name -> hash of each tracked object, from a member's last line (empty: none)."""
+    found = FINAL.findall(log)
+    return dict(item.split("=", 1) for item in found[-1].split()) if found else {}
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+def reference_run(tmp_path_factory: pytest.TempPathFactory) -> LocalResult:
     run = LocalRun(
         script=SCRIPT,
         steps=STEPS,
@@ -36,10 +47,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
         seed=3,
         script_args=ARGS,
     )
-    return agreed_sha(run_local(run, tmp_path_factory.mktemp("reference")))
+    return run_local(run, tmp_path_factory.mktemp("reference"))
 
 
-def test_tracked_state_survives_every_kind_of_fault(reference: str, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def reference(reference_run: LocalResult) -> str:
+    return agreed_sha(reference_run)
+
+
+def test_tracked_state_survives_every_kind_of_fault(
+    reference: str, reference_run: LocalResult, tmp_path: Path
+) -> None:
     run_dir = tmp_path / "run"
     faults = ["kill-worker:1@step=4", "join-node@step=8", "kill-node:2@step=12"]
     faults += ["drain-node:3@step=16"]
@@ -87,3 +105,13 @@ def test_tracked_state_survives_every_kind_of_fault(reference: str, tmp_path: Pa
     # 4 nodes; the restarted worker is back, one node is lost, one joins, one drains.
     sizes = summary["world_size_by_step"]
     assert sizes[0] == 4 and sizes[-1] == 3, sizes
+    # Each kind of state on its own, on every member that trained to the end (the drained
+    # and the killed node's members left before it): the same as the fault-free run's.
+    expected = state_hashes(reference_run.logs["m0"])
+    assert set(expected) == {"ema", "progress", "cursor", "sched", "grad_scaler"}, expected
+    finals = {
+        log.name: hashes
+        for log in sorted(run_dir.glob("worker-*.log"))
+        if (hashes := state_hashes(log.read_text(errors="replace")))
+    }
+    assert len(finals) == 3 and all(h == expected for h in finals.values()), finals
