@@ -25,7 +25,6 @@ import subprocess
 import sys
 import time
 import uuid
-from contextlib import closing
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -136,7 +135,7 @@ class Launcher:
             tls=authority.server,
         )
         try:
-            with closing(EtcdKV(etcd.endpoint, credentials=authority.root)) as root:
+            with EtcdKV(etcd.endpoint, credentials=authority.root) as root:
                 enable_auth(root)
                 grant_job(root, self.job)
             self.etcd_tls = authority.job_credentials(self.job)

@@ -89,7 +89,7 @@ class JobAccess:
 
     def __init__(self, authority: EtcdAuthority, kube: SecretStore, root: EtcdKV) -> None:
         self.authority, self.kube, self.root = authority, kube, root
-        self._granted: set[str] = set()  # uids whose user and Secret exist
+        self._granted: dict[str, str] = {}  # job key -> the uid whose user and Secret exist
         self._lock = threading.Lock()
         self._auth_on = False
 
@@ -97,7 +97,7 @@ class JobAccess:
         """Give `job` its etcd user and Secret unless it has them; raises KVError or
         KubeError when etcd or the API server refused (the reconcile is retried)."""
         with self._lock:
-            if job.uid in self._granted:
+            if self._granted.get(job.key) == job.uid:
                 return
         if not self._auth_on:
             enable_auth(self.root)
@@ -115,13 +115,13 @@ class JobAccess:
             self.kube.create_secret(secret)
             log.info("%s: granted its etcd prefix; credentials in Secret %s", job.key, name)
         with self._lock:
-            self._granted.add(job.uid)
+            self._granted[job.key] = job.uid
 
     def revoke(self, key: str) -> None:
         """Delete the job's etcd user and role ("<namespace>.<name>")."""
         revoke_job(self.root, key)
         with self._lock:
-            self._granted.clear()  # cheap to re-check; a recreated job gets a new uid anyway
+            self._granted.pop(key, None)
 
 
 def _is_ip(text: str) -> bool:

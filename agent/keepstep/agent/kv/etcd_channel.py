@@ -20,8 +20,6 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
-import ssl
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,15 +107,6 @@ class EtcdCredentials:
             with os.fdopen(fd, "wb") as f:
                 f.write(getattr(self, field))
         return folder
-
-    def ssl_context(self) -> ssl.SSLContext:
-        """A client context for etcd's HTTPS endpoints (/health), with these credentials."""
-        context = ssl.create_default_context(cadata=self.ca.decode())
-        # The ssl module loads a chain only from files: a private temporary folder.
-        with tempfile.TemporaryDirectory() as tmp:
-            self.write(tmp)
-            context.load_cert_chain(Path(tmp) / _FILES["cert"], Path(tmp) / _FILES["key"])
-        return context
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:

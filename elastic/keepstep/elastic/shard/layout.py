@@ -82,6 +82,20 @@ class Piece(NamedTuple):
     stop: int
 
 
+def pieces_of(offsets: Sequence[int], start: int, stop: int) -> list[Piece]:
+    """Flattened elements ``[start, stop)`` as slices of the tensors whose flattened
+    offsets are ``offsets`` (each tensor's start, then the total); empty tensors skipped."""
+    out: list[Piece] = []
+    t = bisect_right(offsets, start) - 1
+    while start < stop:
+        end = min(offsets[t + 1], stop)
+        if end > start:
+            out.append(Piece(t, start - offsets[t], end - offsets[t]))
+        start = end
+        t += 1
+    return out
+
+
 def _split(member: str) -> tuple[str, str]:
     if not isinstance(member, str):
         raise ConfigError(f"member={member!r} must be a str like 'n0/1' (node/local worker)")
@@ -234,17 +248,7 @@ class Layout:
 
     def pieces(self, member: str) -> list[Piece]:
         """The member's shard as slices of the flattened tensors (empty tensors skipped)."""
-        start, stop = self.shard(member)
-        offsets = self._offsets
-        out: list[Piece] = []
-        t = bisect_right(offsets, start) - 1
-        while start < stop:
-            end = min(offsets[t + 1], stop)
-            if end > start:
-                out.append(Piece(t, start - offsets[t], end - offsets[t]))
-            start = end
-            t += 1
-        return out
+        return pieces_of(self._offsets, *self.shard(member))
 
     def shard_sizes(self) -> list[int]:
         return [b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False)]

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import NamedTuple
 
-from keepstep.elastic.shard.layout import Layout, Piece, Range, balanced_bounds
+from keepstep.elastic.shard.layout import Layout, Piece, Range, balanced_bounds, pieces_of
 from keepstep.errors import ConfigError
 
 __all__ = ["ALIGN", "Ownership", "Window", "windows"]
@@ -139,17 +139,9 @@ class Ownership:
 
     def pieces(self, rank: int) -> list[Piece]:
         """Rank ``rank``'s ranges as slices of the tensors, in flattened order."""
-        offsets = self._offsets
-        out: list[Piece] = []
-        for start, stop in self._mine(rank):
-            t = bisect_right(offsets, start) - 1
-            while start < stop:
-                end = min(offsets[t + 1], stop)
-                if end > start:
-                    out.append(Piece(t, start - offsets[t], end - offsets[t]))
-                start = end
-                t += 1
-        return out
+        return [
+            p for start, stop in self._mine(rank) for p in pieces_of(self._offsets, start, stop)
+        ]
 
     def owner_of(self, element: int) -> int:
         """The rank owning flattened element ``element``."""
