@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 from keepstep.agent import protocol
 from keepstep.agent.kv.etcd import EtcdCredentials, EtcdKV
 from keepstep.agent.protocol.events import read_events
+from keepstep.e2e.chaos_env import OperatorProcess
 from keepstep.e2e.controlplane import ControlPlane
 from keepstep.e2e.nodeprocs import proc_state
 from keepstep.e2e.noderunner import NodeRunner
@@ -51,9 +52,11 @@ class Training:
         *,
         operator_flags: Sequence[str] = OPERATOR_FLAGS,
         credentials: EtcdCredentials | None = None,
+        operator: OperatorProcess | None = None,
     ) -> None:
         """`operator_flags`: the operator's flags besides its etcd, kubeconfig and
-        namespace; `credentials`: what the test reads etcd with (a TLS etcd's root)."""
+        namespace; `credentials`: what the test reads etcd with (a TLS etcd's root);
+        `operator`: an operator started some other way (its flags are its own)."""
         self.cp, self.etcd, self.namespace, self.tmp = cp, etcd, namespace, tmp
         self.token = secrets.token_hex(3)
         self.subnet = 20 + secrets.randbelow(230)  # pods of node i listen on 127.0.SUBNET.i+1
@@ -61,7 +64,9 @@ class Training:
         (tmp / "pods").mkdir()
         self.pod_env = dict(os.environ, TMPDIR=str(tmp / "pods"), OMP_NUM_THREADS="1")
         self.runners: dict[str, NodeRunner] = {}
-        self.operator = Operator(cp, etcd, namespace, tmp / "operator.log", operator_flags)
+        self.operator = operator or Operator(
+            cp, etcd, namespace, tmp / "operator.log", operator_flags
+        )
         self.kv = EtcdKV(etcd, timeout=5.0, credentials=credentials)
         self.jobs: list[str] = []
 

@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,9 +49,10 @@ class ChaosClusterError(RuntimeError):
 class OperatorProcess:
     """The operator as a child process: started, stopped cleanly, or killed outright."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
+    def __init__(self, argv: list[str], log: Path, env: Mapping[str, str] | None = None) -> None:
         self.argv = argv
         self.log = log
+        self.env = None if env is None else dict(env)  # None: this process's environment
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -62,7 +63,9 @@ class OperatorProcess:
         if self.running:
             return
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env
+            )
 
     def kill(self, timeout: float = 10.0) -> int | None:
         """SIGKILL (a crash, nothing is cleaned up); the exit status once reaped."""
