@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,10 +45,8 @@ from keepstep import resources
 REPO = Path(__file__).resolve().parents[1]
 CODE_ROOTS = ("elastic", "agent", "operator")  # each holds a keepstep/ folder
 DATA = f"keepstep.{resources.INSTALLED_FOLDER}."
-LOCK = REPO / "requirements" / "lock.txt"
 PIP_WHEEL = (sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation")
-# --no-compile: byte-compiling every installed module took a fifth of the install time.
-INSTALL = ("install", "-q", "--progress-bar", "off", "--no-compile", "-c", str(LOCK))
+INSTALL = REPO / "scripts" / "install-locked"  # pip install -c requirements/lock.txt
 LINKS = "torch-from-the-dev-environment"
 SITE = f"lib/python{sys.version_info.major}.{sys.version_info.minor}/site-packages"
 
@@ -200,13 +199,15 @@ def make_venv(where: Path) -> Path:
 
 
 def pip_install(venv: Path, req: str, cwd: Path) -> None:
+    """`req` into `venv` by the images' own install command (this environment's pip)."""
+    env = clean_env(venv, PYTHON=sys.executable, PIP_PYTHON=str(venv / "bin" / "python"))
     done = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), *INSTALL, req],
+        [str(INSTALL), req, "-q"],
         capture_output=True,
         text=True,
         timeout=540,
         cwd=cwd,
-        env=clean_env(venv),
+        env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -350,13 +351,16 @@ def build_inputs() -> set[str]:
     package_dir = table["package-dir"]
     assert isinstance(package_dir, dict)
     folders = {str(v) for v in package_dir.values()} | more_folders()
-    return {"pyproject.toml", "setup.py", "README.md"} | {f.split("/keepstep")[0] for f in folders}
+    inputs = {"pyproject.toml", "setup.py", "README.md", "requirements/lock.txt"}
+    return inputs | {"scripts/install-locked"} | {f.split("/keepstep")[0] for f in folders}
 
 
 @pytest.mark.parametrize("name", ["agent.Dockerfile", "operator.Dockerfile"])
 def test_the_images_copy_what_the_build_reads(name: str) -> None:
     lines = (REPO / "manifests" / "docker" / name).read_text().splitlines()
-    install = next(i for i, line in enumerate(lines) if "pip install" in line)
+    install = next(
+        i for i, line in enumerate(lines) if "install-locked" in line and "COPY" not in line
+    )
     copied = {
         src.rstrip("/")
         for line in lines[:install]
@@ -367,3 +371,15 @@ def test_the_images_copy_what_the_build_reads(name: str) -> None:
         p for p in build_inputs() if not any(p == c or p.startswith(c + "/") for c in copied)
     }
     assert missing == set()
+
+
+def test_the_images_start_from_one_base_pinned_by_digest() -> None:
+    bases = set()
+    for name in ("agent.Dockerfile", "operator.Dockerfile"):
+        text = (REPO / "manifests" / "docker" / name).read_text()
+        pins = re.findall(r"^ARG PYTHON_IMAGE=(\S+)$", text, re.MULTILINE)
+        assert len(pins) == 1 and "FROM ${PYTHON_IMAGE}" in text.splitlines(), name
+        assert re.fullmatch(r"python:[\w.-]+@sha256:[0-9a-f]{64}", pins[0]), pins[0]
+        assert not [ln for ln in text.splitlines() if ln.startswith("RUN pip install")], name
+        bases.add(pins[0])
+    assert len(bases) == 1, bases

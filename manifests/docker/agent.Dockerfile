@@ -5,7 +5,12 @@
 #
 # torch comes from PyPI (the CUDA build, which also runs on CPUs); for a smaller CPU-only
 # image pass --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu
-FROM python:3.11-slim
+# The base image is pinned by digest (the tag is for readers): a rebuild gets the same bytes
+# until someone moves the pin on purpose, e.g. to what
+#   docker buildx imagetools inspect python:3.11-slim-bookworm
+# prints as its Digest, in both Dockerfiles (tests/test_wheel.py checks they agree).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:a36c24f9cbdf4fd0f52d67f0823eeac19c2028c637cecc392d97f980d4fec56b
+FROM ${PYTHON_IMAGE}
 
 ARG TORCH_INDEX=""
 ENV PYTHONUNBUFFERED=1 \
@@ -14,6 +19,8 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/keepstep
 COPY pyproject.toml setup.py README.md ./
+COPY requirements/lock.txt requirements/
+COPY scripts/install-locked scripts/
 COPY elastic/ elastic/
 COPY agent/ agent/
 COPY operator/ operator/
@@ -21,12 +28,14 @@ COPY operator/ operator/
 COPY examples/ examples/
 COPY e2e/scenarios/ e2e/scenarios/
 COPY manifests/crd/ manifests/crd/
+# Every dependency at the version the lock pins (the command CI's wheel test runs too).
 RUN if [ -n "$TORCH_INDEX" ]; then \
-        pip install --extra-index-url "$TORCH_INDEX" ".[train]"; \
+        scripts/install-locked ".[train]" --extra-index-url "$TORCH_INDEX"; \
     else \
-        pip install ".[train]"; \
+        scripts/install-locked ".[train]"; \
     fi \
-    && keepstep --help > /dev/null
+    && pip check \
+    && keepstep --version
 
 # Training commands in samples name scripts relative to the working directory.
 WORKDIR /workspace

@@ -3,7 +3,12 @@
 # contract), and the `operator` extra does not depend on it; the build fails if it appears.
 #
 #   docker build -f manifests/docker/operator.Dockerfile -t keepstep/operator:0.1.0 .
-FROM python:3.11-slim
+# The base image is pinned by digest (the tag is for readers): a rebuild gets the same bytes
+# until someone moves the pin on purpose, e.g. to what
+#   docker buildx imagetools inspect python:3.11-slim-bookworm
+# prints as its Digest, in both Dockerfiles (tests/test_wheel.py checks they agree).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:a36c24f9cbdf4fd0f52d67f0823eeac19c2028c637cecc392d97f980d4fec56b
+FROM ${PYTHON_IMAGE}
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -11,6 +16,8 @@ ENV PYTHONUNBUFFERED=1 \
 
 WORKDIR /opt/keepstep
 COPY pyproject.toml setup.py README.md ./
+COPY requirements/lock.txt requirements/
+COPY scripts/install-locked scripts/
 COPY elastic/ elastic/
 COPY agent/ agent/
 COPY operator/ operator/
@@ -18,7 +25,8 @@ COPY operator/ operator/
 COPY examples/ examples/
 COPY e2e/scenarios/ e2e/scenarios/
 COPY manifests/crd/ manifests/crd/
-RUN pip install ".[operator]" \
+# Every dependency at the version the lock pins (the command CI's wheel test runs too).
+RUN scripts/install-locked ".[operator]" \
     && pip check \
     && python -c "import importlib.util as u, sys; bad = [m for m in ('torch', 'numpy') if u.find_spec(m)]; sys.exit('operator image must not contain ' + ', '.join(bad) if bad else 0)" \
     && python -c "import keepstep.operator, kopf, kubernetes"
