@@ -12,6 +12,7 @@ import json
 import os
 import socket
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -81,6 +82,7 @@ def env(
     log = tmp_path_factory.mktemp("operator") / "operator.log"
     flags = ("--resync", str(RESYNC), "--lost-pod-grace", str(LOST_POD_GRACE))
     flags += ("--health", f"http://127.0.0.1:{free_port()}/healthz")
+    flags += ("--metrics", f"http://127.0.0.1:{free_port()}/metrics")
     operator = Operator(cp, jobs_etcd, namespace, log, (*flags, "--below-min-grace", "600"))
     operator.start()
     try:
@@ -171,12 +173,14 @@ def test_pods_service_and_etcd_prefix_of_a_new_job(env: Env, kv: EtcdKV) -> None
     svc = env.get(f"/api/v1/namespaces/{env.namespace}/services/alpha")
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["selector"] == {"keepstep.dev/job": "alpha"}
-    # Only the job's own pods may reach its pods (this cluster cannot enforce it: the object).
+    # Only the job's own pods may reach its pods, anyone their Prometheus port (this cluster
+    # cannot enforce it: the object).
     policy = env.get(f"/apis/networking.k8s.io/v1/namespaces/{env.namespace}/networkpolicies/alpha")
     own = {"matchLabels": {"keepstep.dev/job": "alpha"}}
     assert policy["spec"]["podSelector"] == own
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": own}]}]
+    metrics = {"ports": [{"protocol": "TCP", "port": "metrics"}]}
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": own}]}, metrics]
     assert policy["metadata"]["ownerReferences"][0]["uid"] == job["metadata"]["uid"]
     status = env.wait("status", lambda: env.job("alpha").get("status", {}).get("phase"))
     assert status == "Pending"
@@ -385,3 +389,18 @@ def test_the_operator_answers_its_liveness_probe(env: Env) -> None:
             return None
 
     assert env.wait("the liveness endpoint", answered) == 200, env.log_tail()
+
+
+def test_the_operator_serves_its_metrics(env: Env) -> None:
+    """What a PodMonitor scrapes (--metrics URL): the operator's own series, at that path."""
+    url = env.operator.argv[env.operator.argv.index("--metrics") + 1]
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=5) as reply:
+        assert reply.status == 200
+        body = reply.read().decode()
+    for name in ("reconciles_total", "reconcile_duration_seconds_count", "pods_created_total"):
+        assert f"keepstep_operator_{name}" in body, body[:2000]
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        opener.open(url.replace("/metrics", "/other"), timeout=5)
+    missing.value.close()
+    assert missing.value.code == 404

@@ -26,6 +26,7 @@ from op_builders import (
 from keepstep.operator.actions import (
     ClaimPrefix,
     CreatePod,
+    DeleteCause,
     DeletePod,
     EnsureService,
     Event,
@@ -98,7 +99,9 @@ def test_a_failed_pod_is_deleted_and_replaced_with_the_next_index() -> None:
     pods = [running(0), pod(1, PodPhase.FAILED), running(2)]
     ag = agents(["demo-node-0", "demo-node-2"], members=["demo-node-0/0", "demo-node-2/0"])
     d = run(j, pods, ag)
-    assert d.of(DeletePod) == [DeletePod("demo-node-1", "pod Failed", grace_seconds=0)]
+    assert d.of(DeletePod) == [
+        DeletePod("demo-node-1", "pod Failed", DeleteCause.LOST, grace_seconds=0)
+    ]
     assert [(c.index, c.name) for c in d.of(CreatePod)] == [(3, "demo-node-3")]
     assert d.status["nextPodIndex"] == 4
     assert any(e.reason == "PodLost" and e.type is EventType.WARNING for e in d.of(Event))
@@ -210,7 +213,9 @@ def test_scale_down_four_to_three_deletes_the_highest_index_gracefully() -> None
     pods = [running(0), running(2), running(5), running(4)]
     ag = agents([p.name for p in pods])
     d = run(j, pods, ag)
-    assert d.of(DeletePod) == [DeletePod("demo-node-5", "scale down to 3", grace_seconds=None)]
+    assert d.of(DeletePod) == [
+        DeletePod("demo-node-5", "scale down to 3", DeleteCause.SCALE_DOWN, grace_seconds=None)
+    ]
     assert not d.of(CreatePod)
     assert "scaled down 4 -> 3" in d.reason
 

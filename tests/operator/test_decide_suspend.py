@@ -25,6 +25,7 @@ from keepstep.operator.actions import (
     ClaimPrefix,
     CreatePod,
     Decision,
+    DeleteCause,
     DeletePod,
     Event,
 )
@@ -238,7 +239,9 @@ def test_a_pod_of_the_suspended_run_left_standing_is_deleted_while_waiting() -> 
     cluster = suspended_mid_run(None)
     cluster.pods["demo-node-1"] = pod(1, PodPhase.FAILED)  # finished, never deleted
     d = run(cluster.job, cluster.pod_list(), cluster.agents)
-    assert d.of(DeletePod) == [DeletePod("demo-node-1", "the suspended run ends")]
+    assert d.of(DeletePod) == [
+        DeletePod("demo-node-1", "the suspended run ends", DeleteCause.SUSPENDED)
+    ]
     assert not d.of(CreatePod) and d.status["phase"] == "Pending"
 
 

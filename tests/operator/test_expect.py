@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from op_builders import ETCD, job, pod
 
-from keepstep.operator.actions import Action, CreatePod, Decision, DeletePod
+from keepstep.operator.actions import Action, CreatePod, Decision, DeleteCause, DeletePod
 from keepstep.operator.expect import Expectations
 from keepstep.operator.model import PodPhase
 from keepstep.operator.podspec import pod_manifest
@@ -16,7 +16,7 @@ def decision(creates: list[int], deletes: list[str]) -> Decision:
     j = job()
     actions: list[Action] = [
         *(CreatePod(i, pod_manifest(j, i, ETCD)) for i in creates),
-        *(DeletePod(n, "test") for n in deletes),
+        *(DeletePod(n, "test", DeleteCause.LOST) for n in deletes),
     ]
     return Decision(tuple(actions))
 

@@ -17,6 +17,7 @@ from op_builders import ETCD, job
 from keepstep.operator.actions import (
     Action,
     CreatePod,
+    DeleteCause,
     DeletePod,
     EnsureNetworkPolicy,
     EnsureService,
@@ -112,7 +113,7 @@ def test_apply_is_idempotent_and_returns_the_new_resource_version(stub: tuple[St
     actions: list[Action] = [
         EnsureService(service_manifest(j)),
         *(CreatePod(i, pod_manifest(j, i, ETCD)) for i in range(3)),
-        DeletePod("demo-node-9", "lost", grace_seconds=0),
+        DeletePod("demo-node-9", "lost", DeleteCause.LOST, grace_seconds=0),
         Event(EventType.NORMAL, "CreatedPods", "3"),
         PatchStatus({"phase": "Pending", "belowMinNodesSince": None}),
     ]

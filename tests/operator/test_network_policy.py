@@ -1,7 +1,8 @@
 """Each TrainJob's NetworkPolicy: only the job's own pods reach its pods.
 
 - The policy selects the job's pods and admits ingress from the job's pods only (same
-  namespace, any port: the agents' ports are chosen at start), and leaves egress alone.
+  namespace, any port: the agents' ports are chosen at start), from anywhere only to the
+  agents' Prometheus port (named `metrics`), and leaves egress alone.
 - A new job gets it before its first pod; a policy someone deleted is created again; a
   job that ended gets none; the client sends it to the networking API.
 """
@@ -29,10 +30,15 @@ def test_the_policy_admits_only_the_jobs_own_pods() -> None:
     spec = policy["spec"]
     assert spec["podSelector"] == own
     assert spec["policyTypes"] == ["Ingress"]  # egress (etcd, storage) is not restricted
-    assert spec["ingress"] == [{"from": [{"podSelector": own}]}]  # no namespaceSelector
+    metrics = {"ports": [{"protocol": "TCP", "port": "metrics"}]}  # any source, one port
+    assert spec["ingress"] == [{"from": [{"podSelector": own}]}, metrics]  # no namespaceSelector
     # The policy's selector is what the job's pods carry, and nothing a template may set.
     labels = pod_manifest(j, 0, ETCD)["metadata"]["labels"]
     assert own["matchLabels"].items() <= labels.items()
+    # The port it names is the one an agent serving Prometheus declares.
+    on = job(name="alpha", env=[{"name": "KEEPSTEP_TELEMETRY", "value": "prometheus"}])
+    (container,) = pod_manifest(on, 0, ETCD)["spec"]["containers"]
+    assert [p["name"] for p in container["ports"]] == ["metrics"]
 
 
 def test_a_new_job_gets_its_policy_before_any_pod() -> None:

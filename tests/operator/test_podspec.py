@@ -14,6 +14,7 @@ from keepstep.operator.errors import SpecError
 from keepstep.operator.model import Job, Phase
 from keepstep.operator.podspec import (
     agent_args,
+    agent_metrics_port,
     owner_reference,
     pod_manifest,
     pod_name,
@@ -132,6 +133,57 @@ def test_resources_per_node_go_to_the_container() -> None:
     assert container["resources"] == resources
     (plain,) = pod_manifest(job(), 0, ETCD)["spec"]["containers"]
     assert "resources" not in plain
+
+
+def test_an_agent_that_serves_prometheus_declares_its_port_by_name() -> None:
+    """KEEPSTEP_TELEMETRY=prometheus in trainer.env: the agent's scrape port is the
+    container port `metrics` (what a PodMonitor names); 9464 unless the env says."""
+    on = [{"name": "KEEPSTEP_TELEMETRY", "value": "otlp, Prometheus"}]
+    (container,) = pod_manifest(job(env=on), 0, ETCD)["spec"]["containers"]
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9464, "protocol": "TCP"}]
+    port = [*on, {"name": "KEEPSTEP_TELEMETRY_PORT", "value": "9100"}]
+    (container,) = pod_manifest(job(env=port), 0, ETCD)["spec"]["containers"]
+    assert container["ports"] == [{"name": "metrics", "containerPort": 9100, "protocol": "TCP"}]
+    # The pod passes through the podTemplate: the port stays.
+    obj = job_object(env=on)
+    obj["spec"]["podTemplate"] = {"metadata": {"labels": {"team": "a"}}}
+    templated = pod_manifest(Job.from_object(obj), 0, ETCD)
+    assert templated["metadata"]["labels"]["team"] == "a"
+    assert templated["spec"]["containers"][0]["ports"][0]["name"] == "metrics"
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        [],  # telemetry off
+        [{"name": "KEEPSTEP_TELEMETRY", "value": "otlp"}],
+        [{"name": "KEEPSTEP_TELEMETRY", "value": "none"}],
+        # Known only when the pod starts: nothing to declare.
+        [{"name": "KEEPSTEP_TELEMETRY", "valueFrom": {"fieldRef": {"fieldPath": "x"}}}],
+        [
+            {"name": "KEEPSTEP_TELEMETRY", "value": "prometheus"},
+            {"name": "KEEPSTEP_TELEMETRY_PORT", "valueFrom": {"fieldRef": {"fieldPath": "x"}}},
+        ],
+        # Chosen at start, or a value the agent refuses: no port the API server would refuse.
+        [
+            {"name": "KEEPSTEP_TELEMETRY", "value": "prometheus"},
+            {"name": "KEEPSTEP_TELEMETRY_PORT", "value": "0"},
+        ],
+        [
+            {"name": "KEEPSTEP_TELEMETRY", "value": "prometheus"},
+            {"name": "KEEPSTEP_TELEMETRY_PORT", "value": "http"},
+        ],
+        [
+            {"name": "KEEPSTEP_TELEMETRY", "value": "prometheus"},
+            {"name": "KEEPSTEP_TELEMETRY_PORT", "value": "70000"},
+        ],
+    ],
+)
+def test_no_metrics_port_unless_prometheus_is_on_at_a_known_port(env: list[Any]) -> None:
+    j = job(env=env)
+    assert agent_metrics_port(j.spec) is None
+    (container,) = pod_manifest(j, 0, ETCD)["spec"]["containers"]
+    assert "ports" not in container
 
 
 def test_service_is_headless_selects_the_job_and_is_owned() -> None:

@@ -5,15 +5,17 @@ environment or its command line).
         [--standalone | --peering NAME] [--lost-pod-grace S] [--below-min-grace S]
         [--pending-grace S] [--backoff-limit N] [--failure-window S]
         [--backoff-base S] [--backoff-max S] [--resync S] [--api-timeout S] [--health URL]
+        [--metrics URL]
         [--etcd-ca-secret NS/NAME [--etcd-server-secret NAME --etcd-server-names DNS,...]]
         [--verbose]
 
 It runs kopf (with its liveness endpoint at --health URL when given: the pod's liveness
 and readiness probes) and, unless --peering names a peering object, as a
-standalone operator (one replica). Without --namespace it watches every namespace (the
-cluster-wide install, manifests/rbac.yaml); with it, only the namespaces named (repeat the
-flag, or separate them with commas), needing nothing cluster-scoped (the namespaced
-install, manifests/namespaced/). Credentials: --kubeconfig, else the pod's service account
+standalone operator (one replica), and with --metrics URL serves its Prometheus metrics
+there (`metrics`). Without --namespace it watches every namespace (the cluster-wide
+install, manifests/rbac.yaml); with it, only the namespaces named (repeat the flag, or
+separate them with commas), needing nothing cluster-scoped (the namespaced install,
+manifests/namespaced/). Credentials: --kubeconfig, else the pod's service account
 when running in a cluster, else the default kubeconfig.
 """
 
@@ -29,10 +31,11 @@ from typing import TYPE_CHECKING
 import kopf
 
 from keepstep.operator.agents import AgentStore
-from keepstep.operator.connection import load_connection
+from keepstep.operator.connection import Connection, load_connection
 from keepstep.operator.errors import OperatorError
 from keepstep.operator.handlers import Runtime, build_registry
 from keepstep.operator.kube import Kube, KubeError
+from keepstep.operator.metrics import Metrics, MetricsServer
 from keepstep.operator.reconcile import Reconciler
 from keepstep.operator.settings import DecideConfig, OperatorSettings
 
@@ -123,6 +126,11 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
         help="serve liveness/readiness at this URL, e.g. http://0.0.0.0:8080/healthz (none)",
     )
     parser.add_argument(
+        "--metrics",
+        metavar="URL",
+        help="serve Prometheus metrics at this URL, e.g. http://0.0.0.0:8081/metrics (none)",
+    )
+    parser.add_argument(
         "--etcd-ca-secret",
         metavar="NS/NAME",
         help="the job etcd's CA Secret (made if missing): TLS to etcd and an etcd user and "
@@ -160,6 +168,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
             standalone=args.peering is None,
             peering=args.peering,
             health=args.health,
+            metrics=args.metrics,
             etcd_ca_secret=args.etcd_ca_secret,
             etcd_server_secret=args.etcd_server_secret,
             etcd_server_names=tuple(n for n in args.etcd_server_names.split(",") if n),
@@ -184,7 +193,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as error:  # the client's loader raises its own assorted types
         print(f"keepstep.operator: no Kubernetes credentials: {error}", file=sys.stderr)
         return 2
-    kube = Kube(connection, settings.api_timeout_s, settings.create_parallelism)
+    metrics = Metrics()
+    try:  # before anything else starts: a taken port ends the operator at once
+        server = serve_metrics(settings, metrics)
+    except OSError as error:
+        print(f"keepstep.operator: --metrics {settings.metrics}: {error}", file=sys.stderr)
+        return 1
+    try:
+        return operate(settings, connection, metrics)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def operate(settings: OperatorSettings, connection: Connection, metrics: Metrics) -> int:
+    """Connect to etcd and run kopf until the operator is stopped; the exit status."""
+    kube = Kube(connection, settings.api_timeout_s, settings.create_parallelism, metrics=metrics)
     try:
         kv, access = connect_etcd(settings, kube)
     except (KubeError, ValueError) as error:
@@ -197,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reconciler=Reconciler(kube, agents, DecideConfig.of(settings), access=access),
         agents=agents,
         access=access,
+        metrics=metrics,
     )
     try:
         kopf.run(
@@ -214,6 +239,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         kv.close()
     return 0
+
+
+def serve_metrics(settings: OperatorSettings, metrics: Metrics) -> MetricsServer | None:
+    """The --metrics endpoint, started (None without the flag); OSError if it cannot bind."""
+    endpoint = settings.metrics_endpoint
+    if endpoint is None:
+        return None
+    server = MetricsServer(metrics.registry, endpoint.host, endpoint.port, endpoint.path)
+    return server.start()
 
 
 def connect_etcd(settings: OperatorSettings, kube: Kube) -> tuple[EtcdKV, JobAccess | None]:

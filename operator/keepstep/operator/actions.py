@@ -20,6 +20,15 @@ class EventType(StrEnum):
     WARNING = "Warning"
 
 
+class DeleteCause(StrEnum):
+    """Why a pod is deleted (the operator's metrics count deletions by it)."""
+
+    LOST = "lost"  # failed, exited unfinished, stuck Pending, or its agent vanished
+    SCALE_DOWN = "scale_down"
+    SUSPENDED = "suspended"  # the job is suspended, or its suspended run ends
+    JOB_FAILED = "job_failed"
+
+
 @dataclass(frozen=True)
 class ClaimPrefix:
     """Stamp the job's etcd prefix with its uid; `reset` first deletes every key under it
@@ -53,7 +62,8 @@ class CreatePod:
 @dataclass(frozen=True)
 class DeletePod:
     name: str
-    why: str
+    why: str  # in words, for the event and the log
+    cause: DeleteCause
     grace_seconds: int | None = None  # None: the pod's own; 0 for pods on a dead node
 
 

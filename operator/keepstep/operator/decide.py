@@ -42,6 +42,7 @@ from keepstep.operator.actions import (
     Action,
     CreatePod,
     Decision,
+    DeleteCause,
     DeletePod,
     EnsureNetworkPolicy,
     EnsureService,
@@ -117,7 +118,9 @@ def decide(
     depends on the agents' records is decided then, and their figures are kept.
     `service_exists`, `policy_exists`: whether its Service and NetworkPolicy exist."""
     if job.deleting:
-        return Decision((), "being deleted: the finalizer cleans up, nothing to reconcile")
+        return Decision(
+            (), "being deleted: the finalizer cleans up, nothing to reconcile", job.status
+        )
     plan = _Plan()
     left = suspended_run(job, pods, agents)
     claim = prefix_claim(job, agents, left)
@@ -199,7 +202,7 @@ def decide_invalid(job_obj: dict[str, Any], error: str, now: float) -> Decision:
     """A TrainJob whose spec can never work: mark it Failed (once) and say why."""
     old = job_obj.get("status") or {}
     if (phase_of(old) or Phase.PENDING).final:
-        return Decision((), f"invalid spec, already {old.get('phase')}: {error}")
+        return Decision((), f"invalid spec, already {old.get('phase')}: {error}", old)
     failed = Condition("Failed", True, "InvalidSpec", error)
     new = {
         **{k: old[k] for k in OWNED if k in old},
@@ -288,8 +291,9 @@ def _pods(
             p for p in present if every or p.phase not in (PodPhase.SUCCEEDED, PodPhase.FAILED)
         ]
         what = "the suspended run ends" if hold else f"job {phase}"
+        cause = DeleteCause.JOB_FAILED if phase is Phase.FAILED else DeleteCause.SUSPENDED
         for pod in doomed:
-            plan.actions.append(DeletePod(pod.name, what))
+            plan.actions.append(DeletePod(pod.name, what, cause))
         if doomed:
             plan.reasons.append(f"deleted {len(doomed)} pods: {what}")
             plan.events.append(Event(EventType.NORMAL, "DeletedPods", f"{what}: {_names(doomed)}"))
@@ -305,7 +309,7 @@ def _pods(
         why, failure = losses.lost[pod.name]
         if pod.node:
             lost_nodes.append(pod.node)
-        plan.actions.append(DeletePod(pod.name, why, grace_seconds=0))
+        plan.actions.append(DeletePod(pod.name, why, DeleteCause.LOST, grace_seconds=0))
         counted = f" [{failure.cause}: {failure.reason}]" if failure is not None else ""
         plan.events.append(Event(EventType.WARNING, "PodLost", f"{pod.name}: {why}{counted}"))
         plan.reasons.append(f"lost {pod.name} ({why})")
@@ -339,7 +343,9 @@ def _pods(
         # The newest pods go first; each agent drains on SIGTERM at a step boundary.
         extra = sorted(live, key=lambda p: p.index)[desired:]
         for pod in reversed(extra):
-            plan.actions.append(DeletePod(pod.name, f"scale down to {desired}"))
+            plan.actions.append(
+                DeletePod(pod.name, f"scale down to {desired}", DeleteCause.SCALE_DOWN)
+            )
         plan.reasons.append(f"scaled down {len(live)} -> {desired}")
         plan.events.append(Event(EventType.NORMAL, "ScaledDown", _names(extra)))
     return next_index, False

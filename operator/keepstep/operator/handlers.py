@@ -12,7 +12,8 @@ the TrainJob through their owner references.
 
 A reconcile that failed (the API server or etcd unreachable) is retried after 1 s, then 2,
 4, ... up to the resync interval, and a job whose pod creation backs off is woken when the
-backoff ends (`Outcome.retry_at`): the loop never spins.
+backoff ends (`Outcome.retry_at`): the loop never spins. Each reconcile's result and
+duration, and the status it leaves the job in, are counted in `Runtime.metrics`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from keepstep.agent.kv import KVError
 from keepstep.operator.agents import AgentStore
 from keepstep.operator.connection import Connection
 from keepstep.operator.kube import KubeError
+from keepstep.operator.metrics import Metrics, Result
 from keepstep.operator.model import GROUP, JOB_LABEL, KIND, PLURAL, VERSION, pod_summary
 from keepstep.operator.reconcile import Reconciler
 from keepstep.operator.settings import OperatorSettings
@@ -64,6 +66,7 @@ class Runtime:
     reconciler: Reconciler
     agents: AgentStore
     access: JobAccess | None = None  # each job's etcd user (None: plain etcd)
+    metrics: Metrics = field(default_factory=Metrics)
     wakeups: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
     written: dict[tuple[str, str], str] = field(default_factory=dict)  # our last status rv
 
@@ -120,6 +123,7 @@ def build_registry() -> kopf.OperatorRegistry:
         if type == "DELETED":
             memo.wakeups.pop(key, None)
             memo.written.pop(key, None)
+            memo.metrics.forget(key)
             return
         if body.metadata.get("resourceVersion") == memo.written.get(key):
             return  # our own status patch
@@ -175,11 +179,13 @@ def build_registry() -> kopf.OperatorRegistry:
             # mark says which watch events the copy reflects.
             pods = list(job_pods.get((namespace, name), []))
             mark = memo.reconciler.expectations.mark()
+            started = time.monotonic()
             try:
                 outcome = await asyncio.to_thread(
                     memo.reconciler.reconcile, namespace, name, pods, mark
                 )
             except KubeError as error:
+                memo.metrics.failed(Result.ERROR, time.monotonic() - started)
                 failures += 1
                 delay = retry_delay(failures, memo.settings.resync_s)
                 log.warning(
@@ -191,15 +197,18 @@ def build_registry() -> kopf.OperatorRegistry:
                 continue
             except Exception:
                 # A bug must not end the job's loop: say so loudly and retry after a pause.
+                memo.metrics.failed(Result.EXCEPTION, time.monotonic() - started)
                 log.exception("reconcile of %s/%s raised", namespace, name)
                 await asyncio.sleep(memo.settings.resync_s)
                 continue
             failures = 0
+            memo.metrics.reconciled((namespace, name), outcome, time.monotonic() - started)
             if outcome.gone:
                 break
             if outcome.resource_version is not None:
                 memo.written[(namespace, name)] = outcome.resource_version
             timeout = next_wait(memo.settings.resync_s, outcome.retry_at, time.time())
+        memo.metrics.forget((namespace, name))  # deleted, or no longer this replica's
 
     @kopf.on.delete(GROUP, VERSION, PLURAL, registry=registry)
     async def cleanup(namespace: str | None, name: str, memo: Runtime, **_: Any) -> None:
@@ -207,6 +216,7 @@ def build_registry() -> kopf.OperatorRegistry:
         try:
             deleted = await asyncio.to_thread(memo.agents.forget, key)
         except KVError as error:
+            memo.metrics.etcd_error()
             raise kopf.TemporaryError(
                 f"etcd prefix of {key} not deleted: {error}", delay=2
             ) from error
@@ -215,6 +225,7 @@ def build_registry() -> kopf.OperatorRegistry:
             try:
                 await asyncio.to_thread(memo.access.revoke, key)
             except KVError as error:
+                memo.metrics.etcd_error()
                 raise kopf.TemporaryError(
                     f"etcd user of {key} not deleted: {error}", delay=2
                 ) from error

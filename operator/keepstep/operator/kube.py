@@ -4,11 +4,13 @@ Where it sits: `reconcile` reads a TrainJob, its pods, its Service and its Netwo
 through `Kube`, and hands it the Kubernetes actions of a `Decision` to apply. Requests are
 plain JSON over one pooled HTTPS client (the credentials: `connection`); every request has
 a timeout and is counted, per kind and as reads or writes, so tests and the benchmark can
-assert that a reconcile which changes nothing writes nothing. Applying is idempotent: creating what
-exists or deleting what is gone is not an error. Pods are created in parallel; a creation
-the API server refuses for what the pod is (quota, Pod Security, an invalid field: a 4xx
-other than 409 and 429) comes back as a `Refusal`, for the reconcile to back off and say
-why; other failures (unreachable, 5xx, throttled) raise `KubeError`.
+assert that a reconcile which changes nothing writes nothing (and in the operator's
+`metrics`, with its failures and the pods created, deleted and refused). Applying is
+idempotent: creating what exists or deleting what is gone is not an error. Pods are
+created in parallel; a creation the API server refuses for what the pod is (quota, Pod
+Security, an invalid field: a 4xx other than 409 and 429) comes back as a `Refusal`, for
+the reconcile to back off and say why; other failures (unreachable, 5xx, throttled) raise
+`KubeError`.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from keepstep.operator.actions import (
 )
 from keepstep.operator.connection import Connection
 from keepstep.operator.errors import OperatorError
+from keepstep.operator.metrics import Metrics
 from keepstep.operator.model import (
     GROUP,
     JOB_LABEL,
@@ -101,9 +104,11 @@ class Kube:
         timeout: float = 10.0,
         parallelism: int = 16,
         clock: Callable[[], float] = time.time,
+        metrics: Metrics | None = None,
     ) -> None:
         self.connection, self.timeout, self.parallelism = connection, timeout, parallelism
         self.clock = clock
+        self.metrics = metrics if metrics is not None else Metrics()
         self._headers = {"Accept": "application/json", "User-Agent": COMPONENT}
         self._token: tuple[float, str | None] = (-math.inf, None)  # (read at, token)
         self._http = urllib3.PoolManager(
@@ -137,6 +142,7 @@ class Kube:
             self.total.add(kind, write)
             if tally is not None:
                 tally.add(kind, write)
+        self.metrics.api_request(kind)
         headers = dict(self._headers)
         token = self._current_token()
         if token:
@@ -155,6 +161,7 @@ class Kube:
                 preload_content=True,
             )
         except urllib3.exceptions.HTTPError as error:
+            self.metrics.api_error(kind, 0)
             raise KubeError(f"{method} {path}: {error}") from error
         if response.status == 404 and ok_missing:
             return None
@@ -162,6 +169,7 @@ class Kube:
         if response.status == 409 and method == "POST" and reason in ("", "AlreadyExists"):
             return None  # AlreadyExists: an earlier reconcile created it
         if response.status >= 300:
+            self.metrics.api_error(kind, response.status)
             text = response.data.decode(errors="replace")[:500]
             raise KubeError(
                 f"{method} {path}: HTTP {response.status}: {text}", response.status, reason, message
@@ -266,12 +274,15 @@ class Kube:
 
         def create(action: CreatePod) -> str | Refusal | None:
             try:
-                self._request("create_pod", "POST", path, tally, dict(action.manifest))
+                created = self._request("create_pod", "POST", path, tally, dict(action.manifest))
             except KubeError as error:
                 if error.refused:
                     message = error.api_message or str(error)
+                    self.metrics.pod_refused(error.reason or "Refused")
                     return Refusal(action.name, error.status, error.reason or "Refused", message)
                 return str(error)
+            if created is not None:  # None: it existed (an earlier reconcile created it)
+                self.metrics.pod_created()
             return None
 
         return _parallel(create, creates, self.parallelism)
@@ -281,7 +292,8 @@ class Kube:
         body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
         if action.grace_seconds is not None:
             body["gracePeriodSeconds"] = action.grace_seconds
-        self._request("delete_pod", "DELETE", path, tally, body, ok_missing=True)
+        if self._request("delete_pod", "DELETE", path, tally, body, ok_missing=True) is not None:
+            self.metrics.pod_deleted(action.cause)
 
     def _patch_status(
         self, job: JobRef, patch: Mapping[str, Any], tally: Tally | None

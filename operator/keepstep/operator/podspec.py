@@ -6,9 +6,11 @@ Where it sits: `decide` calls these pure functions to build `CreatePod`/`EnsureS
 (`keepstep agent ...`) with the job's settings as flags and its identity in the environment:
 KEEPSTEP_ETCD_ENDPOINTS, KEEPSTEP_JOB ("<namespace>.<name>", the job's etcd prefix),
 KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP). A job resumed after a
-suspension adds `--resume <checkpoint URI>` (`resumes_from_checkpoint`). Every pod is
-hardened to pass Pod Security "restricted", with the job's spec.podTemplate laid over the
-defaults (`template.PodTemplate.apply`).
+suspension adds `--resume <checkpoint URI>` (`resumes_from_checkpoint`). An agent that
+serves Prometheus metrics declares their port as the container port `metrics`
+(`agent_metrics_port`): the port a PodMonitor scrapes, and the only one the NetworkPolicy
+admits from outside the job. Every pod is hardened to pass Pod Security "restricted", with
+the job's spec.podTemplate laid over the defaults (`template.PodTemplate.apply`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ RESERVED_ENV = (
     "KEEPSTEP_NODE",
     "KEEPSTEP_HOST",
 )
+
+
+METRICS_PORT = "metrics"  # the name of the agent's Prometheus port
+# The agent's own default (keepstep.agent.telemetry.config), which the operator may not import.
+TELEMETRY_PORT_DEFAULT = 9464
 
 
 def pod_name(job_name: str, index: int) -> str:
@@ -122,6 +129,26 @@ def agent_env(job: Job, etcd: str) -> list[dict[str, Any]]:
     return env
 
 
+def agent_metrics_port(spec: JobSpec) -> int | None:
+    """The port of the agent's Prometheus endpoint, if the job's trainer.env turns it on
+    (KEEPSTEP_TELEMETRY lists prometheus; the port is KEEPSTEP_TELEMETRY_PORT, else 9464).
+    None when it is off, when either value comes from a valueFrom (unknown until the pod
+    starts), or when the port is not 1-65535 (0: chosen at start; the agent refuses the
+    rest)."""
+    env = {str(e.get("name")): e for e in spec.env}  # the last of a name wins, as in a pod
+    exporters = env.get("KEEPSTEP_TELEMETRY", {}).get("value")
+    if not isinstance(exporters, str):
+        return None
+    if "prometheus" not in {part.strip().lower() for part in exporters.split(",")}:
+        return None
+    raw = env.get("KEEPSTEP_TELEMETRY_PORT", {"value": str(TELEMETRY_PORT_DEFAULT)}).get("value")
+    try:
+        port = int(str(raw))
+    except ValueError:
+        return None
+    return port if 1 <= port <= 65535 else None
+
+
 def pod_manifest(
     job: Job,
     index: int,
@@ -148,6 +175,10 @@ def pod_manifest(
     }
     if job.spec.resources:
         container["resources"] = dict(job.spec.resources)
+    metrics_port = agent_metrics_port(job.spec)
+    if metrics_port is not None:
+        port = {"name": METRICS_PORT, "containerPort": metrics_port, "protocol": "TCP"}
+        container["ports"] = [port]
     spec: dict[str, Any] = {
         # A failed agent is replaced by a new pod with a new index, never restarted in
         # place: the membership protocol treats a new node as a join.
@@ -229,11 +260,14 @@ def _not_in(key: str, values: list[str]) -> dict[str, Any]:
 
 
 def network_policy_manifest(job: Job) -> dict[str, Any]:
-    """The NetworkPolicy that lets only the job's own pods reach its pods, on any port.
+    """The NetworkPolicy that lets only the job's own pods reach its pods, on any port, and
+    anyone reach their Prometheus port.
 
-    An agent listens for its peers only (its process-group store, its liveness probe, the
+    An agent listens for its peers (its process-group store, its liveness probe, the
     workers' gloo connections; the ports are chosen at start, so they are not named
-    here), and the operator never connects to a pod: every other source is refused,
+    here) and, when the job turns it on, for Prometheus on the container port `metrics`
+    (by name: a job whose env turns it on later needs no new policy; read-only figures).
+    The operator never connects to a pod: every other source and port is refused,
     other jobs' pods in the namespace included. Only ingress: agents reach out to etcd,
     object storage and telemetry. Where the cluster's network plugin does not enforce
     NetworkPolicies the object is inert, and the store's secret key prefix
@@ -251,8 +285,12 @@ def network_policy_manifest(job: Job) -> dict[str, Any]:
         "spec": {
             "podSelector": own,
             "policyTypes": ["Ingress"],
-            # A podSelector without a namespaceSelector: pods of the job's namespace only.
-            "ingress": [{"from": [{"podSelector": own}]}],
+            "ingress": [
+                # A podSelector without a namespaceSelector: pods of the job's namespace only.
+                {"from": [{"podSelector": own}]},
+                # No `from`: the scraper runs wherever the cluster's Prometheus does.
+                {"ports": [{"protocol": "TCP", "port": METRICS_PORT}]},
+            ],
         },
     }
 

@@ -50,6 +50,7 @@ class Outcome:
     tally: Tally = field(default_factory=Tally)
     etcd_reads: int = 0
     etcd_writes: int = 0
+    etcd_errors: int = 0  # reads and writes that failed (the reconcile went on without them)
     seconds: float = 0.0
     decide_seconds: float = 0.0
     gone: bool = False  # the TrainJob no longer exists
@@ -125,6 +126,7 @@ class Reconciler:
         service = self.kube.service_exists(namespace, name, tally)
         policy = self.kube.network_policy_exists(namespace, name, tally)
         agents = self._read_agents(job)
+        etcd_errors = int(agents is None)
         t0 = time.perf_counter()
         now = self.clock()
         decision = decide(
@@ -143,6 +145,7 @@ class Reconciler:
                 self.agents.claim(claim)
                 etcd_writes += 1 + int(claim.reset)
             except KVError as error:
+                etcd_errors += 1
                 log.warning("could not claim the etcd prefix of %s: %s", job.key, error)
         writes = [
             a for a in decision.actions if not isinstance(a, ClaimPrefix | Event | PatchStatus)
@@ -166,6 +169,7 @@ class Reconciler:
             tally,
             etcd_reads=1,
             etcd_writes=etcd_writes,
+            etcd_errors=etcd_errors,
             seconds=seconds,
             decide_seconds=decide_s,
             resource_version=version,

@@ -9,15 +9,51 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from keepstep.operator.errors import SpecError
 
-_HEALTH = re.compile(r"http://[^/:\s]+:\d{1,5}/\S*")
+_HEALTH = re.compile(r"http://[^/:\s]+:(\d{1,5})/\S*")
 
 
 def _positive(name: str, value: float) -> None:
     if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
         raise SpecError(f"{name}={value!r} must be a finite number of seconds > 0")
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where one of the operator's HTTP endpoints listens: http://HOST:PORT/PATH."""
+
+    host: str
+    port: int
+    path: str
+
+    @classmethod
+    def parse(cls, name: str, url: str) -> Endpoint:
+        """`url` taken apart; a SpecError naming `name` and the rule if it is not an http
+        URL with a host, a port 1-65535 and a path (and nothing else)."""
+        bad = SpecError(
+            f"{name}={url!r} must be an http URL with a host, a port 1-65535 and a path "
+            "(no query, no user), such as http://0.0.0.0:8081/metrics"
+        )
+        try:
+            parts = urlsplit(url)
+            port = parts.port
+        except (ValueError, TypeError):  # not a string, a bad IPv6 host, a port not 0-65535
+            raise bad from None
+        if (
+            parts.scheme != "http"
+            or not parts.hostname
+            or port is None
+            or port < 1
+            or not parts.path.startswith("/")
+            or parts.query
+            or parts.fragment
+            or parts.username is not None
+        ):
+            raise bad
+        return cls(parts.hostname, port, parts.path)
 
 
 @dataclass(frozen=True)
@@ -65,11 +101,18 @@ class OperatorSettings:
     # kopf's liveness endpoint ("http://0.0.0.0:8080/healthz"): the pod's liveness and
     # readiness probes; None serves none.
     health: str | None = None
+    # The operator's Prometheus metrics ("http://0.0.0.0:8081/metrics", `metrics`); None
+    # serves none.
+    metrics: str | None = None
     etcd_ca_secret: str | None = None
     # The etcd members' server certificate Secret (in the CA's namespace), made if missing
     # for these DNS names; None: made by whoever runs etcd.
     etcd_server_secret: str | None = None
     etcd_server_names: tuple[str, ...] = ()
+
+    @property
+    def metrics_endpoint(self) -> Endpoint | None:
+        return None if self.metrics is None else Endpoint.parse("metrics", self.metrics)
 
     def __post_init__(self) -> None:
         if self.etcd_server_secret and not (self.etcd_ca_secret and self.etcd_server_names):
@@ -88,10 +131,17 @@ class OperatorSettings:
                 raise SpecError(f"namespaces={self.namespaces!r}: {namespace!r} is not a namespace")
         if len(set(self.namespaces)) != len(self.namespaces):
             raise SpecError(f"namespaces={self.namespaces!r} names a namespace twice")
-        if self.health is not None and not _HEALTH.fullmatch(self.health):
+        health = _HEALTH.fullmatch(self.health) if self.health is not None else None
+        if self.health is not None and health is None:
             raise SpecError(
                 f"health={self.health!r} must be an http URL with a port and a path, such as "
                 "http://0.0.0.0:8080/healthz"
+            )
+        metrics = self.metrics_endpoint
+        if metrics is not None and health is not None and int(health[1]) == metrics.port:
+            raise SpecError(
+                f"metrics={self.metrics!r} and health={self.health!r} must listen on "
+                "different ports"
             )
         _positive("lost_pod_grace_s", self.lost_pod_grace_s)
         _positive("agent_start_grace_s", self.agent_start_grace_s)
