@@ -149,9 +149,10 @@ def test_operator_deployment_runs_the_operator_against_the_etcd_service() -> Non
     assert argv[:4] == ["python", "-m", "keepstep.operator", "--etcd"]
     url = re.fullmatch(r"https://([a-z0-9-]+)\.([a-z0-9-]+)\.svc:(\d+)", argv[4])
     assert url is not None and argv[5:7] == ["--health", "http://0.0.0.0:8080/healthz"], argv
+    assert argv[7:9] == ["--metrics", "http://0.0.0.0:8081/metrics"], argv
     # TLS: the CA and the members' certificate in the etcd's namespace, for the names the
     # client URL and the peers' URLs use.
-    tls = dict(zip(argv[7::2], argv[8::2], strict=True))
+    tls = dict(zip(argv[9::2], argv[10::2], strict=True))
     assert tls["--etcd-ca-secret"] == f"{NAMESPACE}/keepstep-etcd-ca"
     names = tls["--etcd-server-names"].split(",")
     assert f"{url[1]}.{url[2]}.svc" in names
@@ -159,9 +160,10 @@ def test_operator_deployment_runs_the_operator_against_the_etcd_service() -> Non
     sts = objects("etcd.yaml")[("StatefulSet", "keepstep-etcd")]["spec"]["template"]["spec"]
     (volume,) = sts["volumes"]
     assert volume["secret"]["secretName"] == tls["--etcd-server-secret"]
-    # The liveness and readiness probes ask kopf's endpoint, on the port it serves.
-    (port,) = container["ports"]
-    assert (port["name"], port["containerPort"]) == ("health", 8080)
+    # The liveness and readiness probes ask kopf's endpoint, on the port it serves; the
+    # metrics port is the one --metrics names (a PodMonitor scrapes it by name).
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"health": 8080, "metrics": 8081}
     for probe in ("livenessProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}
     service = objects("etcd.yaml")[("Service", url[1])]
@@ -238,13 +240,19 @@ def test_operator_extra_pulls_in_no_torch(project: dict[str, Any]) -> None:
 
 
 def dockerfile(name: str) -> list[str]:
+    """The instructions of a Dockerfile, continuations joined, comments dropped."""
     text = (MANIFESTS / "docker" / name).read_text(encoding="utf-8").replace("\\\n", " ")
     return [line.strip() for line in text.splitlines() if line.strip() and line[0] != "#"]
 
 
+PINNED_BASE = next(
+    line for line in dockerfile("agent.Dockerfile") if line.startswith("ARG PYTHON_IMAGE=python:")
+)
+
+
 def test_agent_image_installs_train_extra_as_non_root() -> None:
     lines = dockerfile("agent.Dockerfile")
-    assert lines[0] == "FROM python:3.11-slim"
+    assert lines[:2] == [PINNED_BASE, "FROM ${PYTHON_IMAGE}"]  # digest: tests/test_wheel.py
     assert any('".[train]"' in line for line in lines if line.startswith("RUN"))
     assert lines[-2:] == ['ENTRYPOINT ["keepstep"]', 'CMD ["--help"]']
     users = [line.split()[1] for line in lines if line.startswith("USER ")]
@@ -268,7 +276,7 @@ def test_agent_image_keeps_its_caches_where_a_read_only_pod_can_write() -> None:
 
 def test_operator_image_has_no_torch_and_checks_it() -> None:
     lines = dockerfile("operator.Dockerfile")
-    assert lines[0] == "FROM python:3.11-slim"
+    assert lines[:2] == [PINNED_BASE, "FROM ${PYTHON_IMAGE}"]
     runs = " ".join(line for line in lines if line.startswith("RUN"))
     assert '".[operator]"' in runs and "[train]" not in runs
     assert "pip check" in runs and "find_spec" in runs and "'torch'" in runs

@@ -28,7 +28,15 @@ from keepstep.e2e.procs import ProcessRecord, StartupError
 
 REPO = Path(__file__).resolve().parents[3]
 BUILD_SCRIPT = REPO / "e2e" / "controlplane" / "build"
-BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+# helm is not part of the control plane: the chart's tests (tests/manifests) render with it.
+BINARIES = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "helm",
+)
 # Stopped in this order: clients of the API server first, etcd last.
 _STOP_STAGES = (("kube-scheduler", "kube-controller-manager"), ("kube-apiserver",), ("etcd",))
 
