@@ -2,14 +2,16 @@
 compiles: `helm lint` passes, the default values render the objects of manifests/ (the
 cluster-wide install) and `watchNamespaces` those of manifests/namespaced/, object for object
 once helm's own labels are set aside; the values change what they say (release name, external
-etcd, images, metrics, telemetry), and bad values fail `helm template` with a message that
-names the value. Nothing here needs an API server: tests/e2e/test_install.py installs
-manifests/ on one.
+etcd, images, metrics, the agents' telemetry defaults), and bad values fail `helm template`
+with a message that names the value. Nothing here needs an API server:
+tests/e2e/test_install.py installs manifests/ on one.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
+import json
 import os
 import re
 import subprocess
@@ -23,6 +25,8 @@ from openapi_check import MANIFESTS, load_all
 
 from keepstep.e2e.controlplane import build_binaries
 from keepstep.e2e.procs import StartupError
+from keepstep.operator.__main__ import parse_args
+from keepstep.operator.agent_defaults import AGENT_ENV_NAMES, EXPORTERS
 
 pytestmark = pytest.mark.e2e
 
@@ -368,27 +372,56 @@ def test_metrics_port_extra_args_and_replicas(render: Render) -> None:
     assert [p["name"] for p in off["ports"]] == ["health"]
 
 
-def test_telemetry_sets_the_standard_otel_variables_only_with_an_endpoint(
-    render: Render,
-) -> None:
-    assert not [e for e in operator_container(render())["env"] if e["name"].startswith("OTEL_")]
-    ours = render(
-        "--set", "telemetry.otlpEndpoint=http://otel-collector.monitoring:4318",
-        "--set", "telemetry.resourceAttributes.team=ml",
-        "--set", "telemetry.resourceAttributes.deployment\\.environment=prod",
-        "--set", "telemetry.headersSecret.name=otlp-auth",
-        "--set", "telemetry.headersSecret.key=headers",
+def agent_env(container: dict[str, Any]) -> list[str]:
+    """The operator's --agent-env values, in order."""
+    args = container["args"]
+    return [value for flag, value in itertools.pairwise(args) if flag == "--agent-env"]
+
+
+def test_telemetry_values_become_the_agents_defaults(render: Render) -> None:
+    """The chart's telemetry is every job's agents': --agent-env flags of the operator
+    (a job's own trainer.env wins), none while the values are empty; the operator's own
+    environment gets no OTEL_* variable."""
+    assert agent_env(operator_container(render())) == []
+    ours = operator_container(
+        render(
+            "--set", "telemetry.exporters={otlp,prometheus}",
+            "--set", "telemetry.otlpEndpoint=http://otel-collector.monitoring:4318",
+            "--set", "telemetry.prometheusPort=9100",
+            "--set-json", "telemetry.interval=2.5",
+            "--set", "agentEnv.KEEPSTEP_S3_ENDPOINT=http://minio.storage:9000",
+            "--set", "agentEnv.KEEPSTEP_REPLY_TIMEOUT=60",
+            "--set", "operator.extraArgs={--pending-grace,600}",
+        )
     )  # fmt: skip
-    env = {e["name"]: e for e in operator_container(ours)["env"]}
-    assert {name: e.get("value") for name, e in env.items() if name.startswith("OTEL_")} == {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://otel-collector.monitoring:4318",
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-        "OTEL_SERVICE_NAME": "keepstep-operator",
-        "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod,team=ml",
-        "OTEL_EXPORTER_OTLP_HEADERS": None,
-    }
-    secret = env["OTEL_EXPORTER_OTLP_HEADERS"]["valueFrom"]["secretKeyRef"]
-    assert secret == {"name": "otlp-auth", "key": "headers"}
+    assert agent_env(ours) == [
+        "KEEPSTEP_TELEMETRY=otlp,prometheus",
+        "OTEL_EXPORTER_OTLP_ENDPOINT=http://otel-collector.monitoring:4318",
+        "KEEPSTEP_TELEMETRY_PORT=9100",
+        "KEEPSTEP_TELEMETRY_INTERVAL=2.5",
+        "KEEPSTEP_REPLY_TIMEOUT=60",  # agentEnv by name
+        "KEEPSTEP_S3_ENDPOINT=http://minio.storage:9000",
+    ]
+    assert ours["args"][-2:] == ["--pending-grace", "600"]  # extraArgs stay last
+    assert not [e for e in ours["env"] if e["name"].startswith("OTEL_")]
+    # What the chart renders, the operator accepts.
+    flags = [f for value in agent_env(ours) for f in ("--agent-env", value)]
+    settings, _ = parse_args(["--etcd", "http://e:2379", *flags])
+    assert dict(settings.agent_env)["KEEPSTEP_TELEMETRY_PORT"] == "9100"
+
+
+def test_the_schema_allows_exactly_the_names_the_operator_defaults() -> None:
+    """telemetry's values cover four names, agentEnv the rest of the operator's list."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    telemetry = {
+        "KEEPSTEP_TELEMETRY", "OTEL_EXPORTER_OTLP_ENDPOINT", "KEEPSTEP_TELEMETRY_PORT",
+        "KEEPSTEP_TELEMETRY_INTERVAL",
+    }  # fmt: skip
+    names = schema["properties"]["agentEnv"]["propertyNames"]["enum"]
+    assert not telemetry & set(names)
+    assert sorted([*telemetry, *names]) == sorted(AGENT_ENV_NAMES)
+    exporters = schema["properties"]["telemetry"]["properties"]["exporters"]["items"]["enum"]
+    assert exporters == list(EXPORTERS)
 
 
 def test_user_roles_can_be_left_out(render: Render) -> None:
@@ -411,7 +444,14 @@ def test_user_roles_can_be_left_out(render: Render) -> None:
         (["etcd.endpoints={https://e.infra.svc:2379}"], r"etcd\.endpoints \(https://e\.infra"),
         (["etcd.caSecret=infra/ca"], r"etcd\.caSecret \(infra/ca\).*release's namespace"),
         (["metrics.port=8080"], r"metrics\.port \(8080\) must differ from operator\.healthPort"),
-        (["telemetry.headersSecret.name=otlp"], r"telemetry\.headersSecret: set both"),
+        (["telemetry.exporters={statsd}"], r"/telemetry/exporters/0.*one of 'otlp'"),
+        (["telemetry.exporters=otlp"], r"/telemetry/exporters.*got string, want array"),
+        (["telemetry.otlpEndpoint=collector:4318"], r"/telemetry/otlpEndpoint.*pattern"),
+        (["telemetry.prometheusPort=70000"], r"/telemetry/prometheusPort.*maximum"),
+        (["telemetry.interval=-1"], r"/telemetry/interval.*minimum"),
+        (["telemetry.headersSecret.name=otlp"], r"/telemetry.*'headersSecret' not allowed"),
+        (["agentEnv.KEEPSTEP_JOB=x"], r"invalid propertyName 'KEEPSTEP_JOB'"),
+        (["agentEnv.KEEPSTEP_TELEMETRY=otlp"], r"invalid propertyName 'KEEPSTEP_TELEMETRY'"),
     ],
 )
 def test_bad_values_fail_with_a_message_that_names_the_value(

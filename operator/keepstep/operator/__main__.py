@@ -5,18 +5,20 @@ environment or its command line).
         [--standalone | --peering NAME] [--lost-pod-grace S] [--below-min-grace S]
         [--pending-grace S] [--backoff-limit N] [--failure-window S]
         [--backoff-base S] [--backoff-max S] [--resync S] [--api-timeout S] [--health URL]
-        [--metrics URL]
+        [--metrics URL] [--agent-env NAME=VALUE ...]
         [--etcd-ca-secret NS/NAME [--etcd-server-secret NAME --etcd-server-names DNS,...]]
         [--verbose]
 
 It runs kopf (with its liveness endpoint at --health URL when given: the pod's liveness
 and readiness probes) and, unless --peering names a peering object, as a
 standalone operator (one replica), and with --metrics URL serves its Prometheus metrics
-there (`metrics`). Without --namespace it watches every namespace (the cluster-wide
-install, manifests/rbac.yaml); with it, only the namespaces named (repeat the flag, or
-separate them with commas), needing nothing cluster-scoped (the namespaced install,
-manifests/namespaced/). Credentials: --kubeconfig, else the pod's service account
-when running in a cluster, else the default kubeconfig.
+there (`metrics`). Each --agent-env NAME=VALUE is a default of every agent container's
+environment, for the jobs whose trainer.env does not set NAME (`agent_defaults`). Without
+--namespace it watches every namespace (the cluster-wide install, manifests/rbac.yaml);
+with it, only the namespaces named (repeat the flag, or separate them with commas),
+needing nothing cluster-scoped (the namespaced install, manifests/namespaced/).
+Credentials: --kubeconfig, else the pod's service account when running in a cluster, else
+the default kubeconfig.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import kopf
 
+from keepstep.operator.agent_defaults import AGENT_ENV_NAMES, parse_agent_env
 from keepstep.operator.agents import AgentStore
 from keepstep.operator.connection import Connection, load_connection
 from keepstep.operator.errors import OperatorError
@@ -131,6 +134,14 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
         help="serve Prometheus metrics at this URL, e.g. http://0.0.0.0:8081/metrics (none)",
     )
     parser.add_argument(
+        "--agent-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a default of every agent container's environment, for jobs whose trainer.env "
+        f"does not set NAME (repeat; NAME one of {', '.join(AGENT_ENV_NAMES)})",
+    )
+    parser.add_argument(
         "--etcd-ca-secret",
         metavar="NS/NAME",
         help="the job etcd's CA Secret (made if missing): TLS to etcd and an etcd user and "
@@ -172,6 +183,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[OperatorSettings, boo
             etcd_ca_secret=args.etcd_ca_secret,
             etcd_server_secret=args.etcd_server_secret,
             etcd_server_names=tuple(n for n in args.etcd_server_names.split(",") if n),
+            agent_env=parse_agent_env(args.agent_env),
         )
     except OperatorError as error:
         parser.error(str(error))

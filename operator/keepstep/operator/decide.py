@@ -326,7 +326,13 @@ def _pods(
             CreatePod(
                 i,
                 pod_manifest(
-                    job, i, config.etcd, lost_nodes, resume=resume, etcd_tls=config.etcd_tls
+                    job,
+                    i,
+                    config.etcd,
+                    lost_nodes,
+                    resume=resume,
+                    etcd_tls=config.etcd_tls,
+                    env_defaults=config.agent_env,
                 ),
             )
             for i in range(next_index, next_index + desired - len(live))

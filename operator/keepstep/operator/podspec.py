@@ -5,7 +5,9 @@ Where it sits: `decide` calls these pure functions to build `CreatePod`/`EnsureS
 `EnsureNetworkPolicy` actions; `kube` sends the dicts as they are. Each pod runs the node agent
 (`keepstep agent ...`) with the job's settings as flags and its identity in the environment:
 KEEPSTEP_ETCD_ENDPOINTS, KEEPSTEP_JOB ("<namespace>.<name>", the job's etcd prefix),
-KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP). A job resumed after a
+KEEPSTEP_NODE (the pod name) and KEEPSTEP_HOST (the pod IP); then the operator's
+defaults (`agent_defaults`, e.g. the cluster's telemetry collector) for the names the job's
+trainer.env does not set, then trainer.env. A job resumed after a
 suspension adds `--resume <checkpoint URI>` (`resumes_from_checkpoint`). An agent that
 serves Prometheus metrics declares their port as the container port `metrics`
 (`agent_metrics_port`): the port a PodMonitor scrapes, and the only one the NetworkPolicy
@@ -117,25 +119,32 @@ def resumes_from_checkpoint(job: Job, phase: Phase) -> bool:
     return suspended and isinstance(step, int) and step > 0
 
 
-def agent_env(job: Job, etcd: str) -> list[dict[str, Any]]:
+def agent_env(
+    job: Job, etcd: str, defaults: Sequence[tuple[str, str]] = ()
+) -> list[dict[str, Any]]:
+    """The identity variables, the `defaults` the job's trainer.env leaves unset (the job
+    wins), then trainer.env."""
     env: list[dict[str, Any]] = [
         {"name": "KEEPSTEP_ETCD_ENDPOINTS", "value": etcd},
         {"name": "KEEPSTEP_JOB", "value": job.key},
         {"name": "KEEPSTEP_NODE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "KEEPSTEP_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
     ]
+    own = {str(e.get("name")) for e in job.spec.env}
+    env += [{"name": name, "value": value} for name, value in defaults if name not in own]
     # The spec check refuses reserved names; a job that got past it still cannot take them.
     env += [dict(e) for e in job.spec.env if not reserved_env(str(e.get("name")))]
     return env
 
 
-def agent_metrics_port(spec: JobSpec) -> int | None:
-    """The port of the agent's Prometheus endpoint, if the job's trainer.env turns it on
-    (KEEPSTEP_TELEMETRY lists prometheus; the port is KEEPSTEP_TELEMETRY_PORT, else 9464).
-    None when it is off, when either value comes from a valueFrom (unknown until the pod
-    starts), or when the port is not 1-65535 (0: chosen at start; the agent refuses the
-    rest)."""
-    env = {str(e.get("name")): e for e in spec.env}  # the last of a name wins, as in a pod
+def agent_metrics_port(spec: JobSpec, defaults: Sequence[tuple[str, str]] = ()) -> int | None:
+    """The port of the agent's Prometheus endpoint, if its environment (the job's
+    trainer.env over the operator's `defaults`) turns it on (KEEPSTEP_TELEMETRY lists
+    prometheus; the port is KEEPSTEP_TELEMETRY_PORT, else 9464). None when it is off, when
+    either value comes from a valueFrom (unknown until the pod starts), or when the port is
+    not 1-65535 (0: chosen at start; the agent refuses the rest)."""
+    env: dict[str, Mapping[str, Any]] = {name: {"value": value} for name, value in defaults}
+    env |= {str(e.get("name")): e for e in spec.env}  # the last of a name wins, as in a pod
     exporters = env.get("KEEPSTEP_TELEMETRY", {}).get("value")
     if not isinstance(exporters, str):
         return None
@@ -157,25 +166,27 @@ def pod_manifest(
     *,
     resume: bool = False,
     etcd_tls: bool = False,
+    env_defaults: Sequence[tuple[str, str]] = (),
 ) -> dict[str, Any]:
     """The pod of node `index` (indices are never reused within a job); `avoid_nodes`
     are nodes the pod must not be bound to (where the pods it replaces were lost);
     `resume`: its agent starts from the job's newest durable checkpoint; `etcd_tls`: it
-    mounts the job's etcd credentials (`etcd_tls_secret`). Hardened, with the job's
+    mounts the job's etcd credentials (`etcd_tls_secret`); `env_defaults`: the operator's
+    defaults of the agent's environment (`agent_env`). Hardened, with the job's
     podTemplate laid over it."""
     container: dict[str, Any] = {
         "name": CONTAINER,
         "image": job.spec.image,
         "command": list(AGENT_COMMAND),
         "args": agent_args(job.spec, resume),
-        "env": agent_env(job, etcd),
+        "env": agent_env(job, etcd, env_defaults),
         "terminationMessagePath": TERMINATION_LOG,
         # An agent killed before it could write the log: the last lines of its output.
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if job.spec.resources:
         container["resources"] = dict(job.spec.resources)
-    metrics_port = agent_metrics_port(job.spec)
+    metrics_port = agent_metrics_port(job.spec, env_defaults)
     if metrics_port is not None:
         port = {"name": METRICS_PORT, "containerPort": metrics_port, "protocol": "TCP"}
         container["ports"] = [port]
@@ -265,8 +276,9 @@ def network_policy_manifest(job: Job) -> dict[str, Any]:
 
     An agent listens for its peers (its process-group store, its liveness probe, the
     workers' gloo connections; the ports are chosen at start, so they are not named
-    here) and, when the job turns it on, for Prometheus on the container port `metrics`
-    (by name: a job whose env turns it on later needs no new policy; read-only figures).
+    here) and, when its environment turns it on (the job's trainer.env, or the operator's
+    default), for Prometheus on the container port `metrics` (by name: pods that turn it
+    on later need no new policy; read-only figures).
     The operator never connects to a pod: every other source and port is refused,
     other jobs' pods in the namespace included. Only ingress: agents reach out to etcd,
     object storage and telemetry. Where the cluster's network plugin does not enforce

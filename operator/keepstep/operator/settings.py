@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from keepstep.operator.agent_defaults import AgentEnv, check_agent_env
 from keepstep.operator.errors import SpecError
 
 _HEALTH = re.compile(r"http://[^/:\s]+:(\d{1,5})/\S*")
@@ -79,6 +80,8 @@ class OperatorSettings:
         made there if missing; with it the operator speaks TLS to etcd as its root user and
         gives each TrainJob an etcd user and a client-certificate Secret (`etcd_access`).
         None: plain gRPC and no etcd auth (a development etcd only).
+    agent_env: (name, value) defaults of every agent container's environment, for the
+        names its job's trainer.env leaves unset (`agent_defaults`).
     """
 
     etcd: str
@@ -109,6 +112,7 @@ class OperatorSettings:
     # for these DNS names; None: made by whoever runs etcd.
     etcd_server_secret: str | None = None
     etcd_server_names: tuple[str, ...] = ()
+    agent_env: AgentEnv = ()
 
     @property
     def metrics_endpoint(self) -> Endpoint | None:
@@ -174,6 +178,8 @@ class DecideConfig:
     backoff_max_s: float = 300.0
     # Pods mount their job's etcd credentials (`etcd_access`); False: plain etcd.
     etcd_tls: bool = False
+    # Defaults of every agent container's environment (`agent_defaults`).
+    agent_env: AgentEnv = ()
 
     def __post_init__(self) -> None:
         if not self.etcd:
@@ -194,6 +200,7 @@ class DecideConfig:
                 f"backoff_max_s={self.backoff_max_s:g} must be >= backoff_base_s="
                 f"{self.backoff_base_s:g}"
             )
+        check_agent_env(self.agent_env)
 
     @classmethod
     def of(cls, settings: OperatorSettings) -> DecideConfig:
@@ -208,4 +215,5 @@ class DecideConfig:
             settings.backoff_base_s,
             settings.backoff_max_s,
             etcd_tls=settings.etcd_ca_secret is not None,
+            agent_env=settings.agent_env,
         )

@@ -58,15 +58,6 @@ helm.sh/chart: {{ include "keepstep.chart" .ctx }}
 {{- end }}
 {{- end }}
 
-{{/* A map as "k=v,k2=v2", keys sorted (OTEL_RESOURCE_ATTRIBUTES). */}}
-{{- define "keepstep.keyValues" -}}
-{{- $pairs := list }}
-{{- range $key := keys . | sortAlpha }}
-{{- $pairs = append $pairs (printf "%s=%v" $key (index $ $key)) }}
-{{- end }}
-{{- join "," $pairs }}
-{{- end }}
-
 {{- define "keepstep.operatorName" -}}
 {{- printf "%s-operator" (include "keepstep.fullname" .) }}
 {{- end }}
@@ -127,11 +118,6 @@ once, by the operator's template.
 {{- end }}
 {{- if and .Values.metrics.enabled (eq (int .Values.metrics.port) (int .Values.operator.healthPort)) }}
 {{- fail (printf "metrics.port (%d) must differ from operator.healthPort (%d)" (int .Values.metrics.port) (int .Values.operator.healthPort)) }}
-{{- end }}
-{{- with .Values.telemetry.headersSecret }}
-{{- if ne (empty .name) (empty .key) }}
-{{- fail (printf "telemetry.headersSecret: set both name and key, or neither (name=%q, key=%q)" .name .key) }}
-{{- end }}
 {{- end }}
 {{- end }}
 
