@@ -25,6 +25,7 @@ TORCH_FREE = [
     "keepstep.agent.kv.etcd_pki",
     "keepstep.launch.etcd_tls",
     "keepstep.elastic.shard",
+    "keepstep.elastic.speed",
     "keepstep.dashboard.cli",
     "keepstep.dashboard.data",
     "keepstep.dashboard.server",
