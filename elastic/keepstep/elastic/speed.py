@@ -37,13 +37,12 @@ new one starts at the median weight in force (the median speed) and is judged on
 ``min_observations``. A change of members restarts the hysteresis count (the membership
 change replans anyway).
 
-What the plan asks of the caller (every micro-batch computed exactly once): every member that
-plans from these weights must hold
-the same state, so the timings are the gathered ones (the same bytes everywhere), every
-committed step is folded once and in order, and a member that starts late (a joiner, a
-restarted worker) receives the state or the weights instead of folding from scratch: either
-one place decides (the agents, handing the weights down in ``Membership.weights``) or the
-state travels with the snapshot.
+What the plan asks of the caller (every micro-batch computed exactly once): every member
+that plans from these weights must hold the same state, so the timings are the gathered
+ones (the same bytes everywhere), every committed step is folded once and in order, and a
+member that starts late (a joiner, a restarted worker) receives the state or the weights
+instead of folding from scratch: either one place decides (the agents, handing the weights
+down in ``Membership.weights``) or the state travels with the snapshot.
 """
 
 from __future__ import annotations
