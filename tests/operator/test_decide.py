@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -383,21 +382,18 @@ def test_an_invalid_spec_fails_the_job_once() -> None:
 
 
 @pytest.mark.parametrize("n", [1000])
-def test_a_thousand_node_job_is_decided_fast(n: int) -> None:
+def test_a_thousand_node_job_is_decided_in_one_reconcile(n: int) -> None:
+    """All pods in one decision, and nothing to do once they run (the time it takes is
+    bench/operator_scale.py's figure, not an assertion here)."""
     cluster = Cluster(job_object(nodes=n, max_nodes=n))
     cluster.obj["spec"]["elasticPolicy"]["globalBatchSize"] = n
     cluster.obj["spec"]["elasticPolicy"]["microBatchSize"] = 1
-    t = time.perf_counter()
     d = run(cluster.job, [], AgentView(), service_exists=False)
-    first = time.perf_counter() - t
     assert len(d.of(CreatePod)) == n
     cluster.apply(d)
     nodes = [f"demo-node-{i}" for i in range(n)]
     cluster.pods = {name: running(i) for i, name in enumerate(nodes)}
     cluster.agents = replace(agents(nodes), progress={m: progress(m, 5, world=n) for m in nodes})
     cluster.apply(run(cluster.job, cluster.pod_list(), cluster.agents))
-    t = time.perf_counter()
     noop = run(cluster.job, cluster.pod_list(), cluster.agents, service_exists=True)
-    second = time.perf_counter() - t
     assert noop.actions == ()
-    assert first < 1.0 and second < 0.5, (first, second)
