@@ -18,7 +18,7 @@ import torch
 from torch._C._distributed_c10d import HashStore
 
 from keepstep.elastic.board import open_board
-from keepstep.elastic.config import JobConfig
+from keepstep.elastic.config import Balance, JobConfig
 from keepstep.elastic.control import Controller, ScheduleController
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.job import Job
@@ -88,6 +88,7 @@ def init(
     grad_scaler: torch.amp.GradScaler | None = None,
     metrics: Sequence[str] = (),
     prefetch: int = 0,
+    balance: Balance | str | None = None,
     tensorboard: str | None = None,
     controller: Controller | None = None,
     snapshot_path: str | None = None,
@@ -106,6 +107,8 @@ def init(
     ``"grad_scaler"``. ``metrics``: the names ``step.log`` takes (e.g. ``("loss",)``),
     reduced across members to the same value at any world size. ``prefetch``: micro-batches
     read ahead on a background thread (the dataset's ``__getitem__`` must be thread-safe).
+    ``balance="speed"``: a slow member gets fewer micro-batches, from measured speed
+    (balance.py); the numbers stay those of an even split. Default ``"off"``.
     ``tensorboard``: a folder where the leader writes the ``metrics`` as TensorBoard scalars
     (needs the tensorboard package; ``keepstep run --tensorboard DIR`` sets it).
     """
@@ -130,6 +133,7 @@ def init(
         clip_grad_norm=clip_grad_norm,
         metrics=_names(metrics),
         prefetch=prefetch,
+        balance=_setting("balance", balance, str, env) or Balance.OFF,  # JobConfig checks it
     )
     if controller is None:
         controller = controller_from_env(env)

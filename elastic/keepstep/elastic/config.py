@@ -7,12 +7,20 @@ trusts it. The global batch is the invariant keepstep protects: it is
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.plan import micro_batch_count
 from keepstep.elastic.reduce import ReduceMode
+
+
+class Balance(enum.StrEnum):
+    """How the micro-batches of a step are split over the members (balance.py)."""
+
+    OFF = "off"  # evenly, or by the controller's `Membership.weights`
+    SPEED = "speed"  # by measured speed: a slow member gets fewer, decided from step timings
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,7 @@ class JobConfig:
 
     `metrics`: the names `step.log` takes, fixed for the job so every member reduces the
     same layout; `prefetch`: micro-batches read ahead of the training thread (data.py).
+    `balance`: whether the plan follows the members' measured speed (balance.py).
     """
 
     global_batch: int
@@ -47,6 +56,7 @@ class JobConfig:
     clip_grad_norm: float | None = None
     metrics: tuple[str, ...] = ()
     prefetch: int = 0
+    balance: Balance = Balance.OFF
     n_micro: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -96,3 +106,8 @@ class JobConfig:
             raise ConfigError(f"prefetch={self.prefetch!r} must be an integer >= 0")
         if self.prefetch < 0:
             raise ConfigError(f"prefetch={self.prefetch!r} must be an integer >= 0")
+        try:
+            object.__setattr__(self, "balance", Balance(self.balance))
+        except ValueError:
+            allowed = ", ".join(b.value for b in Balance)
+            raise ConfigError(f"balance={self.balance!r} is not one of: {allowed}") from None

@@ -72,6 +72,9 @@ class CommitRecord:
     `assignment` is the whole epoch's plan for the step. A step commits only after every
     member reduced all of its micro-batches, so any one member's record accounts for the
     whole global batch (a member killed right after committing cannot report its own).
+    `compute_s`: this member's seconds computing its micro-batches (step.py says what
+    counts). `new_weights`: set only on a step after which the plan changes within the
+    epoch (measured speed, balance.py): the weights the plan uses from the next step on.
     """
 
     step: int
@@ -84,6 +87,8 @@ class CommitRecord:
     snapshot_s: float = 0.0  # the snapshot's share of step_s (the copy overlaps the next)
     skipped: bool = False  # committed without an optimizer step (loss scaling overflowed)
     metrics: Mapping[str, float] = field(default_factory=dict)  # step.log, reduced
+    compute_s: float = 0.0
+    new_weights: Mapping[str, float] = field(default_factory=dict)
 
 
 class Controller(Protocol):
@@ -217,6 +222,10 @@ class ScheduleController:
             "steps": done,
             "params_sha256": params_sha256,
             "world_size_by_step": {str(c.step): c.world_size for c in self.commits},
+            "micro_batches_by_step": {str(c.step): len(c.micro_batches) for c in self.commits},
+            "new_weights_by_step": {
+                str(c.step): dict(c.new_weights) for c in self.commits if c.new_weights
+            },
             "step_seconds": [c.step_s for c in self.commits],
             # A step committed again after a rollback: its last commit is the one that stands.
             "metrics_by_step": {str(c.step): dict(c.metrics) for c in self.commits if c.metrics},

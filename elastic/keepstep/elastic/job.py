@@ -9,10 +9,11 @@ epoch. Entering an epoch is the data-plane half of a recovery:
 
 and each phase is timed into a `Reconfiguration` record handed back to the controller.
 After each step the loop applies what `Step.commit` returned: it snapshots and reports a
-committed step, remembers whether a planned change was announced, and retries or recovers
-a failed step. The snapshot is taken there, when the script's loop body has ended, so that
-what the body advanced after `if step.commit():` (an LR scheduler, an EMA: the objects
-tracked in tracked.py) is in the snapshot of the step it belongs to.
+committed step (its timings folded into the plan: balance.py), remembers whether a planned
+change was announced, and retries or recovers a failed step. The snapshot is taken there,
+when the script's loop body has ended, so that what the body advanced after
+`if step.commit():` (an LR scheduler, an EMA: the objects tracked in tracked.py) is in the
+snapshot of the step it belongs to.
 
 Between the reduction and the optimizer step (`apply_update`) run the script's
 `before_optimizer_step` hooks and clipping by global norm: both see the same reduced
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -36,12 +36,13 @@ from typing import Any, TypeVar
 import torch
 from torch.utils.data import default_collate
 
+from keepstep.elastic.balance import Planner
 from keepstep.elastic.board import Board
 from keepstep.elastic.comm import WATCH_TIMEOUT, Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
 from keepstep.elastic.data import MicroBatchLoader
-from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost, ScriptStateWarning
+from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
 from keepstep.elastic.loss_scale import (
     SCALER_NAME,
     check_not_the_scaler,
@@ -49,13 +50,12 @@ from keepstep.elastic.loss_scale import (
     skip_step,
 )
 from keepstep.elastic.lr_watch import LrWatch
-from keepstep.elastic.plan import plan
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import SampleOrder, fix_determinism
 from keepstep.elastic.rollback import MemberView, resume_plan
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
-from keepstep.elastic.tracked import REPEATED_STEP_RULE, Stateful, TrackedState
+from keepstep.elastic.tracked import Stateful, TrackedState
 from keepstep.elastic.train_state import (
     capture,
     check_layout,
@@ -106,7 +106,7 @@ class Job:
         self.collective_timeout = timedelta(seconds=config.collective_timeout)
         self.comm: Communicator | None = None
         self.membership: Membership | None = None
-        self.assignment: dict[str, list[int]] = {}
+        self.planner = Planner(config)  # the plan, and its replans from speed (balance.py)
         self.left = False
         self.reconfigurations: list[Reconfiguration] = []
         self.tracked = TrackedState()
@@ -115,7 +115,6 @@ class Job:
             self.tracked.add(SCALER_NAME, self.grad_scaler)
         self.lr_watch = LrWatch(optimizer)
         self.hooks: list[Hook] = []
-        self._warned_moved = False
         infos = snapshots.infos()
         # A restarted worker finds its node's snapshots and resumes from them; a new one
         # starts "fresh": its state counts only if no member holds a committed one. (A
@@ -195,14 +194,14 @@ class Job:
             t0 = time.perf_counter()
             self._snapshot()  # the loop body has ended: what it advanced for this step is in
             started = time.perf_counter() - t0
-            record = result.record
+            record, weights = result.record, self.planner.committed(index, result.compute_s)
+            step_s, snapshot_s = record.step_s + started, record.snapshot_s + started
             self.controller.on_commit(
-                replace(
-                    record, step_s=record.step_s + started, snapshot_s=record.snapshot_s + started
-                )
+                replace(record, step_s=step_s, snapshot_s=snapshot_s, new_weights=weights)
             )
             return 0
-        self._check_unmoved(index, result.outcome)
+        # The step is repeated: the loop body must not have advanced tracked state in it.
+        self.tracked.warn_if_moved(f"step {index} did not commit ({result.outcome.value})")
         if result.outcome is StepOutcome.RETRY:
             if retries + 1 > self.config.max_overflow_retries:
                 raise KeepstepError(
@@ -213,18 +212,6 @@ class Job:
         log.warning("step %d failed: %s", index, result.failure)
         self._switch(self._next_after(result.failure))
         return retries
-
-    def _check_unmoved(self, index: int, outcome: StepOutcome) -> None:
-        """Warn (once) if the loop body of a step that did not commit advanced tracked
-        state: the step is repeated, and would advance it twice."""
-        moved = [] if self._warned_moved else self.tracked.moved_since_capture()
-        if moved:
-            self._warned_moved = True
-            why = f"step {index} did not commit ({outcome.value}) but tracked state {moved}"
-            warnings.warn(
-                ScriptStateWarning(f"{why} changed after it: {REPEATED_STEP_RULE}"),
-                stacklevel=5,  # _check_unmoved <- _apply <- _loop <- steps() <- the script
-            )
 
     # -- committing -------------------------------------------------------------------
     def check_layout(self) -> None:
@@ -302,6 +289,11 @@ class Job:
         self.snapshots.commit(self.done, tensors, state.meta)
 
     @property
+    def assignment(self) -> dict[str, list[int]]:
+        """The plan of the step to come: micro-batch ids per member (balance.py)."""
+        return self.planner.assignment
+
+    @property
     def is_leader(self) -> bool:
         """True on the first member of the current epoch (for printing, once per job)."""
         m = self.membership
@@ -342,7 +334,7 @@ class Job:
         if not membership.includes_me:
             self.left = True
             return
-        self._plan(membership)  # refuses a membership the batch cannot be split over, early
+        self.planner.check(membership, self.done)  # refuses a batch it cannot split, early
         # After a false alarm the agents raise the epoch's timeouts (see timeout_scale):
         # every collective of the epoch, and each read of its store, waits that much longer.
         scale = membership.timeout_scale
@@ -360,7 +352,9 @@ class Job:
         before = self.done
         received = self._agree_and_restore(self.comm)
         t2 = time.perf_counter()
-        self.assignment = self._plan(membership)
+        self.planner.enter(membership, self.done)
+        # The caller's slots: every member's compute seconds, and the planned-change flag.
+        self.reducer.set_caller_slots(1 + len(membership.members))
         t3 = time.perf_counter()
         record = Reconfiguration(
             epoch=membership.epoch,
@@ -374,10 +368,6 @@ class Job:
         )
         self.reconfigurations.append(record)
         self.controller.on_reconfigured(record)
-
-    def _plan(self, membership: Membership) -> dict[str, list[int]]:
-        c, m = self.config, membership
-        return plan(self.done, m.members, c.global_batch, c.micro_batch, m.weights)
 
     def _agree_and_restore(self, comm: Communicator) -> bool:
         """Roll every member to the same committed step; return True if state came by wire."""

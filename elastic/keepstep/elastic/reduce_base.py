@@ -68,10 +68,16 @@ class Reducer(Protocol):
     def buffer(self) -> torch.Tensor:
         """The step's sum, to be all-reduced (SUM) in place and handed to `finish`.
 
-        Its last element is the caller's: `begin_step` zeroes it, the all-reduce sums it
-        with the rest, and the reducer never reads it. `Step` counts the members that
-        announce a planned change there, so that news needs no collective of its own.
+        Its last `caller_slots` elements are the caller's: `begin_step` zeroes them, the
+        all-reduce sums them with the rest, and the reducer never reads them. `Step` puts
+        each member's compute seconds and the planned-change flag there (step.py), so
+        that news needs no collective of its own.
         """
+        ...
+
+    def set_caller_slots(self, count: int) -> None:
+        """Make the buffer's last `count` (>= 1; 1 until set) elements the caller's, from
+        the next `begin_step` on; a new count takes a fresh buffer."""
         ...
 
     def abandon_buffer(self) -> None:
@@ -91,6 +97,12 @@ class Reducer(Protocol):
     def set_retry_exponents(self, reduced_max: torch.Tensor) -> None: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+def check_caller_slots(count: object) -> int:
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ConfigError(f"caller_slots={count!r} must be an int >= 1")
+    return count
 
 
 def abs_max(tensors: Sequence[torch.Tensor], fused: bool) -> torch.Tensor:

@@ -44,7 +44,7 @@ micro-batch gradients, never on who computed them.
 
 Buffer layout (float64, integer values): [data (all tensors, float32-computed first) |
 overflowing micro-batches | non-finite micro-batches | per tensor: non-finite count,
-quantized peak sum, micro-batches that gave a gradient | the caller's element (see
+quantized peak sum, micro-batches that gave a gradient | the caller's slots (see
 `Reducer.buffer`)]. A tensor no micro-batch gave a gradient keeps `.grad = None`, as plain
 PyTorch would leave it.
 Nothing syncs with the host per micro-batch; `finish` reads the tail once.
@@ -68,6 +68,7 @@ from keepstep.elastic.reduce_base import (
     ReduceOutcome,
     ReduceOverflow,
     abs_max,
+    check_caller_slots,
     nonfinite_reason,
 )
 
@@ -128,6 +129,7 @@ class ExactReducer:
         wide = [i for i in range(n_t) if self._compute[i] == torch.float64]
         n = sum(numels)
         self._n, self._n32 = n, n - sum(numels[i] for i in wide)
+        self._end, self._callers = n + 2 + 3 * n_t, 1  # the caller's slots: [_end:]
         self._acc = self._tail = torch.empty(0)
         self.abandon_buffer()
         self._f32 = torch.empty(self._n32, dtype=torch.float32, device=dev)
@@ -170,11 +172,16 @@ class ExactReducer:
 
     def abandon_buffer(self) -> None:
         # Tail: overflowing, non-finite micro-batches; per tensor: non-finite, peak, given.
-        n, n_t = self._n, len(self._layout.specs)
-        self._acc = torch.zeros(n + 3 + 3 * n_t, dtype=torch.float64, device=self._layout.device)
-        self._tail = self._acc[n:-1]
+        size, dev = self._end + self._callers, self._layout.device
+        self._acc = torch.zeros(size, dtype=torch.float64, device=dev)
+        self._tail = self._acc[self._n : self._end]
         self._acc_np = self._acc.numpy() if self._acc.device.type == "cpu" else None
         self._unwritten = False  # kernels only: the data region is stale until written
+
+    def set_caller_slots(self, count: int) -> None:
+        if check_caller_slots(count) != self._callers:
+            self._callers = count
+            self.abandon_buffer()
 
     def begin_step(self) -> None:
         if self._kernels is not None:
@@ -257,7 +264,7 @@ class ExactReducer:
                 v.copy_(g).mul_(self._scales[i]).round_()
                 self._acc[self._lo[i] : self._lo[i] + v.numel()].add_(v.reshape(-1))
         n = self._n
-        tail = self._acc_np[n:-1]
+        tail = self._acc_np[n : self._end]
         kernels.count(peaks, self._scale_vec.numpy(), self._limit, mask, tail, self._step_max_np)
 
     def _count(self, peaks: torch.Tensor, given: torch.Tensor) -> None:
@@ -282,7 +289,7 @@ class ExactReducer:
     ) -> ReduceOutcome:
         n, n_t = self._n, len(self._qviews)
         self._layout.check_finish(reduced, self._acc, n_micro, params)
-        tail = [int(c) for c in reduced[n:-1].tolist()]  # counts: exact integers
+        tail = [int(c) for c in reduced[n : self._end].tolist()]  # counts: exact integers
         if tail[1] > 0:
             bad = [c > 0 for c in tail[2 : 2 + n_t]]
             reason = nonfinite_reason(f"{tail[1]} of {n_micro} micro-batches have", bad)

@@ -6,8 +6,8 @@ EXACT reducer (reduce_exact.py), minus the overflow retry, which fast mode never
 
 Gradients are accumulated in float32 (whatever the parameter dtype), the buffer is
 all-reduced with a float32 SUM and divided by n_micro; the buffer's tail counts, per
-tensor, the micro-batches that gave a gradient. It is not order-invariant; tests measure
-its deviation from EXACT mode.
+tensor, the micro-batches that gave a gradient, then come the caller's slots (see
+`Reducer.buffer`). It is not order-invariant; tests measure its deviation from EXACT mode.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from keepstep.elastic.reduce_base import (
     ReduceNonFinite,
     ReduceOutcome,
     abs_max,
+    check_caller_slots,
     nonfinite_reason,
 )
 
@@ -34,12 +35,20 @@ class FastReducer:
     def __init__(self, params: Sequence[torch.Tensor], n_micro: int) -> None:
         self.mode = ReduceMode.FAST
         self._layout = layout = ParamLayout(params, n_micro)
-        self._n = n = sum(layout.numels)
-        # Tail: micro-batches that gave each tensor a gradient, then the caller's element.
-        self._out = torch.empty(n + len(layout.specs) + 1, device=layout.device)
-        self._oviews = self._split(self._out)
-        self._acc, self._views = self._out, self._oviews
-        self.abandon_buffer()
+        self._n = sum(layout.numels)
+        self._end = self._n + len(layout.specs)  # where the caller's slots begin
+        self._out = self._acc = torch.empty(0)
+        self._oviews: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+        self.set_caller_slots(1)
+
+    def set_caller_slots(self, count: int) -> None:
+        # Tail: micro-batches that gave each tensor a gradient, then the caller's slots.
+        size = self._end + check_caller_slots(count)
+        if self._out.numel() != size:
+            self._out = torch.empty(size, device=self._layout.device)
+            self._oviews = self._split(self._out)
+            self.abandon_buffer()
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         views, at = [], 0
@@ -59,7 +68,7 @@ class FastReducer:
         given = self._layout.present(grads)
         if given:
             torch._foreach_add_([self._views[i] for i, _ in given], [g for _, g in given])
-        self._acc[self._n : -1].add_(self._layout.mask(given, torch.float32))
+        self._acc[self._n : self._end].add_(self._layout.mask(given, torch.float32))
 
     def buffer(self) -> torch.Tensor:
         return self._acc
@@ -75,7 +84,7 @@ class FastReducer:
         bad = [bool(v.numel()) and not next(finite) for v in self._oviews]
         if any(bad):
             return ReduceNonFinite(nonfinite_reason("the reduced sum has", bad))
-        self._layout.set_grads(params, self._oviews, reduced[self._n : -1].tolist())
+        self._layout.set_grads(params, self._oviews, reduced[self._n : self._end].tolist())
         return ReduceDone()
 
     def retry_max_buffer(self) -> torch.Tensor:

@@ -12,6 +12,12 @@ A reduced gradient with inf or nan ends the job (`NonFiniteGradient`) unless the
 scales the loss (`keepstep.init(grad_scaler=...)`): then the step is committed but
 skipped, as torch's AMP recipe skips it. The decision comes from the reduction's counts,
 which are the same on every member, so every member skips the same steps.
+
+What a member's compute seconds count (`CommitResult.compute_s`, what balance.py plans
+from): the time the script's loop body runs per micro-batch, from the yield of the
+micro-batch to the request for the next one: forward, backward, the local accumulation
+of the gradient, `step.log`. Not counted: reading the micro-batch (or waiting for the
+prefetcher), the collectives of the commit, and the snapshot taken after it.
 """
 
 from __future__ import annotations
@@ -53,7 +59,8 @@ class CommitResult:
     ``grad_norm``: the reduced gradient's global norm before clipping, when the job clips;
     ``skipped``: the step committed without an optimizer step, because its reduced (loss
     scaled) gradient has inf or nan; the grad_scaler backed off (then ``grad_norm`` is None);
-    ``metrics``: what ``step.log`` recorded, reduced (each name's mean over the step).
+    ``metrics``: what ``step.log`` recorded, reduced (each name's mean over the step);
+    ``compute_s``: every member's compute seconds in this step, as the sum carried them.
     """
 
     outcome: StepOutcome
@@ -63,6 +70,7 @@ class CommitResult:
     grad_norm: float | None = None
     skipped: bool = False
     metrics: Mapping[str, float] = field(default_factory=dict)
+    compute_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         committed = self.outcome is StepOutcome.COMMITTED
@@ -112,6 +120,7 @@ class Step:
         self._current: int | None = None
         self._backward_done = False
         self._started = time.perf_counter()
+        self._compute_s = 0.0  # the loop body's seconds (see the module docstring)
         names = job.config.metrics
         self._metrics = StepMetrics(names, job.config.n_micro) if names else None
         job.reducer.begin_step()
@@ -136,7 +145,9 @@ class Step:
             data = job.loader.get((self.index, mb_id), indices)
             self._current, self._backward_done = mb_id, False
             with rng_scope(job.config.seed, self.index, mb_id):
+                began = time.perf_counter()
                 yield MicroBatch(mb_id, tuple(indices), data)
+                self._compute_s += time.perf_counter() - began
             if not self._backward_done:
                 raise ConfigError(
                     f"micro-batch {mb_id} of step {self.index} ended without step.backward(loss);"
@@ -212,14 +223,21 @@ class Step:
             return self._fail(PeerLost(comm.epoch, "epoch aborted during compute"))
         timeout = job.collective_timeout
         buffer = job.reducer.buffer()
-        # Planned changes ride on every step's sum (the buffer's last element is ours): all
-        # members learn of one in the same step.
-        buffer[-1] = 1 if job.controller.change_pending() else 0
+        # The caller's slots (Job sets 1 + world size): [compute seconds of rank 0 .. W-1 |
+        # planned-change flag]. A member writes its own; `begin_step` zeroed the others', so
+        # the sum hands every member each figure exactly (x + 0 = x in a float format), and
+        # all members learn of a planned change in the same step, with no collective more.
+        assert buffer.is_floating_point(), "the caller's slots carry seconds"
+        slots = buffer[-1 - comm.size :]
+        slots[comm.rank] = self._compute_s
+        slots[-1] = 1 if job.controller.change_pending() else 0
         try:
             comm.allreduce(buffer, dist.ReduceOp.SUM, timeout)
         except PeerLost as error:
             return self._fail(error)
-        announced = bool(buffer[-1].item())
+        *seconds, flag = buffer[-1 - comm.size :].tolist()
+        announced = bool(flag)
+        compute_s = dict(zip(comm.members, seconds, strict=True))
         metrics: dict[str, float] = {}
         if self._metrics is not None:
             # Before `finish`, which writes the gradient and moves the reducer's exponents:
@@ -263,6 +281,7 @@ class Step:
             snapshot_s=job.snapshot_s,
             skipped=skipped,
             metrics=metrics,
+            compute_s=compute_s[comm.me],
         )
         if job.board is not None and metrics and job.is_leader:
             job.board.write(self.index, metrics)
@@ -273,6 +292,7 @@ class Step:
             grad_norm=norm,
             skipped=skipped,
             metrics=metrics,
+            compute_s=compute_s,
         )
 
     def _fail(self, error: PeerLost) -> CommitResult:

@@ -29,12 +29,18 @@ from __future__ import annotations
 
 import hashlib
 import re
+import warnings
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, StateShapeError
+from keepstep.elastic.errors import (
+    ConfigError,
+    ScriptStateWarning,
+    SnapshotCorrupt,
+    StateShapeError,
+)
 
 PREFIX = "tracked/"
 # What to do instead of advancing tracked state in a step that did not commit.
@@ -70,6 +76,7 @@ class TrackedState:
         # Per object, as last captured: its plain tree and its tensors' version counters
         # (bumped by every in-place change), to tell cheaply whether it moved since.
         self._marks: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self._warned = False  # warn_if_moved: once per job
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -119,6 +126,19 @@ class TrackedState:
             if self._marks.setdefault(name, now) != now:
                 moved.append(name)
         return moved
+
+    def warn_if_moved(self, why: str) -> None:
+        """Warn (once) if an object moved since the last capture in a step that did not
+        commit (``why`` says which): the step is repeated, and would advance it twice."""
+        moved = [] if self._warned else self.moved_since_capture()
+        if moved:
+            self._warned = True
+            warnings.warn(
+                ScriptStateWarning(
+                    f"{why} but tracked state {moved} changed after it: {REPEATED_STEP_RULE}"
+                ),
+                stacklevel=5,  # warn_if_moved <- Job._apply <- _loop <- steps() <- the script
+            )
 
     def decode(self, entries: object, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """Each registered object's state dict from a snapshot, checked before anything is

@@ -62,7 +62,8 @@ class EventKind(enum.StrEnum):
                              resume_step, rolled_back_steps, received_state
                              (`keepstep.elastic.control.Reconfiguration`)
         commit               step, epoch, world_size, micro_batches, samples, step_s,
-                             assignment, snapshot_s (`keepstep.elastic.control.CommitRecord`)
+                             assignment, snapshot_s, skipped, metrics, compute_s,
+                             new_weights (`keepstep.elastic.control.CommitRecord`)
     """
 
     AGENT_STARTED = "agent-started"

@@ -151,6 +151,8 @@ class Commit:
     snapshot_s: float = 0.0
     skipped: bool = False
     metrics: Mapping[str, float] = field(default_factory=dict)
+    compute_s: float = 0.0
+    new_weights: Mapping[str, float] = field(default_factory=dict)  # a replan from speed
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,8 @@ class AgentController:
                 snapshot_s=record.snapshot_s,
                 skipped=record.skipped,
                 metrics=dict(record.metrics),
+                compute_s=record.compute_s,
+                new_weights=dict(record.new_weights),
             )
         )
 
