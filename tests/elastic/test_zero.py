@@ -29,7 +29,7 @@ import torch
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
 from keepstep.elastic.errors import BadMessage, ConfigError, StateShapeError
-from keepstep.elastic.shard import Range, make_layout
+from keepstep.elastic.shard import Range, make_chunk_layout, make_layout
 from keepstep.elastic.zero import (
     ALIGN,
     GroupGather,
@@ -222,6 +222,24 @@ def test_ownership_from_a_shard_layout_is_in_rank_order() -> None:
     assert [r[0] for r in own.ranges] == [layout.shard(m) for m in members]
     with pytest.raises(ConfigError, match="must be the layout's members"):
         Ownership.from_layout(layout, members[:3])
+
+
+def test_zero_optimizer_accepts_a_chunked_layout() -> None:
+    """A chunked layout gives each rank many ranges (slices of chunks its node owns); the
+    sharded step over them, and over the layout after a node is lost, keeps the bits."""
+    members = ["n0/0", "n0/1", "n1/0", "n2/0"]
+    layout = make_chunk_layout(sizes(), members, align=ALIGN, chunk=2 * ALIGN)
+    ownership = Ownership.from_chunk_layout(layout, members)
+    assert max(len(r) for r in ownership.ranges) > 1
+    assert [list(r) for r in ownership.ranges] == [list(layout.ranges(m)) for m in members]
+    config = CONFIGS["adamw"]
+    params, opt = reference(config)
+    want = (params_sha(params), state_sha(opt.state_dict()))
+    survivors = members[:2] + members[3:]
+    for own in (ownership, Ownership.from_chunk_layout(layout.relayout(survivors), survivors)):
+        assert {(p, s) for p, s, _ in train_sharded(config, own)} == {want}
+    with pytest.raises(ConfigError, match="must be the layout's members"):
+        Ownership.from_chunk_layout(layout, members[:3])
 
 
 def test_windows_widen_to_aligned_offsets_and_merge() -> None:

@@ -7,15 +7,29 @@ plane (stepping a shard, all-gathering parameters, running the moves over the ep
 communicator) builds on it. Torch-free: tools and the agent may import it too.
 
     layout.py    who owns which contiguous slice of the flattened state (balanced)
-    replicas.py  who keeps copies of each shard, on other nodes; ``ShardLost``
+    replicas.py  who keeps copies of each shard, on other nodes
     plan.py      the moves from an old (layout, copies, survivors) to a new one
+    moves.py     what a plan is (``Move``, ``Plan``) and what it cannot save (``ShardLost``)
+
+    The chunked layout (a second mode: a loss moves close to the lost bytes, not ~W/4):
+    chunks.py    fixed chunks owned by nodes under a load bound, sliced among members
+    ring.py      how a chunk ranks the nodes (points on a circle, probed)
+    assign.py    the bounded stable assignment, built or derived after a loss
+    blocks.py    per-chunk columns that derived layouts share until they differ
+    copies.py    replicas on the next nodes of each ranking; the chunked transfer plan
 
     layout = make_layout(sizes, members)
     copies = place_replicas(layout, replicas=1)
     ...                                   # a node is lost; the agents agree on survivors
     plan = plan_transfers(copies, place_replicas(make_layout(sizes, survivors)), survivors)
+
+    layout = make_chunk_layout(sizes, members, align=128)   # the chunked mode: the same
+    copies = place_replicas(layout)                         # calls, and relayout keeps
+    plan = plan_transfers(copies, place_replicas(layout.relayout(survivors)), survivors)
 """
 
+from keepstep.elastic.shard.chunks import ChunkLayout, chunk_size, make_chunk_layout
+from keepstep.elastic.shard.copies import ChunkPlacement
 from keepstep.elastic.shard.layout import (
     Layout,
     Piece,
@@ -24,16 +38,18 @@ from keepstep.elastic.shard.layout import (
     node_of,
     owner_changes,
 )
-from keepstep.elastic.shard.plan import Move, Plan, plan_transfers
+from keepstep.elastic.shard.moves import Move, Plan, ShardLost
+from keepstep.elastic.shard.plan import plan_transfers
 from keepstep.elastic.shard.replicas import (
     Placement,
     PlacementRule,
-    ShardLost,
     place_replicas,
     recovery_senders,
 )
 
 __all__ = [
+    "ChunkLayout",
+    "ChunkPlacement",
     "Layout",
     "Move",
     "Piece",
@@ -42,6 +58,8 @@ __all__ = [
     "Plan",
     "Range",
     "ShardLost",
+    "chunk_size",
+    "make_chunk_layout",
     "make_layout",
     "node_of",
     "owner_changes",

@@ -5,7 +5,9 @@ Once the agents agree on a new epoch, every member calls ``plan_transfers(old, n
 with the same inputs, gets the same moves, and runs its own over the new epoch's
 communicator as a timed recovery phase. ``live`` are the old members whose state survived
 (their own shard and the replicas they keep): survivors, and drained members that send
-before they leave. Joiners hold nothing and only receive.
+before they leave. Joiners hold nothing and only receive. Placements of a chunked layout
+go to ``copies.plan_chunk_transfers``, which follows the same rule chunk by chunk; both
+return a :class:`~keepstep.elastic.shard.moves.Plan`.
 
 The rule
     Walk the old and new shard boundaries together; every run of elements lies in one old
@@ -37,151 +39,51 @@ Double fault
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
 from collections.abc import Collection
-from dataclasses import dataclass
-from functools import cached_property
 from itertools import compress, count
 from operator import not_
-from typing import NamedTuple, cast
+from typing import cast, overload
 
+from keepstep.elastic.shard.copies import ChunkPlacement, plan_chunk_transfers
 from keepstep.elastic.shard.layout import Range
-from keepstep.elastic.shard.replicas import Placement, ShardLost
+from keepstep.elastic.shard.moves import Move, Plan, ShardLost
+from keepstep.elastic.shard.replicas import Placement
 from keepstep.errors import ConfigError
 
 __all__ = ["Move", "Plan", "plan_transfers"]
 
 
-class Move(NamedTuple):
-    """``src`` sends elements ``[start, stop)`` to ``dst``, which keeps them as its copy
-    ``copy`` of that range: 0 means as owner, k >= 1 as the k-th replica."""
-
-    src: str
-    dst: str
-    start: int
-    stop: int
-    copy: int
-
-    @property
-    def size(self) -> int:
-        return self.stop - self.start
+@overload
+def plan_transfers(old: Placement, new: Placement, live: Collection[str]) -> Plan[Placement]: ...
 
 
-@dataclass(frozen=True)
-class Plan:
-    """The moves from ``old`` (with ``live`` holders) to ``new``, and figures about them.
-
-    Stored as columns (move i is ``src[i] -> dst[i]``, elements ``[start[i], stop[i])``,
-    kept as copy ``copy[i]``): plain strings and ints cost the garbage collector nothing,
-    which matters at 100,000 members. ``moves`` builds :class:`Move` rows on first use.
-    """
-
-    old: Placement
-    new: Placement
-    live: frozenset[str]
-    src: tuple[str, ...]
-    dst: tuple[str, ...]
-    start: tuple[int, ...]
-    stop: tuple[int, ...]
-    copy: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return len(self.src)
-
-    @cached_property
-    def moves(self) -> tuple[Move, ...]:
-        return tuple(map(Move, self.src, self.dst, self.start, self.stop, self.copy))
-
-    def sends(self, member: str) -> list[Move]:
-        """The moves ``member`` sends, in element order."""
-        return [m for m in self.moves if m.src == member]
-
-    def receives(self, member: str) -> list[Move]:
-        """The moves ``member`` receives, in element order."""
-        return [m for m in self.moves if m.dst == member]
-
-    def sent(self) -> Counter[str]:
-        """Elements each member sends."""
-        out: Counter[str] = Counter()
-        for who, a, b in zip(self.src, self.start, self.stop, strict=True):
-            out[who] += b - a
-        return out
-
-    def received(self) -> Counter[str]:
-        """Elements each member receives."""
-        out: Counter[str] = Counter()
-        for who, a, b in zip(self.dst, self.start, self.stop, strict=True):
-            out[who] += b - a
-        return out
-
-    def elements(self, *, owners: bool | None = None) -> int:
-        """Elements moved: all, only to new owners (``owners=True``) or only to replicas."""
-        return sum(
-            b - a
-            for a, b, k in zip(self.start, self.stop, self.copy, strict=True)
-            if owners is None or owners == (k == 0)
-        )
-
-    @property
-    def lost_elements(self) -> int:
-        """Elements whose old owner is not live: the ideal a recovery has to move."""
-        old = self.old.layout
-        return sum(
-            b - a
-            for m, a, b in zip(old.members, old.bounds, old.bounds[1:], strict=False)
-            if m not in self.live
-        )
-
-    def verify(self) -> None:
-        """Check the plan's promise by replaying it; raise AssertionError if it fails.
-
-        Afterwards every new owner and replica keeper holds its ranges, each from live
-        holders only. Costs O(moves log moves); for tests and debugging, not the hot path.
-        """
-        held: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        old = self.old.layout
-        for owner, hs, a, b in zip(
-            old.members, self.old.holders, old.bounds, old.bounds[1:], strict=False
-        ):
-            for h in (owner, *hs):
-                if h in self.live and b > a:
-                    held[h].append((a, b))
-        for m in self.moves:  # explicit raises: python -O must not skip the check
-            if not any(a <= m.start and m.stop <= b for a, b in held.get(m.src, [])):
-                raise AssertionError(f"{m}: the sender is not a live holder of that range")
-        got: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        for m in self.moves:
-            got[m.dst].append((m.start, m.stop))
-        new = self.new.layout
-        for owner, hs, a, b in zip(
-            new.members, self.new.holders, new.bounds, new.bounds[1:], strict=False
-        ):
-            for h in (owner, *hs):
-                if not _covers(_merge(held.get(h, []) + got.get(h, [])), a, b):
-                    raise AssertionError(f"{h} lacks part of [{a}, {b}) after the plan")
+@overload
+def plan_transfers(
+    old: ChunkPlacement, new: ChunkPlacement, live: Collection[str]
+) -> Plan[ChunkPlacement]: ...
 
 
-def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        elif b > a:
-            out.append((a, b))
-    return out
-
-
-def _covers(merged: list[tuple[int, int]], start: int, stop: int) -> bool:
-    return start >= stop or any(a <= start and stop <= b for a, b in merged)
-
-
-def plan_transfers(old: Placement, new: Placement, live: Collection[str]) -> Plan:
-    """The moves from ``old`` (its ``live`` holders) to ``new``; see the module docstring.
+def plan_transfers(
+    old: Placement | ChunkPlacement, new: Placement | ChunkPlacement, live: Collection[str]
+) -> Plan[Placement] | Plan[ChunkPlacement]:
+    """The moves from ``old`` (its ``live`` holders) to ``new``; see the module docstring
+    (chunked placements: ``copies``).
 
     Raises :class:`ShardLost` when a non-empty old shard has no live holder, and
-    :class:`ConfigError` when the layouts cover different tensors or ``live`` names a
-    member the old layout does not have.
+    :class:`ConfigError` when the layouts cover different tensors, are of different kinds,
+    or ``live`` names a member the old layout does not have.
     """
+    if isinstance(old, ChunkPlacement) and isinstance(new, ChunkPlacement):
+        return plan_chunk_transfers(old, new, live)
+    if not isinstance(old, Placement) or not isinstance(new, Placement):
+        raise ConfigError(
+            f"cannot plan from a {type(old).__name__} to a {type(new).__name__}: both "
+            "layouts must be of one kind (make_layout or make_chunk_layout)"
+        )
+    return _plan_contiguous(old, new, live)
+
+
+def _plan_contiguous(old: Placement, new: Placement, live: Collection[str]) -> Plan[Placement]:
     src_layout, dst_layout = old.layout, new.layout
     if src_layout.sizes != dst_layout.sizes:
         raise ConfigError(

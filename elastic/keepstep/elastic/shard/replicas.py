@@ -2,7 +2,8 @@
 
 Where it sits: the second pure step of sharded state, between ``layout`` (who owns what)
 and ``plan`` (what moves after a change). A member's snapshot holds its own shard and the
-replicas it keeps, so a node can die and every element still has a live copy.
+replicas it keeps, so a node can die and every element still has a live copy. A chunked
+layout's copies follow its rankings instead (``copies``); ``place_replicas`` hands it on.
 
 The rule (``Placement.rule`` says which one applied)
     NEIGHBOR      the copies of shard i go to the members at layout positions i+1 .. i+R
@@ -34,45 +35,20 @@ import enum
 import heapq
 import operator
 from collections import Counter, deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import overload
 
-from keepstep.elastic.shard.layout import Layout, Range, node_of
-from keepstep.errors import ConfigError, KeepstepError
+from keepstep.elastic.shard.chunks import ChunkLayout
+from keepstep.elastic.shard.copies import ChunkPlacement, place_chunk_replicas
+from keepstep.elastic.shard.layout import Layout, node_of
+from keepstep.elastic.shard.moves import ShardLost
+from keepstep.errors import ConfigError
 
 __all__ = ["Placement", "PlacementRule", "ShardLost", "place_replicas", "recovery_senders"]
 
 _SHOWN = 6  # ranges and members named in an error message before "... and N more"
-
-
-class ShardLost(KeepstepError):
-    """A shard and every copy of it are gone (a double fault): no plan can restore it.
-
-    ``ranges`` are the lost elements (merged), ``members`` everyone that held them. The
-    caller falls back to the newest durable checkpoint; it must never train on.
-    """
-
-    def __init__(self, ranges: Sequence[Range], members: Sequence[str]) -> None:
-        merged: list[Range] = []
-        for r in sorted(ranges):
-            if merged and merged[-1].stop >= r.start:
-                merged[-1] = Range(merged[-1].start, max(merged[-1].stop, r.stop))
-            elif r.size > 0:
-                merged.append(r)
-        self.ranges = tuple(merged)
-        self.members = tuple(dict.fromkeys(members))  # unique, first-seen order
-        elements = sum(r.size for r in self.ranges)
-        shown = ", ".join(f"[{a}, {b})" for a, b in self.ranges[:_SHOWN])
-        if len(self.ranges) > _SHOWN:
-            shown += f" and {len(self.ranges) - _SHOWN} more"
-        who = ", ".join(self.members[:_SHOWN])
-        if len(self.members) > _SHOWN:
-            who += f" and {len(self.members) - _SHOWN} more"
-        super().__init__(
-            f"{elements} elements have no live copy: {shown} were held only by {who}, none "
-            "of them live; resume from the newest durable checkpoint"
-        )
 
 
 class PlacementRule(enum.Enum):
@@ -126,6 +102,24 @@ class Placement:
         """Replicas kept per member (members keeping none are absent)."""
         return Counter(h for column in self.copies for h in column)
 
+    def holdings(self) -> Iterator[tuple[str, int, int, int]]:
+        """``(member, start, stop, copy)`` for every non-empty shard a member holds: its
+        own (copy 0) and the replicas it keeps (copy k)."""
+        b = self.layout.bounds
+        for k, column in enumerate((self.layout.members, *self.copies)):
+            for who, start, stop in zip(column, b, b[1:], strict=False):
+                if stop > start:
+                    yield who, start, stop, k
+
+    def lost(self, live: Collection[str]) -> int:
+        """Elements whose owner is not in ``live``."""
+        b = self.layout.bounds
+        return sum(
+            stop - start
+            for m, start, stop in zip(self.layout.members, b, b[1:], strict=False)
+            if m not in live
+        )
+
 
 def _shift_is_valid(nodes: Sequence[str], replicas: int) -> bool:
     # Positions i, i+1, ..., i+R on pairwise distinct nodes for every i (cyclic): it is
@@ -169,12 +163,23 @@ def _least_loaded(members: Sequence[str], nodes: Sequence[str], replicas: int) -
     return holders
 
 
-def place_replicas(layout: Layout, replicas: int = 1) -> Placement:
-    """Where the ``replicas`` copies of every shard live; a pure function of ``layout``.
+@overload
+def place_replicas(layout: Layout, replicas: int = 1) -> Placement: ...
+
+
+@overload
+def place_replicas(layout: ChunkLayout, replicas: int = 1) -> ChunkPlacement: ...
+
+
+def place_replicas(layout: Layout | ChunkLayout, replicas: int = 1) -> Placement | ChunkPlacement:
+    """Where the ``replicas`` copies of every shard live; a pure function of ``layout``
+    (a chunked layout's copies follow its rankings: see ``copies``).
 
     Raises :class:`ConfigError` when no placement exists: ``replicas`` negative, or not
     below the number of nodes (each copy needs a node of its own besides the owner's).
     """
+    if isinstance(layout, ChunkLayout):
+        return place_chunk_replicas(layout, replicas)
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 0:
         raise ConfigError(f"replicas={replicas!r} must be an int >= 0")
     members = layout.members

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 from typing import NamedTuple
 
+from keepstep.elastic.shard.chunks import ChunkLayout
 from keepstep.elastic.shard.layout import Layout, Piece, Range, balanced_bounds, pieces_of
 from keepstep.errors import ConfigError
 
@@ -57,7 +58,8 @@ class Ownership:
 
     Each rank's ranges are sorted and disjoint; together the ranks cover
     ``[0, sum(sizes))`` exactly once (checked at construction). Build one from a shard
-    layout (``from_layout``) or as balanced contiguous slices (``balanced``).
+    layout (``from_layout``, ``from_chunk_layout``) or as balanced contiguous slices
+    (``balanced``).
     """
 
     sizes: tuple[int, ...]
@@ -116,6 +118,17 @@ class Ownership:
             )
         shards = (layout.shard(m) for m in ranks)
         return cls(layout.sizes, tuple((s,) if s.size else () for s in shards))
+
+    @classmethod
+    def from_chunk_layout(cls, layout: ChunkLayout, ranks: Sequence[str]) -> Ownership:
+        """A chunked layout's owned ranges (many per member) in rank order: ``ranks[r]``
+        is the member at rank ``r``. Build the layout with ``align=ALIGN`` so every range
+        starts on a window boundary and windows stay as narrow as the pieces."""
+        if sorted(ranks) != sorted(layout.members):
+            raise ConfigError(
+                f"ranks {list(ranks)[:6]} must be the layout's members {list(layout.members)[:6]}"
+            )
+        return cls(layout.sizes, tuple(layout.ranges(m) for m in ranks))
 
     @classmethod
     def balanced(cls, sizes: Iterable[int], world: int, align: int = 1) -> Ownership:
