@@ -19,6 +19,7 @@ from collections import Counter
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_shard_layout import clusters, grid  # the same member sets as the layout's tests
 
 from keepstep.elastic.shard import (
     ChunkLayout,
@@ -39,28 +40,6 @@ from keepstep.errors import ConfigError
 
 FAST = settings(max_examples=40, deadline=None)
 HEAVY = settings(max_examples=15, deadline=None)  # realistic sizes: thousands of chunks
-
-
-def grid(nodes: int, per_node: int) -> list[str]:
-    return [f"n{n}/{w}" for n in range(nodes) for w in range(per_node)]
-
-
-@st.composite
-def clusters(draw: st.DrawFn, min_nodes: int = 1) -> list[str]:
-    """2..64 members over min_nodes..16 nodes; local ids sometimes have gaps."""
-    n_nodes = draw(st.integers(min_nodes, 16))
-    total = draw(st.integers(max(2, n_nodes), 64))
-    counts = [1] * n_nodes
-    for _ in range(total - n_nodes):
-        counts[draw(st.integers(0, n_nodes - 1))] += 1
-    gaps = draw(st.booleans())
-    members = []
-    for n, count in enumerate(counts):
-        ids: list[int] = list(range(count))
-        if gaps:
-            ids = sorted(draw(st.sets(st.integers(0, 80), min_size=count, max_size=count)))
-        members += [f"n{n}/{w}" for w in ids]
-    return members
 
 
 # Realistic: 10**7 elements or more, so each member's slice of a chunk is whole 128-element
