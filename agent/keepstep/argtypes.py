@@ -53,6 +53,17 @@ def seconds(text: str) -> float:
     return value
 
 
+def seconds_or_off(text: str) -> float:
+    """A finite number of seconds >= 0 (0: the mechanism is off)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds >= 0 (0: off)")
+    return value
+
+
 def checked(parse: Callable[[str], _T]) -> Callable[[str], _T]:
     """`parse` as an argparse type: its ConfigError (whose message names the value and the
     rule) becomes the argparse error, instead of argparse's generic "invalid value"."""

@@ -38,6 +38,7 @@ PASSING = [
     "kill-etcd",  # one of three etcd members, for good
     "fault-during-recovery",
     "hang-resume",  # its own four-node job: a second reference run
+    "slow-all",  # every node slowed at once: nobody may be taken for hung
 ]
 
 
@@ -152,9 +153,11 @@ def test_partitioned_node_is_excluded_then_readmitted_with_every_invariant(
     assert loaded is not None and fault["detail"]["veth"] == loaded[0].node(1).host_veth
     summary = only.outcome.summary
     assert summary is not None
-    # Lost when its lease expired, trained on without it, admitted again once reachable.
+    # Lost when it missed its heartbeats (or its lease expired first), trained on without
+    # it, admitted again once reachable.
     causes = [(r["cause"], r["node"]) for r in summary["recoveries"]]
-    assert causes[0] == ("lease-expired", "n1") and causes[-1][0] == "rejoin", causes
+    assert causes[0] in {("heartbeat-missed", "n1"), ("lease-expired", "n1")}, causes
+    assert causes[-1][0] == "rejoin", causes
     sizes = summary["world_size_by_step"]
     assert min(sizes) == 2 and sizes[-1] == 3
     assert summary["agent_exit_codes"] == {"n0": 0, "n1": 0, "n2": 0}

@@ -271,10 +271,12 @@ def test_a_node_too_slow_for_the_probe_is_probed_again_before_it_is_blamed(
     agents: Callable[..., NodeAgent], tmp_path: Path
 ) -> None:
     # n1's agent answers probes late (a loaded machine), but its lease is alive: it is
-    # probed again for as long as its lease lasts, and nothing is lost.
+    # probed again for as long as its lease lasts, and nothing is lost. (Heartbeats off:
+    # with them, an answer later than their bound makes a node hung, as the next test shows.)
     job = job_name("slow-probe")
-    n0 = agents(job, "n0", expected_nodes=2, probe_timeout=0.3, lease_ttl=1.0)
-    n1 = agents(job, "n1", expected_nodes=2, probe_timeout=0.3, lease_ttl=1.0)
+    slow = {"probe_timeout": 0.3, "lease_ttl": 1.0, "heartbeat_timeout": 0}
+    n0 = agents(job, "n0", expected_nodes=2, **slow)
+    n1 = agents(job, "n1", expected_nodes=2, **slow)
     clients = {"n0/0": link(job, "n0"), "n1/0": link(job, "n1")}
     try:
         admitted(clients)
@@ -296,3 +298,44 @@ def test_a_node_too_slow_for_the_probe_is_probed_again_before_it_is_blamed(
     agreed = [e for e in read_events(tmp_path) if e["kind"] == "epoch-agreed" and e["epoch"] == 1]
     assert agreed[0]["reason"].startswith("lost nothing; timeouts raised to 2x"), agreed
     assert agreed[0]["timeout_scale"] == 2.0
+
+
+def test_a_node_that_stops_answering_is_found_by_its_neighbours_heartbeats(
+    agents: Callable[..., NodeAgent], tmp_path: Path
+) -> None:
+    # n1's agent stops answering (its probe thread blocks, as in a SIGSTOP) while its lease
+    # stays alive: n0's heartbeats find it and abort the epoch within about their bound,
+    # long before any collective or lease would, and the next epoch is agreed without it.
+    job = job_name("heartbeat")
+    n0 = agents(job, "n0", expected_nodes=2, heartbeat_timeout=0.5, lease_ttl=5.0)
+    n1 = agents(job, "n1", expected_nodes=2, heartbeat_timeout=0.5, lease_ttl=5.0)
+    clients = {"n0/0": link(job, "n0"), "n1/0": link(job, "n1")}
+    resume = threading.Event()
+    try:
+        admitted(clients)
+
+        def never() -> dict[str, Any]:
+            resume.wait(30)
+            return {}
+
+        n1.probe_server.status = never
+        deadline = time.monotonic() + T
+        detected: list[dict[str, Any]] = []
+        while not detected and time.monotonic() < deadline:
+            time.sleep(0.05)
+            detected = [
+                e
+                for e in read_events(tmp_path)
+                if e["kind"] == "fault-detected" and e.get("cause") == "heartbeat-missed"
+            ]
+        assert detected, "n0 never reported n1's missed heartbeats"
+        assert detected[0]["node"] == "n1" and detected[0]["epoch"] == 0
+        assert "missed its heartbeats" in detected[0]["reason"]
+        # The worker on n0 sees its collective fail and asks for the next epoch.
+        answer = clients["n0/0"].request(Failure("n0/0", 0, 4, "peer lost"), T)
+        assert isinstance(answer, MembershipReply) and answer.members == ("n0/0",), answer
+        assert n0.heartbeat is not None and n0.heartbeat.silent_nodes() == {"n1"}
+    finally:
+        resume.set()
+        for client in clients.values():
+            client.close()

@@ -10,8 +10,9 @@ while a scheduled fault is injected (`gates`). This module wires them, and acts 
 etcd and the supervisor tell it.
 
 Detection that does not wait for a collective to fail: a worker that exits (the
-supervisor sees it at once) and a member node whose lease expired (hang, partition)
-make the agent abort the epoch in the epoch's store, so every worker gives up its
+supervisor sees it at once), a neighbouring node that misses its heartbeats (`heartbeat`:
+hang, partition; about 0.5 s) and a member node whose lease expired (the backstop, 1 s
+and more) make the agent abort the epoch in the epoch's store, so every worker gives up its
 collective within milliseconds.
 """
 
@@ -34,6 +35,7 @@ from keepstep.agent.node.config import AgentConfig, answer_bounds, snapshot_path
 from keepstep.agent.node.durable import DurableCheckpoints, seed_snapshot
 from keepstep.agent.node.gates import GateHolds, hold_timeout_for
 from keepstep.agent.node.healer import Healer
+from keepstep.agent.node.heartbeat import HeartbeatMonitor
 from keepstep.agent.node.link_server import LinkServer, same_user_and
 from keepstep.agent.node.probe import ProbeServer
 from keepstep.agent.node.progress import ProgressPublisher
@@ -90,8 +92,25 @@ class NodeAgent:
         self.registration = Registration(
             kv, key(cfg.job, "nodes", cfg.node), cfg.lease_ttl, cfg.op_timeout, self._node_record
         )
+        self.heartbeat = (
+            HeartbeatMonitor(
+                cfg.node,
+                self._heartbeat_view,
+                self._heartbeat_lost,
+                cfg.heartbeat_timeout,
+                cfg.heartbeat_interval,
+            )
+            if cfg.heartbeat_timeout > 0
+            else None
+        )
         self.healer = Healer(
-            cfg, kv, self.view, self.events, self.registration, lambda: self.draining
+            cfg,
+            kv,
+            self.view,
+            self.events,
+            self.registration,
+            lambda: self.draining,
+            self.heartbeat.silent_nodes if self.heartbeat is not None else frozenset,
         )
         self.progress = ProgressPublisher(
             kv, key(cfg.job, "progress", cfg.node), cfg.node, cfg.global_batch, cfg.op_timeout
@@ -138,6 +157,8 @@ class NodeAgent:
             self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
         self.registration.register()
         self.progress.start()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
         if self.cfg.resume_blob is not None:
             blob = self.cfg.resume_blob.read_bytes()
             for member in self.members():
@@ -214,6 +235,8 @@ class NodeAgent:
 
     def close(self) -> None:
         self.closing = True
+        if self.heartbeat is not None:
+            self.heartbeat.close()
         if self.spares is not None:
             self.spares.close()
         self.supervisor.stop_all(timeout=5.0)
@@ -254,6 +277,19 @@ class NodeAgent:
             node = change.lost_node
             self._abort(cur, "lease-expired", f"node {node} lost its lease (hung or cut off)", node)
         self._update_flag()
+
+    def _heartbeat_view(self) -> tuple[EpochRecord | None, dict[str, NodeRecord]]:
+        seen = self.view.observe()
+        if self.view.job_finished or self.closing:
+            return None, {}
+        return seen.current, seen.nodes
+
+    def _heartbeat_lost(self, epoch: EpochRecord, node: str, silent_s: float) -> None:
+        cur = self.view.current
+        if cur is None or cur.epoch != epoch.epoch or self.view.job_finished or self.closing:
+            return  # that epoch is over already (or the job is)
+        reason = f"node {node} missed its heartbeats for {silent_s:.2f} s (hung or cut off)"
+        self._abort(cur, "heartbeat-missed", reason, node)
 
     def _check_members(self, epoch: EpochRecord) -> None:
         """End an epoch that names a worker of this node that is not running and ready

@@ -114,14 +114,18 @@ def after_failure(
     return record, reason
 
 
-def suspects(probes: Mapping[str, ProbeResult]) -> list[str]:
+def suspects(probes: Mapping[str, ProbeResult], silent: Collection[str] = ()) -> list[str]:
     """Nodes to probe again before they are blamed: those that let the probe time out.
 
     A killed node refuses the connection at once; a node that accepted but did not answer
     in time is hung, or only slow on a loaded machine. Its lease in etcd is still alive
-    (a node whose lease expired is not probed at all), so it gets a second, longer chance.
+    (a node whose lease expired is not probed at all), so it gets a second, longer chance,
+    unless it is `silent`: this agent's heartbeats found it silent for their whole bound
+    already, which was that chance.
     """
-    return sorted(node for node, result in probes.items() if result.timed_out)
+    return sorted(
+        node for node, result in probes.items() if result.timed_out and node not in silent
+    )
 
 
 def not_offered(record: EpochRecord, node: str, offered: Collection[str]) -> list[str]:

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from keepstep.argtypes import int_at_least, seconds
+from keepstep.argtypes import int_at_least, seconds, seconds_or_off
 from keepstep.errors import ConfigError
 
 # Reading the newest checkpoint record and its blob from object storage.
@@ -119,7 +119,15 @@ def register(sub: Any) -> None:
         type=count,
         default=1,
         metavar="SECONDS",
-        help="a node silent this long (its etcd lease) is taken for hung [1]",
+        help="a node whose etcd lease is silent this long is taken for hung [1]",
+    )
+    agent.add_argument(
+        "--heartbeat-timeout",
+        type=seconds_or_off,
+        default=0.5,
+        metavar="SECONDS",
+        help="a neighbouring node that does not answer its heartbeats this long is taken "
+        "for hung; 0: only the lease finds hangs [0.5]",
     )
     agent.add_argument(
         "--admission-timeout",
@@ -237,6 +245,7 @@ def from_flags(args: argparse.Namespace) -> Any:
         expected_nodes=args.nodes,
         min_nodes=args.min_nodes or args.nodes,
         lease_ttl=args.hang_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
         admission_timeout=args.admission_timeout,
         host=args.host,
         steps=args.steps,

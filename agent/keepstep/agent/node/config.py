@@ -40,6 +40,9 @@ class AgentConfig:
     min_nodes: int = 1
     lease_ttl: float = 1.0
     probe_timeout: float = 0.3
+    # A ring neighbour silent this long is lost (heartbeat.py); 0: only the lease finds hangs.
+    heartbeat_timeout: float = 0.5
+    heartbeat_interval: float = 0.1
     # Epoch 0 starts without the missing nodes (if min_nodes are there) after this long.
     admission_grace: float = 30.0
     # A worker waits at most this long to be admitted (epoch 0, a join, or back after an
@@ -78,6 +81,12 @@ class AgentConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name}={value!r} must be a number of seconds > 0")
+        for name in ("heartbeat_timeout", "heartbeat_interval"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+                raise ConfigError(f"{name}={value!r} must be a number of seconds >= 0")
+        if self.heartbeat_interval == 0 and self.heartbeat_timeout > 0:
+            raise ConfigError("heartbeat_interval=0: heartbeats need an interval > 0 s")
         if not self.admission_grace >= 0:
             raise ConfigError(f"admission_grace={self.admission_grace!r} must be >= 0 s")
 

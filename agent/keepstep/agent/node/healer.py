@@ -25,7 +25,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -68,9 +68,11 @@ class Healer:
         events: EventLog,
         registration: Registration,
         draining: Callable[[], bool],
+        silent: Callable[[], Collection[str]] = frozenset,
     ) -> None:
+        """`silent`: the nodes this agent's heartbeats found silent for their bound."""
         self.cfg, self.kv, self.view, self.events = cfg, kv, view, events
-        self._registration, self._draining = registration, draining
+        self._registration, self._draining, self._silent = registration, draining, silent
         self._agree_lock = threading.Lock()
         self._decided = -1  # the newest failed epoch this agent made its decision for
         self._started = time.monotonic()
@@ -217,9 +219,10 @@ class Healer:
         wanted = {*cur.nodes(), *(node_of(m) for m in seen.pending)}
         targets = {n: (rec.host, rec.probe_port) for n, rec in seen.nodes.items() if n in wanted}
         probes = probe_all(targets, self.cfg.probe_timeout * cur.timeout_scale)
-        again = agreement.suspects(probes)
+        again = agreement.suspects(probes, self._silent())
         if again:
-            # Probed again before blamed, for as long as the lease it still holds.
+            # Probed again before blamed, for as long as the lease it still holds (unless
+            # its missed heartbeats were that second chance).
             longer = self.cfg.lease_ttl * cur.timeout_scale
             probes.update(probe_all({n: targets[n] for n in again}, longer))
             latest = self.view.observe()  # a hung node's lease may have expired meanwhile
