@@ -46,6 +46,7 @@ BITS = {
     torch.bfloat16: torch.int16,
     torch.float16: torch.int16,
 }
+PATHS: list[dict[str, bool]] = [{"kernels": True}, {"kernels": False}, {"device_ops": True}]
 Grads = list[torch.Tensor | None]
 Poison = Callable[[int, int, Grads], None]
 
@@ -123,10 +124,11 @@ class Ranks:
         self.grouping = grouping
         self.how = how
         self.params = [make_params() for _ in grouping]
-        # Exact mode: even ranks use the fused CPU kernels, odd ranks the tensor ops, so
-        # every multi-rank case also checks that the two paths give the same bits.
+        # Exact mode: the ranks take turns over the three paths (the numba kernels, the
+        # tensor ops, the device path run on the CPU), so every multi-rank case also
+        # checks that they give the same bits.
         self.reducers = [
-            ExactReducer(p, N_MICRO, kernels=r % 2 == 0)
+            ExactReducer(p, N_MICRO, **PATHS[r % len(PATHS)])
             if mode is ReduceMode.EXACT
             else make_reducer(mode, p, N_MICRO)
             for r, p in enumerate(self.params)

@@ -14,7 +14,14 @@ import pytest
 import torch
 
 from keepstep.elastic.errors import ConfigError
-from keepstep.elastic.rng import SampleOrder, derive_seed, fix_determinism, rng_scope
+from keepstep.elastic.rng import (
+    CUBLAS_WORKSPACE_CONFIG,
+    SampleOrder,
+    current_device_generators,
+    derive_seed,
+    fix_determinism,
+    rng_scope,
+)
 
 
 def test_derive_seed_is_stable_and_separates_keys() -> None:
@@ -210,16 +217,107 @@ def test_rng_scope_restores_on_error(seeded_globals: None) -> None:
     assert after[1:] == without[1:]
 
 
+def test_rng_scope_keys_the_device_generator_by_micro_batch() -> None:
+    """A CPU generator stands in for the CUDA one: seeded from its own stream of the same
+    key (not the CPU generator's), the same whatever its state before, put back after."""
+    device = torch.Generator().manual_seed(5)
+    torch.rand(3, generator=device)
+    before = device.get_state()
+    with rng_scope(42, 3, 1, device_generators=[device]):
+        first = torch.rand(8, generator=device)
+        cpu = torch.rand(8)
+    assert torch.equal(device.get_state(), before)
+    device.manual_seed(99)  # another history must not matter inside the scope
+    with rng_scope(42, 3, 1, device_generators=[device]):
+        again = torch.rand(8, generator=device)
+    with rng_scope(42, 3, 2, device_generators=[device]):
+        other_mb = torch.rand(8, generator=device)
+    expect = torch.Generator().manual_seed(derive_seed(42, 3, 1, "torch-cuda"))
+    assert torch.equal(first, torch.rand(8, generator=expect))
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other_mb)
+    assert not torch.equal(first, cpu)  # independent of the CPU generator's stream
+
+
+def test_rng_scope_restores_the_device_generator_on_error() -> None:
+    device = torch.Generator().manual_seed(5)
+    before = device.get_state()
+    with pytest.raises(RuntimeError, match="boom"), rng_scope(1, 2, 3, [device]):
+        torch.rand(4, generator=device)
+        raise RuntimeError("boom")
+    assert torch.equal(device.get_state(), before)
+
+
+def test_rng_scope_never_initialises_cuda() -> None:
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        pytest.skip("CUDA was initialised by an earlier test in this process")
+    assert current_device_generators() == []
+    with rng_scope(1, 2, 3):
+        torch.rand(2)
+    assert not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the device generator")
+def test_cuda_dropout_is_keyed_and_the_generator_restored() -> None:
+    x = torch.ones(4096, device="cuda")
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    gen.manual_seed(1)
+    before = gen.get_state()
+    with rng_scope(42, 3, 1):
+        first = torch.nn.functional.dropout(x, p=0.5)
+    assert torch.equal(gen.get_state(), before)
+    gen.manual_seed(2)
+    with rng_scope(42, 3, 1):
+        second = torch.nn.functional.dropout(x, p=0.5)
+    with rng_scope(42, 3, 2):
+        other = torch.nn.functional.dropout(x, p=0.5)
+    assert torch.equal(first, second) and not torch.equal(first, other)
+
+
 @pytest.fixture
 def restore_torch_threads() -> Iterator[None]:
     threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
+    cudnn = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
     yield
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
 
 
-def test_fix_determinism(restore_torch_threads: None) -> None:
+def test_fix_determinism_sets_the_gpu_flags(restore_torch_threads: None) -> None:
+    torch.backends.cudnn.benchmark = True
+    environ: dict[str, str] = {}
+    fix_determinism(1, environ)
+    assert environ == {"CUBLAS_WORKSPACE_CONFIG": CUBLAS_WORKSPACE_CONFIG}
+    assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        cudnn = torch.backends.cudnn
+        flags = [torch.backends.cuda.matmul, cudnn, cudnn.conv, cudnn.rnn]
+        assert [f.fp32_precision for f in flags] == ["ieee"] * 4
+    else:
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+    kept = {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+    fix_determinism(1, kept)  # a deterministic value the user chose is kept
+    assert kept == {"CUBLAS_WORKSPACE_CONFIG": ":16:8"}
+
+
+def test_fix_determinism_refuses_a_nondeterministic_cublas_config(
+    restore_torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(ConfigError, match=r"CUBLAS_WORKSPACE_CONFIG=':0:0' is not deterministic"):
+        fix_determinism(1, {"CUBLAS_WORKSPACE_CONFIG": ":0:0"})
+    # Too late to set it: cuBLAS may have read the environment already.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    environ: dict[str, str] = {}
+    with pytest.raises(ConfigError, match=r"CUDA is already initialised.*:4096:8"):
+        fix_determinism(1, environ)
+    assert environ == {}
+    fix_determinism(1, {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})  # set before: fine
+
+
+def test_fix_determinism(restore_torch_threads: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     with pytest.raises(ConfigError, match=r"threads=0 must be an int >= 1"):
         fix_determinism(0)
     torch.use_deterministic_algorithms(False)

@@ -105,6 +105,33 @@ def check_caller_slots(count: object) -> int:
     return count
 
 
+def check_exact_state(
+    state: Mapping[str, torch.Tensor], n_t: int, limit_bits: int
+) -> tuple[list[int], list[float]]:
+    """The exponents and peaks of an `ExactReducer.state_dict()`, checked against a reducer
+    of `n_t` tensors and `limit_bits` (StateShapeError naming what differs)."""
+    expect = {
+        "exponents": (torch.int64, (n_t,)),
+        "peak": (torch.float64, (n_t,)),
+        "limit_bits": (torch.int64, ()),
+    }
+    if set(state) != set(expect):
+        raise StateShapeError(f"reducer state keys {sorted(state)}; expected {sorted(expect)}")
+    for key, (dtype, shape) in expect.items():
+        t = state[key]
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise StateShapeError(
+                f"reducer state {key!r} is {t.dtype} {tuple(t.shape)}; expected {dtype} {shape}"
+            )
+    if int(state["limit_bits"]) != limit_bits:
+        raise StateShapeError(
+            f"reducer state has limit_bits={int(state['limit_bits'])}, this job "
+            f"{limit_bits} (n_micro changed?)"
+        )
+    ks = [int(k) for k in state["exponents"].tolist()]
+    return ks, [float(p) for p in state["peak"].tolist()]
+
+
 def abs_max(tensors: Sequence[torch.Tensor], fused: bool) -> torch.Tensor:
     """Per-tensor max |x| as one float64 vector; exact, and nan/inf propagate."""
     if not fused:

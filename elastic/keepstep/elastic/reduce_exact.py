@@ -48,6 +48,11 @@ quantized peak sum, micro-batches that gave a gradient | the caller's slots (see
 `Reducer.buffer`)]. A tensor no micro-batch gave a gradient keeps `.grad = None`, as plain
 PyTorch would leave it.
 Nothing syncs with the host per micro-batch; `finish` reads the tail once.
+
+Paths (same bits, checked in tests/elastic/test_reduce_kernels.py and test_reduce_device.py):
+off the CPU, one fused quantize-and-accumulate per tensor (reduce_device.py, compiled on
+CUDA); on the CPU, numba's one-pass loops for float32/float64 (reduce_kernels.py) and tensor
+ops through float32/float64 scratch buffers for the rest.
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ from keepstep.elastic.reduce_base import (
     ReduceOverflow,
     abs_max,
     check_caller_slots,
+    check_exact_state,
     nonfinite_reason,
 )
+from keepstep.elastic.reduce_device import DeviceOps
 
 # Clamp of k per compute dtype: 2**k normal, subnormal products < 0.5, and
 # n_micro * 2**k finite in float64 for the final division.
@@ -86,10 +93,11 @@ class ExactReducer:
     """Fixed-point accumulation (integers in float64) with agreed per-tensor power-of-two
     scales.
 
-    `fused` picks multi-tensor (foreach) kernels, fewer launches for one more pass; the
-    default uses them off the CPU. `kernels` picks the fused one-pass CPU loops
+    `device_ops` picks the fused per-tensor torch ops (reduce_device.py; `compile` as
+    there); the default uses them off the CPU. `kernels` picks the one-pass CPU loops
     (reduce_kernels.py) for float32 and float64 parameters; the default uses them on the
-    CPU when numba is installed. All paths give the same bits.
+    CPU when numba is installed. Otherwise tensor ops through scratch buffers, `fused`
+    picking multi-tensor (foreach) kernels. All paths give the same bits.
     """
 
     def __init__(
@@ -100,10 +108,20 @@ class ExactReducer:
         initial_max: float = 2.0**16,
         fused: bool | None = None,
         kernels: bool | None = None,
+        device_ops: bool | None = None,
+        compile: bool | None = None,
     ) -> None:
         layout = ParamLayout(params, n_micro)
         on_cpu = layout.device.type == "cpu"
         self._fused = not on_cpu if fused is None else fused
+        if device_ops is not None and not isinstance(device_ops, bool):
+            raise ConfigError(f"device_ops={device_ops!r} must be a bool or None")
+        use_dev = not on_cpu if device_ops is None else device_ops
+        if (use_dev and kernels) or (compile is not None and not use_dev):
+            raise ConfigError(
+                f"device_ops={device_ops!r} with kernels={kernels!r}, compile={compile!r}: "
+                "kernels need device_ops off; compile needs it on"
+            )
         if kernels and not (on_cpu and reduce_kernels.available()):
             raise ConfigError(
                 f"kernels=True needs CPU parameters (these are on {layout.device}) and the "
@@ -132,22 +150,12 @@ class ExactReducer:
         self._end, self._callers = n + 2 + 3 * n_t, 1  # the caller's slots: [_end:]
         self._acc = self._tail = torch.empty(0)
         self.abandon_buffer()
-        self._f32 = torch.empty(self._n32, dtype=torch.float32, device=dev)
-        self._f64 = torch.empty(n - self._n32, dtype=torch.float64, device=dev)
-        # The float32 block widened for the sum; in `finish`, the averaged gradients.
-        self._wide = out = torch.empty(n, dtype=torch.float64, device=dev)
-        self._qviews, self._oviews, self._lo = [], [], []
-        at = {torch.float32: 0, torch.float64: 0}
-        for i, (shape, _) in enumerate(layout.specs):
-            cdt, numel = self._compute[i], numels[i]
-            lo = at[cdt] + (self._n32 if cdt == torch.float64 else 0)  # f32 block, then f64
-            quant = self._f32 if cdt == torch.float32 else self._f64
-            self._qviews.append(quant[at[cdt] : at[cdt] + numel].view(shape))
-            self._oviews.append(out[lo : lo + numel].view(shape))
-            self._lo.append(lo)
-            at[cdt] += numel
-        use = on_cpu and reduce_kernels.available() if kernels is None else kernels
+        self._n_t, self._lo = n_t, self._offsets()
+        use = on_cpu and not use_dev and reduce_kernels.available() if kernels is None else kernels
         self._kernels = reduce_kernels.CpuKernels(layout.specs, self._lo) if use else None
+        self._device = DeviceOps(layout.specs, self._lo, dev, compile) if use_dev else None
+        if self._device is None:
+            self._make_scratch()
         self._step_max = torch.zeros(n_t, dtype=torch.float64, device=dev)
         self._step_max_np = self._step_max.numpy() if on_cpu else None
         self._zero = torch.zeros((), dtype=torch.float64, device=dev)
@@ -155,6 +163,37 @@ class ExactReducer:
         k0 = self.limit_bits - _ceil_log2(initial_max)
         self._initial = [self._clamp(i, k0) for i in range(n_t)]
         self._set_exponents(list(self._initial))
+
+    def _offsets(self) -> list[int]:
+        """Where each tensor's integers start: the float32-computed block, then float64."""
+        at, out = {torch.float32: 0, torch.float64: self._n32}, []
+        for i, numel in enumerate(self._layout.numels):
+            out.append(at[self._compute[i]])
+            at[self._compute[i]] += numel
+        return out
+
+    def _make_scratch(self) -> None:
+        """The tensor-op path's buffers: quantized values per compute dtype, widened copy."""
+        n, dev, layout = self._n, self._layout.device, self._layout
+        self._f32 = torch.empty(self._n32, dtype=torch.float32, device=dev)
+        self._f64 = torch.empty(n - self._n32, dtype=torch.float64, device=dev)
+        # The float32 block widened for the sum; in `finish`, the averaged gradients.
+        self._wide = out = torch.empty(n, dtype=torch.float64, device=dev)
+        self._qviews, self._oviews = [], []
+        for i, (shape, _) in enumerate(layout.specs):
+            lo, numel = self._lo[i], layout.numels[i]
+            at = lo - (self._n32 if self._compute[i] == torch.float64 else 0)
+            quant = self._f32 if self._compute[i] == torch.float32 else self._f64
+            self._qviews.append(quant[at : at + numel].view(shape))
+            self._oviews.append(out[lo : lo + numel].view(shape))
+
+    @property
+    def path(self) -> str:
+        """Which path adds the micro-batches (all give the same bits): "device-compiled",
+        "device-eager", "cpu-kernels" or "tensor-ops"."""
+        if self._device is not None:
+            return "device-compiled" if self._device.compiled else "device-eager"
+        return "tensor-ops" if self._kernels is None else "cpu-kernels"
 
     @property
     def exponents(self) -> tuple[int, ...]:
@@ -169,6 +208,8 @@ class ExactReducer:
         self._k = ks
         self._scales = [2.0**k for k in ks]
         self._scale_vec = torch.tensor(self._scales, dtype=torch.float64, device=self._acc.device)
+        if self._device is not None:
+            self._device.set_scales(self._scale_vec)
 
     def abandon_buffer(self) -> None:
         # Tail: overflowing, non-finite micro-batches; per tensor: non-finite, peak, given.
@@ -197,8 +238,13 @@ class ExactReducer:
         if self._kernels is not None:
             self._add_with_kernels(self._kernels, given)
             return
+        if self._device is not None:
+            peaks = self._device.add(given, self._acc)
+            self._count(peaks, self._layout.mask(given, torch.float64))
+            torch.maximum(self._step_max, peaks, out=self._step_max)
+            return
         live = [(i, g) for i, g in given if g.numel()]
-        n_t = len(self._qviews)
+        n_t = self._n_t
         if len(live) == n_t:
             views, scales, tensors = self._qviews, self._scales, [g for _, g in live]
             peaks = abs_max(tensors, self._fused)
@@ -238,7 +284,7 @@ class ExactReducer:
     def _add_with_kernels(
         self, kernels: reduce_kernels.CpuKernels, given: list[tuple[int, torch.Tensor]]
     ) -> None:
-        n_t = len(self._qviews)
+        n_t = self._n_t
         peaks, mask = np.zeros(n_t), np.zeros(n_t)
         assert self._acc_np is not None and self._step_max_np is not None
         data = self._acc_np[: self._n]
@@ -287,7 +333,7 @@ class ExactReducer:
     def finish(
         self, reduced: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
     ) -> ReduceOutcome:
-        n, n_t = self._n, len(self._qviews)
+        n, n_t = self._n, self._n_t
         self._layout.check_finish(reduced, self._acc, n_micro, params)
         tail = [int(c) for c in reduced[n : self._end].tolist()]  # counts: exact integers
         if tail[1] > 0:
@@ -298,40 +344,19 @@ class ExactReducer:
             return ReduceOverflow(micro_batches=tail[0])
         # n_micro * 2**k is exact, and dividing by it equals (sum / n_micro) * 2**-k exactly.
         divisors = [n_micro * s for s in self._scales]
+        given = tail[2 + 2 * n_t :]
         if self._kernels is not None:
-            self._finish_with_kernels(self._kernels, reduced, divisors, params, tail[2 + 2 * n_t :])
+            self._kernels.set_grads(reduced, divisors, params, given)
+        elif self._device is not None:
+            self._device.set_grads(reduced, divisors, params, given)
         else:
             self._wide.copy_(reduced[:n])
             torch._foreach_div_(self._oviews, divisors)
-            self._layout.set_grads(params, self._oviews, tail[2 + 2 * n_t :])
+            self._layout.set_grads(params, self._oviews, given)
         qpeak = tail[2 + n_t : 2 + 2 * n_t]
         self._peak = [q / (n_micro * s) for q, s in zip(qpeak, self._scales, strict=True)]
         self._set_exponents([self._next_exponent(i, p) for i, p in enumerate(self._peak)])
         return ReduceDone()
-
-    def _finish_with_kernels(
-        self,
-        kernels: reduce_kernels.CpuKernels,
-        reduced: torch.Tensor,
-        divisors: Sequence[float],
-        params: Sequence[torch.Tensor],
-        given: Sequence[int],
-    ) -> None:
-        data = reduced.numpy()
-        grads: dict[int, torch.Tensor] = {}
-        for i, count in enumerate(given):
-            if count <= 0:
-                continue  # no micro-batch gave one: .grad stays None
-            out = grads[i] = torch.empty_like(params[i])
-            if kernels.handles(i) and out.is_contiguous():
-                kernels.divide(i, data, divisors[i], out)
-            else:
-                lo = self._lo[i]
-                out.copy_((reduced[lo : lo + out.numel()] / divisors[i]).view(out.shape))
-        for p in params:
-            p.grad = None
-        for i, g in grads.items():
-            params[i].grad = g
 
     def _next_exponent(self, i: int, peak: float) -> int:
         if peak <= 0.0:  # no signal (all zero): fall back to the initial range
@@ -342,7 +367,7 @@ class ExactReducer:
         return self._step_max.clone()
 
     def set_retry_exponents(self, reduced_max: torch.Tensor) -> None:
-        n_t = len(self._qviews)
+        n_t = self._n_t
         if reduced_max.shape != (n_t,) or not reduced_max.is_floating_point():
             raise StateShapeError(
                 f"reduced_max is {reduced_max.dtype} {tuple(reduced_max.shape)}; "
@@ -368,27 +393,8 @@ class ExactReducer:
         }
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:
-        n_t = len(self._qviews)
-        expect = {
-            "exponents": (torch.int64, (n_t,)),
-            "peak": (torch.float64, (n_t,)),
-            "limit_bits": (torch.int64, ()),
-        }
-        if set(state) != set(expect):
-            raise StateShapeError(f"reducer state keys {sorted(state)}; expected {sorted(expect)}")
-        for key, (dtype, shape) in expect.items():
-            t = state[key]
-            if t.dtype != dtype or tuple(t.shape) != shape:
-                raise StateShapeError(
-                    f"reducer state {key!r} is {t.dtype} {tuple(t.shape)}; expected {dtype} {shape}"
-                )
-        if int(state["limit_bits"]) != self.limit_bits:
-            raise StateShapeError(
-                f"reducer state has limit_bits={int(state['limit_bits'])}, this job "
-                f"{self.limit_bits} (n_micro changed?)"
-            )
-        ks = [int(k) for k in state["exponents"].tolist()]
+        ks, peaks = check_exact_state(state, self._n_t, self.limit_bits)
         if any(self._clamp(i, k) != k for i, k in enumerate(ks)):
             raise StateShapeError(f"reducer state exponents {ks} out of range")
-        self._peak = [float(p) for p in state["peak"].tolist()]
+        self._peak = peaks
         self._set_exponents(ks)

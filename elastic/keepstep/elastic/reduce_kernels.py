@@ -17,7 +17,8 @@ before it joins, not inside a step.
 
 The arithmetic, per element x of a gradient whose tensor scale is s = 2**k:
     acc += round_half_even(x * s)     in x's dtype (float32 or float64), then widened
-(the step's first micro-batch assigns instead, so the buffer need not be zeroed first) and
+(the step's first micro-batch assigns q + 0.0 instead, so the buffer need not be zeroed
+first: adding +0.0 turns a -0.0 into +0.0, as adding q to a zeroed buffer would) and
 per tensor peak = max |x| (nan if any x is nan, else inf if any is inf), exactly what
 `reduce_base.abs_max` gives. `finish` writes grad = (sum / d) rounded to the grad's dtype,
 d = n_micro * s, as the tensor path's float64 division and cast do.
@@ -60,7 +61,7 @@ def _compile() -> tuple[dict[Any, Callable[..., Any]], Callable[..., Any], Calla
         for i in range(g.size):
             hi = max(hi, bits[i] & np.uint32(0x7FFFFFFF))
             q = np.rint(g[i] * scale)
-            acc[i] = q if first else acc[i] + q  # the step's first: no need to zero acc
+            acc[i] = q + 0.0 if first else acc[i] + q  # + 0.0: as if acc started at +0.0
         out = np.empty(1, np.uint32)
         out[0] = hi
         return out.view(np.float32)[0]
@@ -73,7 +74,7 @@ def _compile() -> tuple[dict[Any, Callable[..., Any]], Callable[..., Any], Calla
         for i in range(g.size):
             hi = max(hi, bits[i] & np.uint64(0x7FFFFFFFFFFFFFFF))
             q = np.rint(g[i] * scale)
-            acc[i] = q if first else acc[i] + q  # the step's first: no need to zero acc
+            acc[i] = q + 0.0 if first else acc[i] + q  # + 0.0: as if acc started at +0.0
         out = np.empty(1, np.uint64)
         out[0] = hi
         return out.view(np.float64)[0]
@@ -192,3 +193,29 @@ class CpuKernels:
             raise ValueError("divide needs a contiguous output tensor")
         lo = self._offsets[i]
         self._divide(data[lo : lo + out.numel()], d, out.numpy())
+
+    def set_grads(
+        self,
+        reduced: torch.Tensor,
+        divisors: Sequence[float],
+        params: Sequence[torch.Tensor],
+        given: Sequence[int],
+    ) -> None:
+        """grad_t = reduced[t] / divisors[t] rounded to the param's dtype, for each tensor
+        some micro-batch gave (None for the others): the kernel for float32/float64 into a
+        contiguous grad, float64 tensor ops for the rest (the same arithmetic)."""
+        data = reduced.numpy()
+        grads: dict[int, torch.Tensor] = {}
+        for i, count in enumerate(given):
+            if count <= 0:
+                continue  # no micro-batch gave one: .grad stays None
+            out = grads[i] = torch.empty_like(params[i])
+            if self.handles(i) and out.is_contiguous():
+                self.divide(i, data, divisors[i], out)
+            else:
+                lo = self._offsets[i]
+                out.copy_((reduced[lo : lo + out.numel()] / divisors[i]).view(out.shape))
+        for p in params:
+            p.grad = None
+        for i, g in grads.items():
+            params[i].grad = g

@@ -4,24 +4,34 @@ Step 2 of the happy path (see ARCHITECTURE.md). Whoever computes micro-batch ``i
 step ``s`` -- rank 0 of eight or the last survivor of two -- must read the same samples
 and draw the same random numbers, so nothing here ever looks at the rank or the world
 size. :class:`SampleOrder` says which samples a micro-batch reads, :func:`rng_scope`
-seeds the global generators for the duration of one micro-batch, and
-:func:`fix_determinism` pins the kernels so the same inputs give the same bits.
+seeds the global generators (the current CUDA device's too) for the duration of one
+micro-batch, and :func:`fix_determinism` pins the kernels so the same inputs give the same
+bits. Which hardware and libraries computed them is the numerics fingerprint's business
+(numerics.py): the same bits are promised only between members with equal fingerprints.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import random
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
 
 from keepstep.elastic.errors import ConfigError
 
-__all__ = ["SampleOrder", "derive_seed", "fix_determinism", "rng_scope"]
+__all__ = [
+    "CUBLAS_WORKSPACE_CONFIG",
+    "SampleOrder",
+    "derive_seed",
+    "fix_determinism",
+    "rng_scope",
+]
 
 # Domain separation: seeds derived here never collide with another use of blake2b.
 _PERSON = b"keepstep-rng-v1"
@@ -30,6 +40,12 @@ _DATA_EPOCH_STREAM = "data-epoch"
 _TORCH_STREAM = "torch-cpu"
 _PYTHON_STREAM = "python-random"
 _NUMPY_STREAM = "numpy-legacy"
+# The device's generator: one name for every device index, since a micro-batch's numbers
+# must not depend on which GPU (or rank) computes it. Dropout in SDPA draws from it too.
+_DEVICE_STREAM = "torch-cuda"
+# What cuBLAS needs for deterministic results (torch checks for one of these two values).
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+_CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
 
 
 def _check_int(name: str, value: object, minimum: int) -> int:
@@ -137,35 +153,61 @@ class SampleOrder:
         return out
 
 
-@contextmanager
-def rng_scope(seed: int, step: int, micro_batch_id: int) -> Iterator[None]:
-    """Seed torch's CPU generator, ``random`` and numpy's global RNG for one micro-batch.
+def current_device_generators() -> list[torch.Generator]:
+    """The current CUDA device's default generator when CUDA is initialised, else none.
 
-    Each library gets its own stream of ``derive_seed(seed, step, micro_batch_id, ...)``.
-    On exit, normal or not, all three are put back as they were, so code outside the
-    scope draws exactly what it would have drawn without it. CUDA generators are not
-    touched (``torch.manual_seed`` would reseed them too, so it is not used here).
+    Never initialises CUDA: a process that has not touched the GPU draws nothing from it.
+    """
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return []
+    return [torch.cuda.default_generators[torch.cuda.current_device()]]
+
+
+@contextmanager
+def rng_scope(
+    seed: int,
+    step: int,
+    micro_batch_id: int,
+    device_generators: Sequence[torch.Generator] | None = None,
+) -> Iterator[None]:
+    """Seed torch's CPU generator, ``random``, numpy's global RNG and the device's
+    generator for one micro-batch.
+
+    Each gets its own stream of ``derive_seed(seed, step, micro_batch_id, ...)``. The
+    device generators are ``device_generators`` if given, else
+    :func:`current_device_generators` (the current CUDA device's default generator, which
+    dropout and SDPA's dropout draw from); the same seed whatever the device index. On
+    exit, normal or not, every generator is put back as it was, so code outside the scope
+    draws exactly what it would have drawn without it. Other devices' generators are not
+    touched (``torch.manual_seed`` would reseed all of them, so it is not used here).
     """
     torch_seed = derive_seed(seed, step, micro_batch_id, _TORCH_STREAM)
     python_seed = derive_seed(seed, step, micro_batch_id, _PYTHON_STREAM)
     numpy_seed = derive_seed(seed, step, micro_batch_id, _NUMPY_STREAM)
+    device_seed = derive_seed(seed, step, micro_batch_id, _DEVICE_STREAM)
+    gens = current_device_generators() if device_generators is None else list(device_generators)
 
     torch_state = torch.get_rng_state()
     python_state = random.getstate()
     numpy_state = np.random.get_state()
+    device_states = [g.get_state() for g in gens]  # host-side for CUDA: no device sync
     try:
         torch.default_generator.manual_seed(torch_seed)
         random.seed(python_seed)
         # The legacy seeder takes 32-bit words; two of them carry all 63 bits.
         np.random.seed([numpy_seed & 0xFFFF_FFFF, numpy_seed >> 32])
+        for g in gens:
+            g.manual_seed(device_seed)
         yield
     finally:
         torch.set_rng_state(torch_state)
         random.setstate(python_state)
         np.random.set_state(numpy_state)
+        for g, state in zip(gens, device_states, strict=True):
+            g.set_state(state)
 
 
-def fix_determinism(threads: int = 1) -> None:
+def fix_determinism(threads: int = 1, environ: MutableMapping[str, str] | None = None) -> None:
     """Pin torch to deterministic kernels and a fixed thread count, for the process.
 
     The same kernels with the same thread count give the same bits whatever the number
@@ -173,11 +215,45 @@ def fix_determinism(threads: int = 1) -> None:
     any parallel work: torch refuses to change the inter-op pool after that, and then
     the pool keeps its size (it schedules whole ops; it does not change what a kernel
     computes).
+
+    On GPUs too: deterministic algorithms (cuDNN's included), cuDNN's autotuner off (it
+    picks kernels by timing), TF32 off for matmuls and convolutions (so a library default
+    cannot change the bits), and ``CUBLAS_WORKSPACE_CONFIG`` in ``environ`` (the process
+    environment by default) set to ``:4096:8`` unless it holds a deterministic value.
+    cuBLAS reads it once, so it must be set before CUDA starts: if it is unset and CUDA
+    is already initialised this raises ConfigError rather than run nondeterministically
+    (the launcher sets it in every worker's environment).
     """
     _check_int("threads", threads, 1)
+    env = os.environ if environ is None else environ
+    cublas = env.get("CUBLAS_WORKSPACE_CONFIG")
+    if cublas is None:
+        if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            raise ConfigError(
+                "CUBLAS_WORKSPACE_CONFIG is unset and CUDA is already initialised, so cuBLAS "
+                "may run nondeterministically; set CUBLAS_WORKSPACE_CONFIG="
+                f"{CUBLAS_WORKSPACE_CONFIG} in the environment, or call fix_determinism "
+                "before any CUDA work"
+            )
+        env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
+    elif cublas not in _CUBLAS_DETERMINISTIC:
+        raise ConfigError(
+            f"CUBLAS_WORKSPACE_CONFIG={cublas!r} is not deterministic; "
+            f"allowed: {', '.join(_CUBLAS_DETERMINISTIC)}"
+        )
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(threads)
     except RuntimeError:
         pass  # Parallel work already started; the inter-op pool size is fixed by now.
     torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # torch >= 2.9
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        cudnn: Any = torch.backends.cudnn  # its per-op flag modules are untyped
+        for flags in (cudnn, cudnn.conv, cudnn.rnn):
+            flags.fp32_precision = "ieee"  # all three: the legacy getter wants them equal
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False

@@ -1,0 +1,71 @@
+"""bench/gpu_check.py on the CPU: every section runs, every check is true, the JSON has the
+fingerprint and the figures; and the exit code turns any false check into a failure.
+
+(On a GPU machine: `python3 bench/gpu_check.py`; its JSON goes in the issue note.)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpu_check
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKS = {
+    "reducer_normal",
+    "reducer_overflow_retry",
+    "reducer_non_finite",
+    "fwd_bwd_repeat",
+    "fwd_bwd_history",
+    "fwd_bwd_fresh_process",
+    "dropout_is_keyed",
+    "device_generator_restored",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_cpu_run_passes_every_check() -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    assert report["ok"] is True and report["device"] == "cpu" and report["errors"] == {}
+    assert set(report["checks"]) == CHECKS and all(report["checks"].values())
+    assert (
+        report["fingerprint"]["device_kind"] == "cpu" and len(report["fingerprint"]["digest"]) == 16
+    )
+    outcomes = report["details"]["reducer_overflow_retry"]["outcomes"]
+    assert outcomes[0].startswith("ReduceOverflow") and outcomes[1:] == ["ReduceDone()"] * 2
+    assert report["details"]["reducer_non_finite"]["outcomes"][0].startswith("ReduceNonFinite")
+    paths = report["details"]["reducer_normal"]["paths"]
+    assert paths["device_default"] == "device-eager" and paths["cpu_tensor_ops"] == "tensor-ops"
+    assert report["figures"]["fused_eager_ms_per_1e9"] > 0
+
+
+def test_any_false_check_or_error_fails_the_run() -> None:
+    assert gpu_check.exit_code({"a": True, "b": True}, {}) == 0
+    assert gpu_check.exit_code({"a": True, "b": False}, {}) == 1
+    assert gpu_check.exit_code({"a": True}, {"figures": "Traceback ..."}) == 1
+    assert gpu_check.exit_code({}, {}) == 1  # nothing checked is not a pass
+
+
+def test_cuda_without_a_gpu_is_refused_before_anything_runs(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    if gpu_check.torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as stopped:
+        gpu_check.main(["--device", "cuda"])
+    assert stopped.value.code == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err
