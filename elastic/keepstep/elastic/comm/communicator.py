@@ -2,23 +2,27 @@
 
 Where it sits: once the agents agree on epoch ``e`` and its sorted members, every training
 process calls ``Communicator.create(store, e, members, me)`` (the group is built by
-group.py); the reducer runs its collectives through it; on ``PeerLost`` the agents agree on
-``e + 1`` and the job builds the next communicator in the same process.
+group.py, through the transport); the reducer runs its collectives through it; on
+``PeerLost`` the agents agree on ``e + 1`` and the job builds the next communicator in the
+same process.
 
 Giving up fast: gloo reports a dead peer only to its direct neighbours; other ranks would
 block until the group timeout. So collectives run asynchronously and the caller waits in
 short slices on the epoch's `AbortWatch` (watch.py). A rank that sees a gloo error or times
 out writes the abort key (the first reason wins), which every other rank hears at once.
 
-Tearing down: a given-up group still has gloo threads blocked on the dead peer, and its
-destructor joins them. The process's reaper (reap.py) takes it, waits for the pending work
-to fail and drops it, so ``close()`` and the next ``create()`` never wait. Until then the
-work is live: if the peer it waits for was only stopped and comes back, the work completes
-and writes into the tensor it was handed, after ``PeerLost`` was raised. So a caller must
-not reuse a tensor whose collective raised ``PeerLost`` (the reducers take a fresh buffer).
-No Python callback is ever attached to gloo work: one could fire while the interpreter
-shuts down and kill the process (seen as ``terminate called after throwing
-gloo::IoException``).
+Backends: what differs between gloo (CPU tensors) and NCCL (CUDA tensors) sits behind the
+seam of transport.py: connecting, starting a collective, polling it, interrupting it from
+another thread (the listener does, as soon as it hears the abort: an NCCL wait can sit in a
+device sync that no slice ends) and retiring the group. Everything here is shared.
+
+Tearing down: a given-up group still has threads (gloo) or kernels (NCCL) on the dead peer.
+Its link retires it without waiting (gloo.py: the process's reaper drops it once its work
+failed; nccl.py: aborted, held until its work ended), so ``close()`` and the next
+``create()`` never wait. Until then the work is live: if the peer it waits for was only
+stopped and comes back, the work completes and writes into the tensor it was handed, after
+``PeerLost`` was raised. So a caller must not reuse a tensor whose collective raised
+``PeerLost`` (the reducers take a fresh buffer); the link holds it until then.
 """
 
 from __future__ import annotations
@@ -27,21 +31,22 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
 # The typed names live here; torch.distributed re-exports them only at runtime.
-from torch._C._distributed_c10d import AllgatherOptions, Store
+from torch._C._distributed_c10d import Store
 
 from keepstep.elastic.comm.abort import short_reason
 from keepstep.elastic.comm.exit_guard import EXIT_GUARD, ExitGuard
+from keepstep.elastic.comm.gloo import GlooTransport
 from keepstep.elastic.comm.group import EpochSpec, GroupBuild, check_timeout
+from keepstep.elastic.comm.nccl import NcclTransport
+from keepstep.elastic.comm.transport import Backend, Link, Pending, Transport, select_backend
 from keepstep.elastic.comm.watch import WATCH_TIMEOUT, AbortWatch, Outcome
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
-
-_REAP_GRACE_S = 5.0  # beyond the op timeout, after which a reaper drops the group anyway
 
 
 class Communicator:
@@ -51,18 +56,18 @@ class Communicator:
     call raises it too. Use it from one thread; ``close`` may come from any thread.
 
     It owns everything of its epoch in this process: the abort watch (a listener and a
-    reader thread, each on its own store connection), the gloo group (on a store connection
-    of its own) and the work in flight. ``close`` ends the watch's threads, which close
-    their connections, and hands the group to the reaper.
+    reader thread, each on its own store connection), the transport's link (the group, on a
+    store connection of its own) and the work in flight. ``close`` ends the watch's
+    threads, which close their connections, and retires the link.
     """
 
     def __init__(
         self,
         spec: EpochSpec,
         watch: AbortWatch,
-        group: Any | None,
+        link: Link | None,
         build_seconds: float,
-        guard: ExitGuard,
+        transport: Transport,
     ) -> None:
         self.epoch: int = spec.epoch
         self.members: tuple[str, ...] = spec.members
@@ -70,13 +75,19 @@ class Communicator:
         self.rank: int = spec.rank
         self.size: int = spec.size
         self.build_seconds: float = build_seconds
+        self.backend: Backend = transport.backend
+        self.device: torch.device = transport.device
         self._timeout = spec.timeout
         self._watch = watch
-        self._group = group
-        self._guard = guard
-        self._inflight: Any | None = None  # the gloo work being waited on, for close()
+        self._link = link
+        self._transport = transport
+        self._inflight: Pending | None = None  # the work being waited on, for close()
         self._lost: str | None = None
         self._closed = threading.Event()
+        if link is not None:
+            # From the thread that hears the abort first: the caller may be stuck where no
+            # slice ends (an NCCL wait in a device sync).
+            watch.when_aborted(link.interrupt)
 
     @classmethod
     def create(
@@ -88,32 +99,62 @@ class Communicator:
         timeout: timedelta = timedelta(seconds=30),
         host: str = "127.0.0.1",
         store_timeout: timedelta = WATCH_TIMEOUT,
+        *,
+        device: torch.device | str | None = None,
+        backend: Backend | str | None = None,
     ) -> Communicator:
         """Build the group of ``epoch``; every member calls this with the same arguments.
 
         Blocks until all members joined; ``PeerLost`` if ``timeout`` passes first or the
         epoch is aborted. ``timeout`` is also every collective's default timeout;
         ``store_timeout`` bounds each read of the abort key (a store silent that long is
-        taken as gone: the epoch is over).
+        taken as gone: the epoch is over). ``device`` is where the tensors live (``None``:
+        the CPU) and picks the backend (cpu: gloo, cuda: NCCL) unless ``backend`` names it.
         """
+        chosen = select_backend(device, backend)
+        transport: Transport
+        if chosen is Backend.NCCL:
+            transport = NcclTransport(torch.device(device or "cuda"), EXIT_GUARD.reaper)
+        else:
+            transport = GlooTransport(EXIT_GUARD.reaper)
+        return cls.over(transport, store, epoch, members, me, timeout, host, store_timeout)
+
+    @classmethod
+    def over(
+        cls,
+        transport: Transport,
+        store: Store,
+        epoch: int,
+        members: Sequence[str],
+        me: str,
+        timeout: timedelta = timedelta(seconds=30),
+        host: str = "127.0.0.1",
+        store_timeout: timedelta = WATCH_TIMEOUT,
+        guard: ExitGuard = EXIT_GUARD,
+    ) -> Communicator:
+        """``create`` with a transport of the caller's (a test's fake, a tuned NCCL one)."""
         start = time.perf_counter()
         spec = EpochSpec(epoch, tuple(members), me, timeout, host)
-        guard = EXIT_GUARD
-        build = GroupBuild(store, spec) if spec.size > 1 else None
+        build = GroupBuild(store, spec, transport) if spec.size > 1 else None
         # Its connections open while the group connects; if anything below fails, its
         # threads end here and close them.
         watch = AbortWatch(store, epoch, spec.rank, spec.size, guard, store_timeout)
         try:
-            group = build.result(watch) if build is not None else None
+            link = build.result(watch) if build is not None else None
             # Aborted before or while we built: fail now, not at the first collective.
             if watch.check(fresh=True) is not None:
-                if group is not None:
-                    guard.reaper.reap(epoch, group, None, 0.0)
+                if link is not None:
+                    link.retire(None)
                 raise PeerLost(epoch, cast(str, watch.reason))
         except BaseException:
             watch.close()
             raise
-        return cls(spec, watch, group, time.perf_counter() - start, guard)
+        return cls(spec, watch, link, time.perf_counter() - start, transport)
+
+    @property
+    def _group(self) -> object:
+        """The library's group of this epoch (tests act through it as a peer would)."""
+        return self._link.raw if self._link is not None else None
 
     def allreduce(
         self,
@@ -122,19 +163,15 @@ class Communicator:
         timeout: timedelta | None = None,
     ) -> None:
         """Reduce ``tensor`` in place across all members (e.g. int64 SUM, float64 MAX)."""
-        _check_tensor(tensor, "allreduce")
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = op
-        self._collective("allreduce", opts, lambda g, o: g.allreduce([tensor], o), timeout)
+        self._transport.check_tensor(tensor, "allreduce")
+        self._collective("allreduce", lambda k, t: k.allreduce(tensor, op, t), timeout)
 
     def broadcast(self, tensor: torch.Tensor, src: int, timeout: timedelta | None = None) -> None:
         """Overwrite ``tensor`` on every rank with rank ``src``'s copy."""
-        _check_tensor(tensor, "broadcast")
+        self._transport.check_tensor(tensor, "broadcast")
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.size:
             raise ConfigError(f"src must be a rank in [0, {self.size}), got {src!r}")
-        opts = dist.BroadcastOptions()
-        opts.rootRank, opts.rootTensor = src, 0
-        self._collective("broadcast", opts, lambda g, o: g.broadcast([tensor], o), timeout)
+        self._collective("broadcast", lambda k, t: k.broadcast(tensor, src, t), timeout)
 
     def allgather_bytes(
         self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
@@ -149,24 +186,23 @@ class Communicator:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ConfigError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
         if self.size == 1:
-            self._collective("allgather_bytes", None, None, timeout)
+            self._collective("allgather_bytes", None, timeout)
             _check_lengths([len(payload)], max_bytes)
             return [bytes(payload)]
         deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
-        mine = torch.tensor([len(payload)], dtype=torch.int64)
+        mine = torch.tensor([len(payload)], dtype=torch.int64).to(self.device)
         lengths = [int(n) for n in self._allgather("allgather_bytes (lengths)", mine, deadline)]
         _check_lengths(lengths, max_bytes)
         # At least one byte: gloo is not asked to gather empty tensors.
         padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
         if payload:
             padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        slots = self._allgather("allgather_bytes", padded, deadline)
-        return [s[:n].numpy().tobytes() for s, n in zip(slots, lengths, strict=True)]
+        slots = self._allgather("allgather_bytes", padded.to(self.device), deadline)
+        return [s[:n].cpu().numpy().tobytes() for s, n in zip(slots, lengths, strict=True)]
 
     def barrier(self, timeout: timedelta | None = None) -> None:
         """Return once every member entered the barrier."""
-        opts = dist.BarrierOptions()
-        self._collective("barrier", opts, lambda g, o: g.barrier(o), timeout)
+        self._collective("barrier", lambda k, t: k.barrier(t), timeout)
 
     def aborted(self, wait: bool = True) -> bool:
         """True once this epoch was given up here or aborted anywhere.
@@ -187,11 +223,10 @@ class Communicator:
         self._watch.close()
         self._retire(self._inflight)
 
-    def _retire(self, work: Any | None) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            bound_s = self._timeout.total_seconds() + _REAP_GRACE_S
-            self._guard.reaper.reap(self.epoch, group, work, bound_s)
+    def _retire(self, pending: Pending | None) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            link.retire(pending)
 
     def _op_timeout(self, timeout: timedelta | None) -> timedelta:
         if timeout is None:
@@ -199,23 +234,21 @@ class Communicator:
         check_timeout(timeout)
         return timeout
 
-    def _give_up(self, reason: str, work: Any | None) -> PeerLost:
+    def _give_up(self, reason: str, pending: Pending | None) -> PeerLost:
         if self._lost is None:
             self._lost = reason
-        self._retire(work)
+        self._retire(pending)
         return PeerLost(self.epoch, self._lost)
 
     def _allgather(self, what: str, mine: torch.Tensor, deadline: float) -> list[torch.Tensor]:
         slots = [torch.empty_like(mine) for _ in range(self.size)]
-        gather = lambda g, o: g.allgather([slots], [mine], o)  # noqa: E731
-        self._collective(what, AllgatherOptions(), gather, _left(deadline))
+        self._collective(what, lambda k, t: k.allgather(slots, mine, t), _left(deadline))
         return slots
 
     def _collective(
         self,
         what: str,
-        opts: Any,
-        start: Callable[[Any, Any], Any] | None,
+        start: Callable[[Link, timedelta], Pending] | None,
         timeout: timedelta | None,
     ) -> None:
         op_timeout = self._op_timeout(timeout)
@@ -228,44 +261,33 @@ class Communicator:
             raise self._give_up(cast(str, self._watch.reason), None)
         if self.size == 1 or start is None:
             return
-        if self._group is None:
+        link = self._link
+        if link is None:
             raise PeerLost(self.epoch, "communicator closed")
         who = f"rank {self.rank} ({self.me}): {what}"
-        opts.timeout = op_timeout  # gloo gives up on its own at the same deadline
         try:
-            work = start(self._group, opts)
+            pending = start(link, op_timeout)
         except RuntimeError as err:
             reason = self._watch.fire(f"{who} failed: {short_reason(err)}")
             raise self._give_up(reason, None) from err
         deadline = time.monotonic() + op_timeout.total_seconds()
-        self._inflight = work
+        self._inflight = pending
         try:
-            outcome = self._watch.wait(_work_ready(work), deadline, self._closed)
+            outcome = self._watch.wait(pending.ready, deadline, self._closed)
         finally:
             self._inflight = None
         if outcome is Outcome.CLOSED:
             raise PeerLost(self.epoch, self._lost or "communicator closed")
         if outcome is Outcome.ABORTED:
-            raise self._give_up(cast(str, self._watch.reason), work)
+            raise self._give_up(cast(str, self._watch.reason), pending)
         if outcome is Outcome.TIMED_OUT:
             reason = f"{who} timed out after {op_timeout.total_seconds():g} s"
-            raise self._give_up(self._watch.fire(reason), work)
+            raise self._give_up(self._watch.fire(reason), pending)
         try:
-            work.wait()  # completed: returns at once, or raises the gloo error
+            pending.result()  # over: returns at once, or raises the backend's error
         except RuntimeError as err:
             reason = self._watch.fire(f"{who} failed: {short_reason(err)}")
-            raise self._give_up(reason, work) from err
-
-
-def _work_ready(work: Any) -> Callable[[int], bool]:
-    def ready(slice_ms: int) -> bool:
-        try:
-            work.wait(timedelta(milliseconds=slice_ms))
-        except RuntimeError:
-            pass  # the slice ran out, or the work failed: is_completed() tells which
-        return bool(work.is_completed())
-
-    return ready
+            raise self._give_up(reason, pending) from err
 
 
 def _left(deadline: float) -> timedelta:
@@ -280,14 +302,3 @@ def _check_lengths(lengths: list[int], max_bytes: int) -> None:
             raise BadMessage(
                 f"allgather_bytes: rank {rank} sent {n} bytes; allowed are 0 to {max_bytes}"
             )
-
-
-def _check_tensor(tensor: torch.Tensor, what: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise ConfigError(f"{what} needs a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-        raise ConfigError(
-            f"{what} needs a dense CPU tensor, got {tensor.layout} on {tensor.device}"
-        )
-    if not tensor.is_contiguous():
-        raise ConfigError(f"{what} needs a contiguous tensor; call .contiguous() first")

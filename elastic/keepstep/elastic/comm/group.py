@@ -1,11 +1,12 @@
-"""Building the gloo group of one epoch, with the epoch's agreed parameters checked first.
+"""Building the group of one epoch, with the epoch's agreed parameters checked first.
 
 Where it sits: called by `Communicator.create` (communicator.py) once the agents agreed on
-epoch ``e`` and its sorted members. torch's default process group is never touched: each
-epoch is a private ``ProcessGroupGloo`` on the store prefix ``keepstep/epoch-{e}/``. The
-group's constructor blocks until every member connected, so it runs on a thread
+epoch ``e`` and its sorted members. The transport (gloo.py or nccl.py, behind the seam of
+transport.py) builds the epoch's private group; torch's default process group is never
+touched. Building blocks until every member connected, so it runs on a thread
 (`GroupBuild`) while the caller waits on the epoch's `AbortWatch`: a member that died
-before joining is heard at once, not after the group timeout.
+before joining is heard at once, not after the group timeout. A group that arrives after
+the caller gave up is retired at once (an NCCL communicator must not stay live).
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, cast
 
 # The typed names live here; torch.distributed re-exports them only at runtime.
 from torch._C._distributed_c10d import PrefixStore, Store
@@ -24,6 +23,9 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from keepstep.elastic.comm.abort import check_epoch, short_reason
 from keepstep.elastic.comm.watch import AbortWatch, Outcome
 from keepstep.elastic.errors import ConfigError, PeerLost
+
+if TYPE_CHECKING:
+    from keepstep.elastic.comm.transport import Link, Transport
 
 
 def check_timeout(timeout: timedelta) -> None:
@@ -66,8 +68,22 @@ class EpochSpec:
         return len(self.members)
 
 
+def own_prefix(store: Store, epoch: int) -> Store:
+    """The epoch's prefix of ``store`` (``keepstep/epoch-{e}/``), on a connection of its own.
+
+    Each group rendezvouses over its own store connection: the group of an abandoned epoch
+    can still be blocked in a store wait for a dead member, and on a shared connection that
+    wait would hold up the next epoch's rendezvous until it times out.
+    """
+    try:
+        own = store.clone()
+    except (RuntimeError, NotImplementedError):
+        own = store
+    return PrefixStore(f"keepstep/epoch-{epoch}/", own)
+
+
 class GroupBuild:
-    """The epoch's gloo group, being built on a thread of its own from construction on.
+    """The epoch's group, being built on a thread of its own from construction on.
 
     Start it before the epoch's `AbortWatch`: its store connection then opens while the
     watch's do, ahead of any abort the watch can hear. A worker that leaves at once after
@@ -75,9 +91,12 @@ class GroupBuild:
     release, and its rendezvous wakes in the finalizing interpreter (SIGABRT).
     """
 
-    def __init__(self, store: Store, spec: EpochSpec) -> None:
+    def __init__(self, store: Store, spec: EpochSpec, transport: Transport) -> None:
         self._spec = spec
-        self._box: list[Any] = []
+        self._transport = transport
+        self._lock = threading.Lock()
+        self._link: Link | None = None
+        self._abandoned = False
         self._errors: list[Exception] = []
         self._built = threading.Event()
         # Named so that a worker leaving the job can find it still in a store call (the
@@ -89,19 +108,32 @@ class GroupBuild:
 
     def _build(self, store: Store) -> None:
         try:
-            self._box.append(_new_gloo_group(store, self._spec))
+            link = self._transport.connect(store, self._spec)
         except Exception as err:
             self._errors.append(err)
+        else:
+            with self._lock:
+                late = self._abandoned
+                if not late:
+                    self._link = link
+            if late:
+                link.retire(None)  # nobody will use it: let it go now
         finally:
             self._built.set()
 
-    def result(self, watch: AbortWatch) -> Any:
-        """The group, once every member joined; ``PeerLost`` if the epoch is aborted (heard
+    def result(self, watch: AbortWatch) -> Link:
+        """The link, once every member joined; ``PeerLost`` if the epoch is aborted (heard
         through ``watch``) or the spec's timeout passes first."""
         spec, built = self._spec, self._built
         outcome = watch.wait(lambda ms: built.wait(ms / 1000), self._deadline, threading.Event())
-        if outcome is Outcome.DONE and self._box:
-            return self._box[0]
+        with self._lock:
+            link = self._link
+            if not (outcome is Outcome.DONE and link is not None):
+                self._abandoned = True
+        if outcome is Outcome.DONE and link is not None:
+            return link
+        if link is not None:
+            link.retire(None)  # built in the very slice the epoch was given up
         if outcome is Outcome.ABORTED:
             reason = cast(str, watch.reason)
         else:
@@ -112,22 +144,8 @@ class GroupBuild:
                 else f"timed out after {spec.timeout}"
             )
             reason = watch.fire(f"rank {spec.rank}: building the group {why}")
+            if errors and isinstance(errors[0], ConfigError):
+                # A local mistake (an NCCL communicator never closed): the others give the
+                # epoch up at once, and this caller learns what to fix.
+                raise errors[0] from PeerLost(spec.epoch, reason)
         raise PeerLost(spec.epoch, reason)
-
-
-def _new_gloo_group(store: Store, spec: EpochSpec) -> Any:
-    # The stubs declare `Options.devices`; the runtime class is `_Options` with `_devices`
-    # (what distributed_c10d uses itself), hence Any.
-    gloo = cast(Any, dist.ProcessGroupGloo)
-    opts = gloo._Options()
-    opts._devices = [gloo.create_device(hostname=spec.host)]
-    opts._timeout = spec.timeout
-    # Each group rendezvouses over its own store connection: the group of an abandoned
-    # epoch can still be blocked in a store wait for a dead member, and on a shared
-    # connection that wait would hold up the next epoch's rendezvous until it times out.
-    try:
-        own = store.clone()
-    except (RuntimeError, NotImplementedError):
-        own = store
-    prefixed = PrefixStore(f"keepstep/epoch-{spec.epoch}/", own)
-    return gloo(prefixed, spec.rank, spec.size, opts)

@@ -14,6 +14,7 @@ cannot tell: whether the store still answers at all (a wait that has lasted
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import threading
 import time
@@ -113,6 +114,7 @@ class AbortWatch:
         self._stopped = False
         self._armed = False  # the listener is in (or about to enter) its store wait
         self.listened = threading.Event()  # the listener has ended
+        self._hooks: list[Callable[[], None]] = []  # run once the epoch is given up
         guard.listening(self)
         threading.Thread(target=self._run, name=f"keepstep-abort-{epoch}", daemon=True).start()
         threading.Thread(
@@ -222,15 +224,36 @@ class AbortWatch:
 
     def _settle(self, reason: str) -> None:
         with self._wake:
-            if self.reason is None:
+            first = self.reason is None
+            if first:
                 self.reason = reason
             self._wake.notify_all()  # a poll waiting for a fresh read has its answer
+        if first:
+            self._run_hooks()
+
+    def when_aborted(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once the epoch is given up: at once if it is already, else on the
+        thread that learns it first (usually the listener). A hook must not block: the
+        communicator's interrupts its transport's work from here while the caller's thread
+        may be stuck in a device sync."""
+        with self._wake:
+            if self.reason is None:
+                self._hooks.append(hook)
+                return
+        _call(hook)
+
+    def _run_hooks(self) -> None:
+        with self._wake:
+            hooks, self._hooks = self._hooks, []
+        for hook in hooks:
+            _call(hook)
 
     # -- the caller's side ---------------------------------------------------------------
     def poll(self, wait: float = 0.0, every: float = POLL_INTERVAL_S) -> str | None:
         """The abort reason if one is known. With ``wait`` it asks for a fresh read and
         waits at most that many seconds for it (a healthy store answers in well under a
         millisecond); without, it asks only if the last read is ``every`` seconds old."""
+        timed_out: str | None = None
         with self._wake:
             if self.reason is None:
                 now = time.monotonic()
@@ -239,7 +262,7 @@ class AbortWatch:
                         self._asked_at = self._read_at = now
                         self._wake.notify_all()
                 elif now - self._asked_at > self._store_timeout:
-                    self.reason = (
+                    self.reason = timed_out = (
                         f"the epoch's store did not answer within "
                         f"{self._store_timeout:g} s (its node died or hangs)"
                     )
@@ -247,7 +270,10 @@ class AbortWatch:
                     self._wake.wait_for(
                         lambda: self._asked_at is None or self.reason is not None, wait
                     )
-            return self.reason
+            reason = self.reason
+        if timed_out is not None and reason == timed_out:
+            self._run_hooks()
+        return reason
 
     def check(self, fresh: bool) -> str | None:
         """The abort reason if one is known, as a caller outside a collective asks.
@@ -303,3 +329,10 @@ class AbortWatch:
             if time.monotonic() >= deadline:
                 return Outcome.TIMED_OUT
             slice_ms = SLICE_SHORT_MS if self._asked_at is not None else SLICE_LONG_MS
+
+
+def _call(hook: Callable[[], None]) -> None:
+    try:
+        hook()
+    except Exception:  # a hook's failure must not end the thread that heard the abort
+        logging.getLogger(__name__).exception("an abort hook failed")

@@ -1,0 +1,137 @@
+"""The gloo transport: CPU tensors, one private ``ProcessGroupGloo`` per epoch.
+
+Where it sits: behind the seam of transport.py, chosen for CPU tensors. `Communicator`
+(communicator.py) asks `GlooTransport.connect` for the epoch's `GlooLink` on the build
+thread of group.py, starts collectives on it and waits on each `GlooPending` in slices.
+
+torch's default process group is never touched: each epoch is a private group on the store
+prefix ``keepstep/epoch-{e}/``. gloo cannot be interrupted from another thread: work waits
+until its own timeout (set to the collective's) or until the group is dropped, so
+``interrupt`` does nothing and a retired group goes to the process's reaper (reap.py),
+which drops it once its work is over. No Python callback is ever attached to gloo work:
+one could fire while the interpreter shuts down and kill the process.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+# The typed names live here; torch.distributed re-exports them only at runtime.
+from torch._C._distributed_c10d import AllgatherOptions, Store
+
+from keepstep.elastic.comm.group import EpochSpec, own_prefix
+from keepstep.elastic.comm.reap import Reaper
+from keepstep.elastic.comm.transport import Backend, Pending, check_dense
+
+REAP_GRACE_S = 5.0  # beyond the op timeout, after which a reaper drops the group anyway
+_CPU = torch.device("cpu")
+
+
+class GlooPending:
+    """One gloo collective in flight; it holds its tensors as long as it lives."""
+
+    def __init__(self, work: Any, tensors: tuple[object, ...]) -> None:
+        self._work = work
+        self._tensors = tensors  # buffers stay referenced while the work may write them
+
+    def ready(self, slice_ms: int) -> bool:
+        try:
+            self._work.wait(timedelta(milliseconds=slice_ms))
+        except RuntimeError:
+            pass  # the slice ran out, or the work failed: is_completed() tells which
+        return bool(self._work.is_completed())
+
+    def is_completed(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def result(self) -> None:
+        self._work.wait()  # completed: returns at once, or raises the gloo error
+
+
+class GlooLink:
+    """The gloo group of one epoch (see the module)."""
+
+    def __init__(self, group: Any, epoch: int, reaper: Reaper, bound_s: float) -> None:
+        self._group: Any | None = group
+        self._epoch = epoch
+        self._reaper = reaper
+        self._bound_s = bound_s
+
+    @property
+    def raw(self) -> object:
+        return self._group
+
+    def _live(self) -> Any:
+        if self._group is None:
+            raise RuntimeError("the group was retired")
+        return self._group
+
+    def allreduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, timeout: timedelta
+    ) -> Pending:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        opts.timeout = timeout  # gloo gives up on its own at the same deadline
+        return GlooPending(self._live().allreduce([tensor], opts), (tensor,))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, timeout: timedelta) -> Pending:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        opts.timeout = timeout
+        return GlooPending(self._live().broadcast([tensor], opts), (tensor,))
+
+    def allgather(
+        self, slots: list[torch.Tensor], mine: torch.Tensor, timeout: timedelta
+    ) -> Pending:
+        opts = AllgatherOptions()
+        opts.timeout = timeout
+        return GlooPending(self._live().allgather([slots], [mine], opts), (slots, mine))
+
+    def barrier(self, timeout: timedelta) -> Pending:
+        opts = dist.BarrierOptions()
+        opts.timeout = timeout
+        return GlooPending(self._live().barrier(opts), ())
+
+    def interrupt(self) -> None:
+        """Nothing to do: gloo work ends at its own timeout, or when the reaper drops it."""
+
+    def retire(self, pending: Pending | None) -> None:
+        group, self._group = self._group, None
+        if group is not None:
+            self._reaper.reap(self._epoch, group, pending, self._bound_s)
+
+
+class GlooTransport:
+    """Dense CPU tensors over a private gloo group per epoch."""
+
+    def __init__(self, reaper: Reaper) -> None:
+        self._reaper = reaper
+
+    @property
+    def backend(self) -> Backend:
+        return Backend.GLOO
+
+    @property
+    def device(self) -> torch.device:
+        return _CPU
+
+    def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
+        check_dense(tensor, what, _CPU)
+
+    def connect(self, store: Store, spec: EpochSpec) -> GlooLink:
+        bound_s = spec.timeout.total_seconds() + REAP_GRACE_S
+        return GlooLink(_new_gloo_group(store, spec), spec.epoch, self._reaper, bound_s)
+
+
+def _new_gloo_group(store: Store, spec: EpochSpec) -> Any:
+    # The stubs declare `Options.devices`; the runtime class is `_Options` with `_devices`
+    # (what distributed_c10d uses itself), hence Any.
+    gloo = cast(Any, dist.ProcessGroupGloo)
+    opts = gloo._Options()
+    opts._devices = [gloo.create_device(hostname=spec.host)]
+    opts._timeout = spec.timeout
+    return gloo(own_prefix(store, spec.epoch), spec.rank, spec.size, opts)
