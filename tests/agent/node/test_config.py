@@ -51,6 +51,19 @@ def test_a_worker_waits_longer_than_its_agent_for_each_answer(tmp_path: Path) ->
     assert AnswerBounds.from_env(spec.env) == bounds
 
 
+def test_workers_start_with_deterministic_cublas(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from keepstep.elastic.rng import CUBLAS_WORKSPACE_CONFIG
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    spec = worker_spec(config(run_dir=tmp_path), "n0/0", "@keepstep/j/n0", tmp_path / "s")
+    assert spec.env["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE_CONFIG
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own choice wins
+    spec = worker_spec(config(run_dir=tmp_path), "n0/0", "@keepstep/j/n0", tmp_path / "s")
+    assert spec.env["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
 def test_every_bound_is_checked_and_travels_in_the_config_file(tmp_path: Path) -> None:
     for name in ("admission_timeout", "epoch_timeout", "probe_timeout", "op_timeout"):
         with pytest.raises(ConfigError, match=f"{name}=0 must be a number of seconds > 0"):

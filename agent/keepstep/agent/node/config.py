@@ -97,6 +97,9 @@ class AgentConfig:
 
 
 GLOBAL_BATCH_ENV = "KEEPSTEP_GLOBAL_BATCH"
+# What deterministic cuBLAS needs (keepstep.elastic.rng.CUBLAS_WORKSPACE_CONFIG; not
+# imported from there, which would import torch into the agent).
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 
 # What a worker adds to the agent's own bounds before it takes a silent agent for wedged:
 # the link's round trip and the agent's threads running late on a loaded machine.
@@ -163,6 +166,9 @@ def worker_spec(cfg: AgentConfig, member: str, link: str, snapshot: Path) -> Wor
         OMP_NUM_THREADS="1",
     )
     env.update(answer_bounds(cfg).env())
+    # cuBLAS reads it once, when CUDA starts: set before the script can touch a GPU (the
+    # value keepstep.elastic.rng.fix_determinism needs; one the user set wins).
+    env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
     local = member.rpartition("/")[2]
     return WorkerSpec(
         member,
