@@ -18,7 +18,7 @@ import torch
 from torch._C._distributed_c10d import HashStore
 
 from keepstep.elastic.board import open_board
-from keepstep.elastic.config import Balance, JobConfig
+from keepstep.elastic.config import Balance, JobConfig, Shard
 from keepstep.elastic.control import Controller, ScheduleController
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.job import Job
@@ -89,6 +89,7 @@ def init(
     metrics: Sequence[str] = (),
     prefetch: int = 0,
     balance: Balance | str | None = None,
+    shard: Shard | str | None = None,
     tensorboard: str | None = None,
     controller: Controller | None = None,
     snapshot_path: str | None = None,
@@ -109,6 +110,9 @@ def init(
     read ahead on a background thread (the dataset's ``__getitem__`` must be thread-safe).
     ``balance="speed"``: a slow member gets fewer micro-batches, from measured speed
     (balance.py); the numbers stay those of an even split. Default ``"off"``.
+    ``shard="zero1"``: each member steps and keeps the optimizer state of its own shard and
+    the parameters are all-gathered (ZeRO-1, sharded.py), bit-identical to the full step;
+    the optimizer must be elementwise (SGD, Adam, AdamW, ...). Default None: full replicas.
     ``tensorboard``: a folder where the leader writes the ``metrics`` as TensorBoard scalars
     (needs the tensorboard package; ``keepstep run --tensorboard DIR`` sets it).
     """
@@ -134,6 +138,7 @@ def init(
         metrics=_names(metrics),
         prefetch=prefetch,
         balance=_setting("balance", balance, str, env) or Balance.OFF,  # JobConfig checks it
+        shard=_setting("shard", shard, str, env) or None,  # JobConfig checks it
     )
     if controller is None:
         controller = controller_from_env(env)

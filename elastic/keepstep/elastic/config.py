@@ -23,6 +23,12 @@ class Balance(enum.StrEnum):
     SPEED = "speed"  # by measured speed: a slow member gets fewer, decided from step timings
 
 
+class Shard(enum.StrEnum):
+    """How the optimizer state is held across members (sharded.py); None: full replicas."""
+
+    ZERO1 = "zero1"  # each member steps and keeps the optimizer state of its own shard
+
+
 @dataclass(frozen=True)
 class JobConfig:
     """What a training job promises: global batch, micro batch, seed and numerics.
@@ -41,6 +47,8 @@ class JobConfig:
     `metrics`: the names `step.log` takes, fixed for the job so every member reduces the
     same layout; `prefetch`: micro-batches read ahead of the training thread (data.py).
     `balance`: whether the plan follows the members' measured speed (balance.py).
+    `shard`: None keeps a full optimizer on every member; ``"zero1"`` shards its state and
+    step (sharded.py), with the same numbers.
     """
 
     global_batch: int
@@ -57,6 +65,7 @@ class JobConfig:
     metrics: tuple[str, ...] = ()
     prefetch: int = 0
     balance: Balance = Balance.OFF
+    shard: Shard | None = None
     n_micro: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -111,3 +120,11 @@ class JobConfig:
         except ValueError:
             allowed = ", ".join(b.value for b in Balance)
             raise ConfigError(f"balance={self.balance!r} is not one of: {allowed}") from None
+        if self.shard is not None:
+            try:
+                object.__setattr__(self, "shard", Shard(self.shard))
+            except ValueError:
+                allowed = ", ".join(repr(s.value) for s in Shard)
+                raise ConfigError(
+                    f"shard={self.shard!r} is not one of: {allowed} (or None: full replicas)"
+                ) from None

@@ -43,16 +43,12 @@ from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
 from keepstep.elastic.data import MicroBatchLoader
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
-from keepstep.elastic.loss_scale import (
-    SCALER_NAME,
-    check_not_the_scaler,
-    checked_scaler,
-    skip_step,
-)
+from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, checked_scaler, skip_step
 from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import SampleOrder, fix_determinism
 from keepstep.elastic.rollback import MemberView, resume_plan
+from keepstep.elastic.sharded import optimizer_sha256, sharded_optimizer
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
 from keepstep.elastic.tracked import Stateful, TrackedState
@@ -114,6 +110,8 @@ class Job:
         if self.grad_scaler is not None:
             self.tracked.add(SCALER_NAME, self.grad_scaler)
         self.lr_watch = LrWatch(optimizer)
+        # shard="zero1": the script's optimizer is stepped as ZeRO-1 shards (sharded.py).
+        self.sharded = sharded_optimizer(config.shard, self.params, optimizer, self.grad_scaler)
         self.hooks: list[Hook] = []
         infos = snapshots.infos()
         # A restarted worker finds its node's snapshots and resumes from them; a new one
@@ -245,6 +243,8 @@ class Job:
         if scaler is not None:
             scaler.step(self.optimizer)
             scaler.update()
+        elif self.sharded is not None:
+            self.sharded.step()  # PeerLost in its all-gathers: the step does not commit
         else:
             self.optimizer.step()
         self._advance()
@@ -275,9 +275,10 @@ class Job:
         self.loaded_step = self.done
 
     def _snapshot(self) -> None:
-        state = capture(
-            self.done, self.model, self.optimizer, self.reducer.state_dict(), self.tracked
-        )
+        extra, optim = self.reducer.state_dict(), None
+        if self.sharded is not None:  # its pieces of the state gathered at the commit
+            extra, optim = self.sharded.for_snapshot(extra)
+        state = capture(self.done, self.model, self.optimizer, extra, self.tracked, optim)
         # Buffers can change in the next forward while the copy runs; parameters and
         # optimizer slots only change in the next optimizer.step, after wait(). (The state
         # dict holds detached aliases of the parameters: their memory tells them apart.)
@@ -304,6 +305,11 @@ class Job:
         the model's state dict, then the tracked state)."""
         tracked = self.tracked.sha256() if self.tracked.names else None
         return params_sha256(self.model.state_dict(), tracked)
+
+    def optimizer_sha256(self) -> str:
+        """sha256 over the full optimizer state (sharded: gathered, a collective)."""
+        full = self.sharded.full_state() if self.sharded is not None else None
+        return optimizer_sha256(full if full is not None else self.optimizer.state_dict())
 
     def state_sha256(self, name: str | None = None) -> str:
         """sha256 over one tracked object's state, or all of them (see tracked.py)."""
@@ -379,11 +385,15 @@ class Job:
         resume = decision.resume_step
         limit = snapshot_limit(self.model)
         received = transfer_snapshot(comm, self.snapshots, decision, limit, self.collective_timeout)
-        if self.loaded_step != resume or received:
+        if self.loaded_step != resume or received or self.sharded is not None:
             extra = restore(self.snapshots.load(resume), self.model, self.optimizer, self.tracked)
-            self.reducer.load_state_dict(extra)
+            self.reducer.load_state_dict(
+                self.sharded.from_snapshot(extra) if self.sharded else extra
+            )
             self.lr_watch.reset()  # a restored lr is not a change the script made
             self.loaded_step = resume
         self.done = resume
         self.fresh = False
+        if self.sharded is not None:  # its shards are cut from the full state just restored
+            self.sharded.enter(comm, comm.members, self.collective_timeout)
         return received and self.done > 0

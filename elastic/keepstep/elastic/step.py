@@ -269,7 +269,14 @@ class Step:
             norm, skipped = None, True
         else:
             assert isinstance(outcome, ReduceDone)
-            norm, skipped = job.apply_update(self.index), False
+            try:
+                # A sharded optimizer (shard="zero1") all-gathers in its step: a peer lost
+                # there fails the step, and the job restores its snapshot (sharded.py).
+                norm, skipped = job.apply_update(self.index), False
+            except PeerLost as error:
+                for p in job.params:  # the reduced gradient must not add to the next backward
+                    p.grad = None
+                return self._fail(error)
         record = CommitRecord(
             step=self.index,
             epoch=comm.epoch,

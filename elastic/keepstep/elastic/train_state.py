@@ -61,8 +61,13 @@ def capture(
     optimizer: torch.optim.Optimizer,
     extra: Mapping[str, torch.Tensor] | None = None,
     tracked: TrackedState | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
 ) -> TrainState:
-    """The live state tensors (no copies: the store copies them) and the plain rest."""
+    """The live state tensors (no copies: the store copies them) and the plain rest.
+
+    ``optimizer_state``: the optimizer's full state dict when the optimizer itself does not
+    hold it (a sharded job gathers it: sharded.py); by default ``optimizer.state_dict()``.
+    """
     tensors: dict[str, torch.Tensor] = {}
     model_keys = []
     for key, value in model.state_dict().items():
@@ -70,7 +75,7 @@ def capture(
             raise ConfigError(f"model state {key!r} is a {type(value).__name__}, not a tensor")
         tensors[f"model/{key}"] = value
         model_keys.append(key)
-    packed = optimizer.state_dict()
+    packed = optimizer.state_dict() if optimizer_state is None else optimizer_state
     groups: list[dict[str, Any]] = []
     group_tensors: list[list[str]] = []
     for gi, group in enumerate(packed["param_groups"]):

@@ -1,0 +1,245 @@
+"""The job's side of sharded optimizer state (``keepstep.init(..., shard="zero1")``).
+
+Where it sits: between the exact reduction and the commit, in place of the script's
+``optimizer.step()`` (job.py ``apply_update``). Per membership epoch the job builds a
+``ZeroOptimizer`` (zero/) over the epoch's members: each member steps the elements it
+owns, keeps optimizer state for those only, and the parameters are all-gathered over the
+epoch's ``Communicator`` (``CommGather``), so a lost peer raises ``PeerLost`` like any
+other collective of the step and the step is not committed.
+
+    epoch entered -> restore the snapshot -> members exchange and join their pieces
+      -> ownership_for(sizes, members) -> ZeroOptimizer(..., CommGather(comm))
+    each commit   -> zero.step() -> gather the full state -> keep this member's pieces
+
+Snapshots
+    A commit gathers the full optimizer state (one all-gather), and the snapshot keeps
+    this member's pieces of it: its own chunks and one replica of another node's, about
+    2/W of the state (sharded_snapshot.py). Entering an epoch (a loss, a drain, a join,
+    a rollback) every member restores its snapshot, the members exchange their pieces and
+    join the full state, and the new ownership is cut from it: any single-node loss
+    leaves a live copy of every element; a double fault is reported (StateShapeError).
+    Between steps a member holds only its shard's optimizer state (about 1/W, plus window
+    scratch); the full state exists while a commit gathers it and while an epoch is
+    entered. Not yet: stepping and snapshotting without the gather, recovery by the
+    disjoint transfers of the plan (shard/copies.py), durable checkpoints of a sharded
+    job that resume (a checkpoint holds one member's pieces: a resume is refused as a
+    state with no copy, never silently wrong).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+
+from keepstep.elastic.config import Shard
+from keepstep.elastic.errors import BadMessage, ConfigError, KeepstepError
+from keepstep.elastic.shard.layout import Range, make_layout
+from keepstep.elastic.sharded_snapshot import (
+    PIECES,
+    exchange_and_join,
+    pieces_tensor,
+    snapshot_holdings,
+)
+from keepstep.elastic.zero import ALIGN, Ownership, ZeroOptimizer
+from keepstep.elastic.zero.optimizers import check_supported
+
+__all__ = [
+    "BytesCollective",
+    "CommGather",
+    "ShardedOptimizer",
+    "optimizer_sha256",
+    "ownership_for",
+    "sharded_optimizer",
+]
+
+
+class BytesCollective(Protocol):
+    """What ``CommGather`` needs of the epoch's ``Communicator`` (its public methods)."""
+
+    rank: int
+    size: int
+    members: tuple[str, ...]
+
+    def allgather_bytes(
+        self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
+    ) -> list[bytes]: ...
+
+
+class CommGather:
+    """``zero.Gather`` over ``Communicator.allgather_bytes``: the epoch's abort handling
+    (``PeerLost``, the abort key) covers ZeRO's all-gathers too. Tensors travel as their
+    raw bytes (never converted, never pickled) and come back with the sender's shape and
+    dtype, which every rank shares by the Gather contract (checked by length)."""
+
+    def __init__(self, comm: BytesCollective) -> None:
+        self.comm = comm
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def allgather(self, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
+        if not isinstance(mine, torch.Tensor) or mine.device.type != "cpu":
+            raise ConfigError("CommGather.allgather needs a CPU tensor")
+        raw = mine.detach().contiguous().reshape(-1).view(torch.uint8)
+        payload = raw.numpy().tobytes()
+        slots = self.comm.allgather_bytes(payload, max(len(payload), 1), timeout)
+        out = []
+        for rank, slot in enumerate(slots):
+            if len(slot) != len(payload):
+                raise BadMessage(f"rank {rank} sent {len(slot)} bytes, {len(payload)} expected")
+            flat = torch.frombuffer(bytearray(slot), dtype=torch.uint8) if slot else raw[:0]
+            out.append(flat.clone().view(mine.dtype).reshape(mine.shape))
+        return out
+
+
+def ownership_for(sizes: Sequence[int], members: Sequence[str]) -> Ownership:
+    """Who owns which elements in the epoch of ``members`` (sorted: the communicator's rank
+    order), a pure function of the sizes and the member set. Members named "node/local"
+    (the agent's) get the interleaved layout of shard/layout.py, so neighbours along the
+    state sit on different nodes; other names (local runs) balanced slices in rank order.
+    Boundaries fall on multiples of ``ALIGN`` so windows stay as narrow as the pieces."""
+    if all("/" in m for m in members):
+        return Ownership.from_layout(make_layout(sizes, members, align=ALIGN), members)
+    return Ownership.balanced(sizes, len(members), align=ALIGN)
+
+
+class ShardedOptimizer:
+    """ZeRO-1 for the job: one ``ZeroOptimizer`` per epoch over the script's optimizer.
+
+    The script's ``optimizer`` stays the front (hooks, LR schedulers, the snapshot's
+    param groups). Before the first epoch it holds the full state; a snapshot of a commit
+    holds this member's pieces (sharded_snapshot.py), which ``from_snapshot`` takes and
+    ``enter`` joins with the other members' into the epoch's shards.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
+        # A non-elementwise optimizer is refused here, at init, not at the first step.
+        self.keys = check_supported(optimizer)  # its per-element state keys
+        if grad_scaler is not None:
+            raise ConfigError("shard='zero1' with a grad_scaler is not supported yet")
+        self.params = list(params)
+        self.optimizer = optimizer
+        # Pieces are cut in the optimizer's parameter order (its state_dict's indices).
+        mine = [p for g in optimizer.param_groups for p in g["params"]]
+        self._sizes = [p.numel() for p in mine]
+        self._shapes = [p.shape for p in mine]
+        self.zero: ZeroOptimizer | None = None
+        self._full: dict[str, Any] | None = None  # gathered at a commit, until its snapshot
+        self._holds: tuple[Range, ...] = ()  # what this member's snapshots keep
+        self._restored = b""  # the pieces of the snapshot just restored
+
+    def from_snapshot(self, extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Take this member's pieces out of a restored snapshot's ``extra`` tensors (the
+        rest is the reducer's); ``enter`` sends them to the epoch's members."""
+        raw = extra.pop(PIECES, None)
+        self._restored = b"" if raw is None else raw.numpy().tobytes()
+        return extra
+
+    def enter(self, comm: BytesCollective, members: Sequence[str], timeout: timedelta) -> None:
+        """Build the epoch's shards. The job restored the snapshot just before: a full one
+        (step 0) left the state in the script's optimizer, which the ZeroOptimizer cuts
+        from and clears; one of pieces left them here, and the members join them (a
+        collective: ``StateShapeError`` if an element has no live copy)."""
+        self.leave()
+        ownership = ownership_for([p.numel() for p in self.params], members)
+        self.zero = ZeroOptimizer(
+            self.params, self.optimizer, ownership, CommGather(comm), timeout=timeout
+        )
+        self._holds = snapshot_holdings(self._sizes, members)[members[comm.rank]]
+        mine, self._restored = self._restored, b""
+        state = exchange_and_join(comm, mine, self._sizes, self.keys, self._shapes, timeout)
+        if state is not None:
+            groups = self.optimizer.state_dict()["param_groups"]
+            self.zero.load_full_state_dict({"state": state, "param_groups": groups})
+
+    def leave(self) -> None:
+        """Drop the epoch's shards (its communicator is closed)."""
+        self.zero = None
+        self._full = None
+
+    def step(self) -> None:
+        """The sharded step, then the full state for the snapshot (both collectives:
+        ``PeerLost`` leaves the step uncommitted, and the job restores its snapshot)."""
+        if self.zero is None:
+            raise ConfigError("the sharded optimizer steps only inside an epoch")
+        self._full = None
+        self.zero.step()
+        self._full = self.zero.full_state_dict()
+
+    def for_snapshot(
+        self, extra: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """The snapshot's ``extra`` tensors and optimizer state: this member's pieces of the
+        state gathered at the last commit (own chunks and replicas, ~2/W of it) and the
+        param groups; the gathered state is dropped here. Before the first epoch: the
+        script's optimizer holds the full state, and the snapshot takes it as it is."""
+        full, self._full = self._full, None
+        if full is None:
+            if self.zero is not None:  # the script's optimizer holds nothing now
+                raise KeepstepError("a sharded snapshot needs the state its commit gathered")
+            return dict(extra), None
+        pieces = pieces_tensor(full, self._sizes, self.keys, self._holds)
+        return {**extra, PIECES: pieces}, {"state": {}, "param_groups": full["param_groups"]}
+
+    def full_state(self) -> dict[str, Any] | None:
+        """The full optimizer state, gathered now (a collective of the epoch); None outside
+        an epoch."""
+        return None if self.zero is None else self.zero.full_state_dict()
+
+
+def sharded_optimizer(
+    shard: Shard | None,
+    params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    grad_scaler: torch.amp.GradScaler | None = None,
+) -> ShardedOptimizer | None:
+    """The job's sharded optimizer for ``JobConfig.shard``; None for full replicas."""
+    if shard is None:
+        return None
+    assert shard is Shard.ZERO1, shard  # JobConfig allows no other
+    return ShardedOptimizer(params, optimizer, grad_scaler)
+
+
+def optimizer_sha256(state: Mapping[str, Any]) -> str:
+    """sha256 over an optimizer state dict: per parameter index in order, each key's
+    values (tensors by dtype, shape and bytes), then the param groups' hyper-parameters.
+    The same for the gathered state of a sharded job and the full optimizer's."""
+    digest = hashlib.sha256()
+    for index in sorted(state["state"]):
+        per_param = state["state"][index]
+        digest.update(f"param {index}".encode())
+        for key in sorted(per_param):
+            digest.update(key.encode())
+            _feed(digest, per_param[key])
+    for group in state["param_groups"]:
+        for key in sorted(group):
+            digest.update(key.encode())
+            _feed(digest, group[key])
+    return digest.hexdigest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        raw = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+        digest.update(raw.numpy().tobytes())
+    else:
+        digest.update(repr(value).encode())

@@ -1,0 +1,139 @@
+"""Pieces of optimizer state as bytes: what members exchange to rebuild it after a loss.
+
+Where it sits: beside snapshot_shard.py. When a sharded job's snapshots hold only a
+member's own shard and its replicas, the members of a new epoch send each other the
+pieces they hold (``Communicator.allgather_bytes``) and join them (``join_states``). The
+bytes come from a peer, so they are data only: a JSON header (never pickle) and the raw
+bytes of every tensor in header order, each checked against the parameters every member
+knows (index, element range, known dtype, sizes that add up) before a byte is used.
+
+    raw = pack_pieces(cut_state(full, sizes, keys, ranges))
+    pieces = unpack_pieces(raw, sizes, keys)            # BadMessage if anything is off
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from keepstep.elastic.errors import BadMessage, StateShapeError
+from keepstep.elastic.snapshot_shard import PieceKey
+
+__all__ = ["pack_pieces", "unpack_pieces"]
+
+_HEAD = 8  # bytes of the little-endian header length that starts the payload
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+_PLAIN = {"bool": bool, "int": int, "float": float}
+
+
+def pack_pieces(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> bytes:
+    """``pieces`` (``cut_state``'s) as one payload: header, then tensor bytes in order."""
+    entries: list[list[Any]] = []
+    chunks: list[bytes] = []
+    for (t, a, b), piece in pieces.items():
+        values: list[list[Any]] = []
+        for key, value in piece.items():
+            if isinstance(value, torch.Tensor):
+                dtype = str(value.dtype).removeprefix("torch.")
+                if dtype not in _DTYPES:
+                    raise StateShapeError(f"parameter {t}: {key!r} has dtype {dtype}, not sent")
+                values.append([key, "tensor", dtype, list(value.shape)])
+                raw = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+                chunks.append(raw.numpy().tobytes())
+            elif type(value) in (bool, int, float):
+                values.append([key, type(value).__name__, value])
+            else:
+                raise StateShapeError(
+                    f"parameter {t}: {key!r} is a {type(value).__name__}, which is not sent"
+                )
+        entries.append([t, a, b, values])
+    header = json.dumps(entries).encode()
+    return len(header).to_bytes(_HEAD, "little") + header + b"".join(chunks)
+
+
+def unpack_pieces(
+    raw: bytes, sizes: Sequence[int], keys: frozenset[str]
+) -> dict[PieceKey, dict[str, Any]]:
+    """The pieces of a ``pack_pieces`` payload, checked: ``BadMessage`` names what is off
+    (a parameter or range that does not exist, a per-element value of the wrong size, an
+    unknown dtype, bytes missing or left over)."""
+    if len(raw) < _HEAD:
+        raise BadMessage(f"a payload of {len(raw)} bytes has no header")
+    n = int.from_bytes(raw[:_HEAD], "little")
+    if n > len(raw) - _HEAD:
+        raise BadMessage(f"header of {n} bytes is longer than the payload")
+    try:
+        entries = json.loads(raw[_HEAD : _HEAD + n])
+    except (UnicodeDecodeError, ValueError) as err:
+        raise BadMessage(f"header is not JSON: {err}") from None
+    if not isinstance(entries, list):
+        raise BadMessage("header must be a list of pieces")
+    body = memoryview(raw)[_HEAD + n :]
+    offset = 0
+    out: dict[PieceKey, dict[str, Any]] = {}
+    for entry in entries:
+        t, a, b, values = _entry(entry, sizes)
+        piece: dict[str, Any] = {}
+        for value in values:
+            key, kind, *rest = _value(value, t)
+            if kind in _PLAIN and len(rest) == 1 and type(rest[0]) is _PLAIN[kind]:
+                piece[key] = rest[0]
+                continue
+            if kind != "tensor" or len(rest) != 2:
+                raise BadMessage(f"parameter {t}: bad value {value!r}"[:200])
+            dtype, shape = _DTYPES.get(rest[0]), rest[1]
+            if dtype is None or not _shape(shape):
+                raise BadMessage(f"parameter {t}: {key!r} has dtype {rest[0]!r}, shape {shape!r}")
+            count = math.prod(shape)
+            if key in keys and count != b - a:
+                raise BadMessage(f"parameter {t}: {key!r} has {count} values for {a}..{b}")
+            size = count * torch.empty((), dtype=dtype).element_size()
+            if offset + size > len(body):
+                raise BadMessage(f"parameter {t}: the payload ends before {key!r}")
+            data = bytearray(body[offset : offset + size])
+            offset += size
+            flat = torch.frombuffer(data, dtype=torch.uint8) if size else torch.empty(0)
+            piece[key] = flat.to(torch.uint8).view(dtype).reshape(shape)
+        out[PieceKey(t, a, b)] = piece
+    if offset != len(body):
+        raise BadMessage(f"{len(body) - offset} bytes left over after the pieces")
+    return out
+
+
+def _entry(entry: Any, sizes: Sequence[int]) -> tuple[int, int, int, list[Any]]:
+    if not isinstance(entry, list) or len(entry) != 4 or not isinstance(entry[3], list):
+        raise BadMessage(f"bad piece {entry!r}"[:200])
+    t, a, b, values = entry
+    if not all(type(x) is int for x in (t, a, b)) or not 0 <= t < len(sizes):
+        raise BadMessage(f"piece {entry[:3]!r} names no parameter of {len(sizes)}")
+    if not 0 <= a <= b <= sizes[t]:
+        raise BadMessage(f"piece {entry[:3]!r} is outside parameter {t} of {sizes[t]} elements")
+    return t, a, b, values
+
+
+def _value(value: Any, t: int) -> list[Any]:
+    if not isinstance(value, list) or len(value) < 3 or not isinstance(value[0], str):
+        raise BadMessage(f"parameter {t}: bad value {value!r}"[:200])
+    return value
+
+
+def _shape(shape: Any) -> bool:
+    return isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)

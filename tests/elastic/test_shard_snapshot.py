@@ -1,0 +1,237 @@
+"""Snapshots that hold a member's own shard and the replicas it keeps (snapshot_shard.py).
+
+Pure checks first: after losing any one node every element still has a live copy, for
+the contiguous and the chunked layouts and random member sets and parameter sizes (and
+without replicas it does not, so the check can fail). Then the optimizer state itself: cut
+per member from a trained Adam's state, one node lost, joined again from the survivors'
+pieces (also after crossing the wire as bytes, snapshot_pieces.py): the same bits; a
+second lost node is detected, never silently wrong; a bad payload is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_shard_layout import clusters, grid  # the member sets of the layout's tests
+
+from keepstep.elastic.errors import BadMessage, StateShapeError
+from keepstep.elastic.shard import Range, make_chunk_layout, make_layout, node_of, place_replicas
+from keepstep.elastic.sharded import optimizer_sha256
+from keepstep.elastic.sharded_snapshot import exchange_and_join, pieces_tensor, snapshot_holdings
+from keepstep.elastic.snapshot_pieces import pack_pieces, unpack_pieces
+from keepstep.elastic.snapshot_shard import (
+    PieceKey,
+    cut_state,
+    join_states,
+    merge,
+    snapshot_ranges,
+    uncovered,
+)
+from keepstep.elastic.zero import ALIGN, ELEMENTWISE
+
+FAST = settings(max_examples=40, deadline=None)
+sizes_st = st.lists(st.integers(0, 5000), min_size=1, max_size=12).filter(lambda s: sum(s) > 0)
+
+
+def _node_losses(members: list[str]) -> list[tuple[str, set[str]]]:
+    nodes = sorted({node_of(m) for m in members})
+    return [(n, {m for m in members if node_of(m) != n}) for n in nodes]
+
+
+@FAST
+@given(clusters(min_nodes=2), sizes_st, st.booleans())
+def test_after_any_single_node_loss_every_element_has_a_live_copy(
+    members: list[str], sizes: list[int], chunked: bool
+) -> None:
+    layout = (
+        make_chunk_layout(sizes, members, align=ALIGN) if chunked else make_layout(sizes, members)
+    )
+    holds = snapshot_ranges(place_replicas(layout, replicas=1))
+    total = sum(sizes)
+    # Every element is held twice (the owner, a replica), never both on one node.
+    assert sum(r.size for rs in holds.values() for r in rs) == 2 * total
+    for node, live in _node_losses(members):
+        assert uncovered(holds, live, total) == (), f"losing {node}"
+
+
+def test_without_replicas_a_lost_node_takes_its_shards_with_it() -> None:
+    members = grid(3, 2)
+    layout = make_chunk_layout([5000, 7, 3000], members, align=ALIGN)
+    holds = snapshot_ranges(place_replicas(layout, replicas=0))
+    gone = uncovered(holds, {m for m in members if node_of(m) != "n1"}, 8007)
+    lost = sum(r.size for r in gone)
+    assert lost == sum(r.size for m in members if node_of(m) == "n1" for r in layout.ranges(m))
+    assert lost > 0
+
+
+def test_merge_and_uncovered_tables() -> None:
+    assert merge([Range(5, 9), Range(0, 2), Range(2, 4), Range(8, 12), Range(3, 3)]) == (
+        Range(0, 4),
+        Range(5, 12),
+    )
+    holds = {"a": (Range(0, 4),), "b": (Range(6, 10),), "c": (Range(3, 7),)}
+    assert uncovered(holds, {"a", "b"}, 12) == (Range(4, 6), Range(10, 12))
+    assert uncovered(holds, {"a", "b", "c"}, 10) == ()
+    assert uncovered(holds, set(), 3) == (Range(0, 3),)
+
+
+# ---- the optimizer state --------------------------------------------------------------
+
+
+def _trained_adam() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
+    g = torch.Generator().manual_seed(7)
+    shapes: list[tuple[int, ...]] = [(37, 5), (300,), (0,), (700, 3), ()]
+    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+    opt = torch.optim.Adam(params, lr=1e-2, amsgrad=True)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return params, opt
+
+
+def test_survivors_pieces_give_back_the_full_state_and_a_double_fault_is_detected() -> None:
+    params, opt = _trained_adam()
+    sizes = [p.numel() for p in params]
+    keys = ELEMENTWISE[torch.optim.Adam]
+    full = opt.state_dict()
+    members = grid(3, 2)
+    layout = make_chunk_layout(sizes, members, align=ALIGN)
+    holds = snapshot_ranges(place_replicas(layout, replicas=1))
+    snapshots = {m: cut_state(full, sizes, keys, holds[m]) for m in members}
+    # A member's snapshot holds about 2/W of the per-element state (its shard and a replica).
+    elements = {m: sum(b - a for (_, a, b) in snapshots[m]) for m in members}
+    assert sum(elements.values()) == 2 * sum(sizes)
+    shapes = [p.shape for p in params]
+    for node, live in _node_losses(members):
+        state = join_states((snapshots[m] for m in sorted(live)), sizes, keys, shapes)
+        rebuilt = {"state": state, "param_groups": full["param_groups"]}
+        assert optimizer_sha256(rebuilt) == optimizer_sha256(full), f"losing {node}"
+    # Two nodes lost: some chunk lost its owner and its replica. Named, not filled with zeros.
+    only = [m for m in members if node_of(m) == "n0"]
+    with pytest.raises(StateShapeError, match="have no copy"):
+        join_states((snapshots[m] for m in only), sizes, keys, shapes)
+
+
+def test_pieces_that_disagree_are_refused() -> None:
+    params, opt = _trained_adam()
+    sizes = [p.numel() for p in params]
+    keys = ELEMENTWISE[torch.optim.Adam]
+    full = opt.state_dict()
+    a = cut_state(full, sizes, keys, (Range(0, 100),))
+    b = cut_state(full, sizes, keys, (Range(50, 185),))
+    for piece in b.values():
+        piece["step"] = piece["step"] + 1
+    with pytest.raises(StateShapeError, match="parameter 0: pieces disagree on 'step'"):
+        join_states([a, b], sizes, keys)
+
+
+# ---- pieces over the wire -------------------------------------------------------------
+
+
+def test_pieces_cross_the_wire_and_survivors_rebuild_the_state_from_bytes() -> None:
+    params, opt = _trained_adam()
+    sizes = [p.numel() for p in params]
+    keys = ELEMENTWISE[torch.optim.Adam]
+    full = opt.state_dict()
+    members = grid(3, 2)
+    holds = snapshot_ranges(place_replicas(make_layout(sizes, members), replicas=1))
+    wire = {m: pack_pieces(cut_state(full, sizes, keys, holds[m])) for m in members}
+    live = [m for m in members if node_of(m) != "n2"]
+    received = [unpack_pieces(wire[m], sizes, keys) for m in live]
+    state = join_states(received, sizes, keys, [p.shape for p in params])
+    rebuilt = {"state": state, "param_groups": full["param_groups"]}
+    assert optimizer_sha256(rebuilt) == optimizer_sha256(full)
+
+
+def _one_piece() -> bytes:
+    piece = {"exp_avg": torch.arange(4, dtype=torch.float32), "step": torch.tensor(3.0), "n": 2}
+    return pack_pieces({PieceKey(1, 2, 6): piece})
+
+
+def _with_header(header: object, body: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + body
+
+
+@pytest.mark.parametrize(
+    ("raw", "match"),
+    [
+        (b"\x01\x02", "has no header"),
+        (b"\xff" * 8 + b"[]", "longer than the payload"),
+        ((2).to_bytes(8, "little") + b"{]", "not JSON"),
+        (_with_header({"a": 1}), "must be a list of pieces"),
+        (_with_header([[7, 0, 1, []]]), r"names no parameter of 3"),
+        (_with_header([[1, 5, 11, []]]), r"outside parameter 1 of 10 elements"),
+        (_with_header([[1, 0, 2, [["exp_avg", "tensor", "float32", [3]]]]]), "3 values for 0..2"),
+        (_with_header([[1, 0, 2, [["exp_avg", "tensor", "quad", [2]]]]]), "dtype 'quad'"),
+        (_with_header([[1, 0, 2, [["exp_avg", "tensor", "float32", [2]]]]], b"\0" * 7), "ends"),
+        (_with_header([[1, 0, 2, [["n", "int", 2]]]], b"\0"), "1 bytes left over"),
+        (_with_header([[1, 0, 2, [["n", "pickle", "x"]]]]), "bad value"),
+        (_one_piece()[:-1], "ends before"),
+    ],
+)
+def test_a_bad_payload_is_refused_by_name(raw: bytes, match: str) -> None:
+    with pytest.raises(BadMessage, match=match):
+        unpack_pieces(raw, [3, 10, 0], ELEMENTWISE[torch.optim.Adam])
+
+
+def test_one_piece_round_trips_exactly() -> None:
+    (got,) = unpack_pieces(_one_piece(), [3, 10, 0], ELEMENTWISE[torch.optim.Adam]).items()
+    key, piece = got
+    assert key == PieceKey(1, 2, 6) and piece["n"] == 2 and type(piece["n"]) is int
+    assert torch.equal(piece["exp_avg"], torch.arange(4, dtype=torch.float32))
+    assert piece["step"].shape == () and float(piece["step"]) == 3.0
+
+
+# ---- the job's glue (sharded_snapshot.py) ------------------------------------------------
+
+
+class _Echo:
+    """allgather_bytes of a fixed set of members' payloads (this one's is replaced)."""
+
+    def __init__(self, others: list[bytes]) -> None:
+        self.others = others
+        self.sent: list[bytes] = []
+
+    def allgather_bytes(
+        self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
+    ) -> list[bytes]:
+        assert all(len(p) <= max_bytes for p in [payload, *self.others])
+        self.sent.append(payload)
+        return [payload, *self.others]
+
+
+def test_the_job_keeps_pieces_and_joins_them_after_a_loss_or_refuses() -> None:
+    params, opt = _trained_adam()
+    sizes = [p.numel() for p in params]
+    shapes = [p.shape for p in params]
+    keys = ELEMENTWISE[torch.optim.Adam]
+    full = opt.state_dict()
+    members = ["m0", "m1", "m2", "m3"]  # local names: each member is a node of its own
+    holds = snapshot_holdings(sizes, members)
+    raw = {m: pieces_tensor(full, sizes, keys, holds[m]).numpy().tobytes() for m in members}
+    # m2 is lost: m0 joins its own pieces with m1's and m3's.
+    echo = _Echo([raw["m1"], raw["m3"]])
+    state = exchange_and_join(echo, raw["m0"], sizes, keys, shapes, timedelta(seconds=5))
+    assert state is not None
+    rebuilt = {"state": state, "param_groups": full["param_groups"]}
+    assert optimizer_sha256(rebuilt) == optimizer_sha256(full)
+    # Nobody held pieces (every snapshot was a full one): nothing to join.
+    assert exchange_and_join(_Echo([b"", b""]), b"", sizes, keys, shapes, timedelta(1)) is None
+    # m1 and m2 lost: some chunk had its owner and its replica on them.
+    with pytest.raises(StateShapeError, match="have no copy"):
+        exchange_and_join(_Echo([raw["m3"]]), raw["m0"], sizes, keys, shapes, timedelta(1))
+
+
+def test_holdings_for_one_node_keep_everything_on_each_member() -> None:
+    sizes = [300, 1, 5000]
+    alone = snapshot_holdings(sizes, ["m0"])
+    assert alone == {"m0": (Range(0, 5301),)}
+    same_node = snapshot_holdings(sizes, ["n0/0", "n0/1"])  # no other node for a replica
+    assert sum(r.size for rs in same_node.values() for r in rs) == 5301

@@ -1,0 +1,272 @@
+"""ZeRO-1 inside the job (sharded.py): ``keepstep.init(..., shard="zero1")`` in one process,
+the gather adapter over the communicator's ``allgather_bytes`` with ranks on threads, and
+the epoch's ownership. The multi-process runs are in test_shard_zero1.py."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import keepstep
+from keepstep.elastic import ConfigError, JobConfig
+from keepstep.elastic.config import Shard
+from keepstep.elastic.errors import BadMessage, KeepstepError, PeerLost
+from keepstep.elastic.shard.layout import layout_order
+from keepstep.elastic.sharded import CommGather, optimizer_sha256, ownership_for
+from keepstep.elastic.zero import ZeroOptimizer
+
+_TIMEOUT = timedelta(seconds=20)
+
+
+def make() -> tuple[nn.Module, torch.optim.Optimizer, TensorDataset]:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(256, 6, generator=g)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Dropout(0.1), nn.Linear(40, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    return model, opt, TensorDataset(x, torch.sin(x.sum(1, keepdim=True)))
+
+
+def train(steps: int, **kw: object) -> tuple[keepstep.Job, str, str]:
+    model, opt, data = make()
+    job = keepstep.init(model, opt, data, global_batch=32, micro_batch=4, seed=1, **kw)  # type: ignore[arg-type]
+    for step in job.steps(steps):
+        for mb in step.micro_batches():
+            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+        assert step.commit()
+    return job, job.params_sha256(), job.optimizer_sha256()
+
+
+# ---- configuration -------------------------------------------------------------------
+
+
+def test_shard_names_what_is_allowed() -> None:
+    assert JobConfig(global_batch=8, micro_batch=4).shard is None
+    assert JobConfig(global_batch=8, micro_batch=4, shard="zero1").shard is Shard.ZERO1  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"shard='zero2' is not one of: 'zero1' \(or None"):
+        JobConfig(global_batch=8, micro_batch=4, shard="zero2")  # type: ignore[arg-type]
+
+
+def test_shard_from_the_launcher_and_the_script_must_agree() -> None:
+    model, opt, data = make()
+    job = keepstep.init(
+        model, opt, data, global_batch=32, micro_batch=4, env={"KEEPSTEP_SHARD": "zero1"}
+    )
+    assert job.config.shard is Shard.ZERO1 and job.sharded is not None
+    model, opt, data = make()
+    plain = keepstep.init(model, opt, data, global_batch=32, micro_batch=4, env={})
+    assert plain.config.shard is None and plain.sharded is None
+    with pytest.raises(ConfigError, match=r"shard='zero1'.*KEEPSTEP_SHARD=bogus"):
+        keepstep.init(model, opt, data, 32, 4, shard="zero1", env={"KEEPSTEP_SHARD": "bogus"})
+    with pytest.raises(ConfigError, match="shard='bogus' is not one of"):
+        keepstep.init(model, opt, data, 32, 4, env={"KEEPSTEP_SHARD": "bogus"})
+
+
+def test_an_optimizer_that_is_not_elementwise_is_refused_at_init() -> None:
+    model, _, data = make()
+    lbfgs = torch.optim.LBFGS(model.parameters())
+    with pytest.raises(ConfigError, match="ZeRO-1 cannot shard LBFGS"):
+        keepstep.init(model, lbfgs, data, 32, 4, shard="zero1", env={})
+
+
+def test_a_grad_scaler_with_shard_is_refused() -> None:
+    model, opt, data = make()
+    scaler = torch.amp.GradScaler("cpu", enabled=True)
+    with pytest.raises(ConfigError, match="shard='zero1' with a grad_scaler"):
+        keepstep.init(model, opt, data, 32, 4, shard="zero1", grad_scaler=scaler, env={})
+
+
+# ---- the job -------------------------------------------------------------------------
+
+
+def test_one_member_zero1_matches_full_replicas() -> None:
+    sharded, params, optim = train(12, shard="zero1", env={})
+    _, params_full, optim_full = train(12, env={})
+    assert (params, optim) == (params_full, optim_full)
+    # The state lives in the shards, and the snapshot of the last step holds it whole.
+    assert not sharded.optimizer.state
+    assert sharded.sharded is not None and sharded.sharded.zero is not None
+    assert sharded.sharded.zero.state_bytes() > 0
+    # The snapshot holds this member's pieces (all of them, alone), not torch's format.
+    last = sharded.snapshots.load(12)
+    assert "extra/shard_pieces" in last.tensors
+    assert not any(name.endswith("/exp_avg_sq") for name in last.tensors)
+    # Between steps the gathered full state is gone (the snapshot took it); a second
+    # snapshot of the same commit would have none to take, and says so.
+    with pytest.raises(KeepstepError, match="needs the state its commit gathered"):
+        sharded.sharded.for_snapshot({})
+
+
+def _train_clipped(steps: int, **kw: object) -> tuple[str, str]:
+    model, opt, data = make()
+    job = keepstep.init(
+        model,
+        opt,
+        data,
+        32,
+        4,
+        seed=1,
+        clip_grad_norm=0.05,
+        env={},
+        **kw,  # type: ignore[arg-type]
+    )
+    sched = job.track("sched", torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5))
+    for step in job.steps(steps):
+        for mb in step.micro_batches():
+            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+        if step.commit():
+            sched.step()
+    return job.params_sha256(), job.optimizer_sha256()
+
+
+def test_zero1_follows_clipping_and_an_lr_schedule_like_the_full_optimizer() -> None:
+    sharded = _train_clipped(7, shard="zero1")
+    assert sharded == _train_clipped(7)
+    assert sharded != _train_clipped(6, shard="zero1")  # the figures do see one more step
+
+
+def test_optimizer_sha256_sees_every_value() -> None:
+    _, _, before = train(3, env={})
+    model, opt, data = make()
+    job = keepstep.init(model, opt, data, 32, 4, seed=1, env={})
+    for step in job.steps(3):
+        for mb in step.micro_batches():
+            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+        step.commit()
+    state = opt.state_dict()
+    assert optimizer_sha256(state) == before
+    state["state"][0]["exp_avg"][0, 0] += 1e-7
+    assert optimizer_sha256(state) != before
+
+
+# ---- the gather over allgather_bytes ---------------------------------------------------
+
+
+class _BytesHub:
+    """Ranks on threads exchanging bytes, as Communicator.allgather_bytes does."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.slots: list[bytes] = [b""] * world
+        self.barrier = threading.Barrier(world)
+
+    def rank(self, rank: int) -> _BytesMember:
+        return _BytesMember(self, rank)
+
+
+class _BytesMember:
+    def __init__(self, hub: _BytesHub, rank: int) -> None:
+        self.hub, self.rank, self.size = hub, rank, hub.world
+
+    def allgather_bytes(
+        self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
+    ) -> list[bytes]:
+        assert len(payload) <= max_bytes
+        wait = None if timeout is None else timeout.total_seconds()
+        try:
+            self.hub.slots[self.rank] = bytes(payload)
+            self.hub.barrier.wait(wait)
+            out = list(self.hub.slots)
+            self.hub.barrier.wait(wait)
+        except threading.BrokenBarrierError:
+            raise PeerLost(0, f"rank {self.rank}: a peer did not arrive") from None
+        return out
+
+
+def _params() -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(2)
+    shapes: list[tuple[int, ...]] = [(37, 5), (300,), (1,), (700, 3)]
+    return [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
+
+
+def _grads(step: int, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=g) for p in params]
+
+
+def test_zero1_over_allgather_bytes_matches_the_full_step() -> None:
+    world, steps = 3, 3
+    ref = _params()
+    ref_opt = torch.optim.Adam(ref, lr=1e-2, weight_decay=0.01)
+    for s in range(steps):
+        for p, grad in zip(ref, _grads(s, ref), strict=True):
+            p.grad = grad
+        ref_opt.step()
+    hub = _BytesHub(world)
+    found: dict[int, tuple[list[torch.Tensor], str]] = {}
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        try:
+            params = _params()
+            opt = torch.optim.Adam(params, lr=1e-2, weight_decay=0.01)
+            ownership = ownership_for([p.numel() for p in params], ["a", "b", "c"])
+            zero = ZeroOptimizer(params, opt, ownership, CommGather(hub.rank(r)), timeout=_TIMEOUT)
+            for s in range(steps):
+                for p, grad in zip(params, _grads(s, params), strict=True):
+                    p.grad = grad
+                zero.step()
+            found[r] = (
+                [p.detach().clone() for p in params],
+                optimizer_sha256(zero.full_state_dict()),
+            )
+        except BaseException as err:  # reported below, with the rank's own traceback
+            errors.append(err)
+            hub.barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    want = optimizer_sha256(ref_opt.state_dict())
+    for r in range(world):
+        params, sha = found[r]
+        assert sha == want
+        assert all(torch.equal(a, b.detach()) for a, b in zip(params, ref, strict=True))
+
+
+def test_comm_gather_keeps_shape_and_dtype_and_refuses_a_short_slot() -> None:
+    class Short:
+        rank, size = 0, 2
+
+        def allgather_bytes(
+            self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
+        ) -> list[bytes]:
+            return [payload, payload[:-1]]
+
+    class Echo(Short):
+        def allgather_bytes(
+            self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
+        ) -> list[bytes]:
+            return [payload, payload]
+
+    mine = torch.arange(6, dtype=torch.int64).reshape(2, 3)
+    out = CommGather(Echo()).allgather(mine, _TIMEOUT)
+    assert [o.dtype for o in out] == [torch.int64] * 2 and all(torch.equal(o, mine) for o in out)
+    with pytest.raises(BadMessage, match="rank 1 sent 47 bytes, 48 expected"):
+        CommGather(Short()).allgather(mine, _TIMEOUT)
+
+
+# ---- the epoch's ownership -------------------------------------------------------------
+
+
+def test_ownership_interleaves_nodes_for_agent_members_and_is_balanced_otherwise() -> None:
+    sizes = [1000, 3, 2000]
+    members = sorted(["n0/0", "n0/1", "n1/0", "n1/1"])
+    own = ownership_for(sizes, members)
+    # Along the state the owners follow the interleaved layout order: n0/0 n1/0 n0/1 n1/1.
+    first = sorted(range(len(members)), key=lambda r: own.ranges[r][0].start)
+    assert tuple(members[r] for r in first) == layout_order(members)
+    plain = ownership_for(sizes, ["m0", "m1", "m2"])
+    starts = [plain.ranges[r][0].start for r in range(3)]
+    assert starts == sorted(starts)  # rank order
+    counts = [plain.owned(r) for r in range(3)]
+    assert max(counts) - min(counts) <= 128
