@@ -31,6 +31,7 @@ SELFCHECK_GLOBAL_BATCH, SELFCHECK_MICRO_BATCH = 48, 4
 
 # The extra that installs a missing third-party module (pyproject.toml's extras).
 EXTRA_OF = {
+    "ray": "ray",
     "torch": "train",
     "numpy": "train",
     "numba": "train",

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepstep.chaos import cgroups
 from keepstep.chaos.actions import DutyCycle, Stopped, corrupt_newest_slot, send
 from keepstep.chaos.rundir import RunView, alive, process_group
 from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
+from keepstep.launch import cgroups
 
 
 def _state(pid: int) -> str:

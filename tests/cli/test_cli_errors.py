@@ -69,6 +69,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("module-name", [*TWO, "-m", "1bad.mod"], "-m '1bad.mod' is not a module name"),
     ("etcd-members", [*TWO, "--etcd-members", "2", "{script}"], "invalid choice: 2"),
     ("hang-timeout", [*TWO, "--hang-timeout", "0", "{script}"], "--hang-timeout: 0"),
+    ("heartbeat-timeout", [*TWO, "--heartbeat-timeout", "-1", "{script}"], "seconds >= 0"),
     ("no-etcd-binary", [*TWO, "{script}"], "KEEPSTEP_ETCD_BIN"),
     ("selfcheck-steps", ["selfcheck", "--steps", "0"], "--steps: 0: must be an integer >= 1"),
     ("selfcheck-ranks", ["selfcheck", "--ranks", "0"], "ranks=0 must be between 1 and 12"),

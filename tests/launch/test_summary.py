@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from keepstep.launch.summary import build_summary
+from keepstep.launch.summary import build_summary, micro_batches_at
 
 PLAN4 = {"n0/0": [0], "n1/0": [1], "n2/0": [2], "n3/0": [3]}
 PLAN3 = {"n0/0": [0, 1], "n1/0": [2], "n3/0": [3]}
@@ -112,3 +112,61 @@ def test_a_run_that_logged_nothing_has_no_metrics() -> None:
     events = [commit(1.0, "n0/0", 0, 0, PLAN4), commit(2.0, "n0/0", 1, 0, PLAN4)]
     s = build_summary(events, [], steps=2, global_batch=16, micro_batch=4)
     assert (s["metrics"], s["skipped_steps"]) == ({}, [])
+
+
+def test_micro_batches_by_step_is_run_length_encoded_from_the_standing_plans() -> None:
+    even = {"n0/0": [0, 1], "n1/0": [2, 3]}
+    weighted = {"n0/0": [0, 1, 2], "n1/0": [3]}
+    events = [commit(float(s), "n0/0", s, 0, even if s < 3 else weighted) for s in range(5)]
+    # Step 4 was redone in epoch 1 on n0/0 alone: the redone plan stands.
+    events.append(commit(9.0, "n0/0", 4, 1, {"n0/0": [0, 1, 2, 3]}))
+    s = build_summary(events, [], steps=5, global_batch=8, micro_batch=2)
+    spans = s["micro_batches_by_step"]
+    assert spans == [
+        {"steps": [0, 2], "counts": {"n0/0": 2, "n1/0": 2}},
+        {"steps": [3, 3], "counts": {"n0/0": 3, "n1/0": 1}},
+        {"steps": [4, 4], "counts": {"n0/0": 4}},
+    ]
+    assert micro_batches_at(spans, 1) == {"n0/0": 2, "n1/0": 2}
+    assert micro_batches_at(spans, 3) == {"n0/0": 3, "n1/0": 1}
+    assert micro_batches_at(spans, 5) is None
+    assert s["samples"]["lost"] == 0 and s["samples"]["duplicated"] == 0
+
+
+def test_a_gap_starts_a_new_run() -> None:
+    plan = {"n0/0": [0, 1]}
+    events = [commit(float(s), "n0/0", s, 0, plan) for s in (0, 1, 3)]
+    s = build_summary(events, [], steps=4, global_batch=4, micro_batch=2)
+    assert [span["steps"] for span in s["micro_batches_by_step"]] == [[0, 1], [3, 3]]
+
+
+def test_weight_changes_are_listed_once_each_in_order() -> None:
+    change = {
+        "kind": "weights-changed",
+        "member": "n0/0",
+        "epoch": 0,
+        "step": 9,
+        "old": {"n0/0": 1.0, "n1/0": 1.0},
+        "new": {"n0/0": 1.0, "n1/0": 0.33},
+        "counts": {"n0/0": 2, "n1/0": 2},
+    }
+    later = {**change, "step": 20, "old": change["new"], "new": change["old"]}
+    events = [{**later, "t": 3.0}, {**change, "t": 1.0}, {**change, "t": 1.5}]
+    s = build_summary(events, [], steps=1, global_batch=4, micro_batch=2)
+    assert [(c["step"], c["new"]["n1/0"]) for c in s["weight_changes"]] == [(9, 0.33), (20, 1.0)]
+    assert set(s["weight_changes"][0]) == {"epoch", "step", "old", "new", "counts"}
+
+
+def test_a_slowed_node_is_not_blamed_for_a_recovery() -> None:
+    events = [
+        {"t": 0.0, "kind": "epoch-agreed", "epoch": 0, "members": list(PLAN4)},
+        commit(1.0, "n0/0", 0, 0, PLAN4),
+        {"t": 5.0, "kind": "fault-detected", "cause": "lease-expired", "node": "n2", "epoch": 0},
+        {"t": 5.01, "kind": "epoch-agreed", "epoch": 1, "planned": False, "reason": "lost n2/0"},
+        commit(5.2, "n0/0", 1, 1, PLAN3),
+    ]
+    faults = [{"kind": "slow-node", "node": "n2", "t": 4.0, "factor": 3.0}]
+    s = build_summary(events, faults, steps=2, global_batch=16, micro_batch=4)
+    (r,) = s["recoveries"]
+    assert r["cause"] == "lease-expired"  # a false alarm shows as one
+    assert s["faults"] == faults

@@ -14,13 +14,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from keepstep.chaos.cgroups import Cgroup
 from keepstep.elastic.snapshot_layout import (
     FILE_STRUCT,
     HEADER,
@@ -29,28 +27,20 @@ from keepstep.elastic.snapshot_layout import (
     slot_intact,
 )
 from keepstep.launch import netns
+from keepstep.launch.cgroups import Cgroup
 from keepstep.launch.etcd_cluster import metrics
 
+# The slow-downs are the launcher's too (`keepstep run --fault slow-node:...`); they live
+# in keepstep.launch, which may not import chaos, and are used from here by these names.
+from keepstep.launch.slowdown import DutyCycle, Ongoing, Throttled, send
 
-class Ongoing(Protocol):
-    """An action that lasts: `end` undoes it (idempotent)."""
-
-    def end(self) -> None: ...
+__all__ = ["DutyCycle", "Held", "Ongoing", "Stopped", "Throttled", "send"]
 
 
 class Held(Ongoing, Protocol):
     """A hung node: `end` lets it run again, `kill` ends it for good."""
 
     def kill(self) -> None: ...
-
-
-def send(pid: int, sig: signal.Signals, group: bool = False) -> bool:
-    """Signal a process (or its process group); False if it is gone."""
-    try:
-        (os.killpg if group else os.kill)(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
 
 
 class Stopped:
@@ -75,44 +65,6 @@ class Stopped:
         """End the node for good: SIGKILL is delivered once the group runs again."""
         send(self.pgid, signal.SIGKILL, group=True)
         self.end()
-
-
-class DutyCycle:
-    """Slow a node down without cgroups: stop its process group `1 - share` of each period.
-
-    Each stop is far shorter than the hang timeout, so the node is slow, not lost.
-    """
-
-    def __init__(self, pgid: int, share: float, period: float = 0.2) -> None:
-        self.pgid = pgid
-        self.run_s = period * share
-        self.stop_s = period - self.run_s
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="chaos-duty-cycle", daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        while not self._done.is_set():
-            if not send(self.pgid, signal.SIGSTOP, group=True):
-                return
-            self._done.wait(self.stop_s)
-            send(self.pgid, signal.SIGCONT, group=True)
-            self._done.wait(self.run_s)
-
-    def end(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=2.0)
-        send(self.pgid, signal.SIGCONT, group=True)
-
-
-class Throttled:
-    """A node in a cgroup with a CPU quota."""
-
-    def __init__(self, group: Cgroup) -> None:
-        self.group = group
-
-    def end(self) -> None:
-        self.group.release()
 
 
 class Partitioned:

@@ -3,11 +3,12 @@
 Where it sits: `runner.py` starts `keepstep run` (which injects the step-triggered kills,
 hangs, drains and joins itself) and one `Injector` thread beside it. The injector polls
 the run directory (`rundir.RunView`) and, when a fault is due, acts from outside on the
-run's processes (`actions.py`, `cgroups.py`). A fault at a step lands at that step: the
-agents hold the job at that boundary on a step gate (`step_gates.py`) while the injector
-acts (a kill of etcd or a partition releases the gate first: the release travels through
-etcd; no further step can commit before they land). Without gates (no etcd access, as in
-cluster mode) a step fault is due when the event logs show its step: a step or more late.
+run's processes (`actions.py`, and `keepstep.launch.cgroups`). A fault at a step lands at
+that step: the agents hold the job at that boundary on a step gate (`step_gates.py`) while
+the injector acts (a kill of etcd or a partition releases the gate first: the release
+travels through etcd; no further step can commit before they land). Without gates (no etcd
+access, as in cluster mode) a step fault is due when the event logs show its step: a step
+or more late.
 
     kill-worker, kill-node, hang-node, drain-node   by time, or during a recovery
     slow-node          a CPU quota in a cgroup, or a SIGSTOP/SIGCONT duty cycle
@@ -34,12 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keepstep.chaos import actions, cgroups
+from keepstep.chaos import actions
 from keepstep.chaos.model import Fault, FaultKind
 from keepstep.chaos.rundir import RunView, alive, children_matching, process_group
 from keepstep.chaos.step_gates import InjectorGates
 from keepstep.errors import KeepstepError
-from keepstep.launch import netns
+from keepstep.launch import cgroups, netns
 from keepstep.launch.gates import Claimed
 
 log = logging.getLogger("keepstep.chaos")

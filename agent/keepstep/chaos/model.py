@@ -72,7 +72,10 @@ class FaultKind(enum.Enum):
 
 
 # ValueError at import if the launcher has a kind the chaos list lacks.
-_LAUNCHER = {FaultKind(kind.value): kind for kind in LauncherKind}
+_SAME_NAME = {FaultKind(kind.value): kind for kind in LauncherKind}
+# The kinds handed to `keepstep run --fault`: those that change the membership. The
+# launcher's slow-node (a node slowed, not lost) stays the injector's, with its methods.
+_LAUNCHER = {k: own for k, own in _SAME_NAME.items() if own.changes_membership}
 _RECOVERING = frozenset(_LAUNCHER) | {FaultKind.CORRUPT_SNAPSHOT, FaultKind.PARTITION_NODE}
 KIND_NAMES = ", ".join(k.value for k in FaultKind)
 SLOW_METHODS = ("auto", "cgroup", "signal")

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from keepstep.argtypes import checked, int_at_least, seconds
+from keepstep.argtypes import checked, int_at_least, seconds, seconds_or_off
 from keepstep.errors import ConfigError, KeepstepError
 from keepstep.launch.devices import parse_nproc
 from keepstep.launch.faults import ALLOWED, parse_fault
@@ -118,6 +118,20 @@ def register(sub: Any) -> None:
         help="exact: bit-identical sums on any world size; fast: float all-reduce [exact]",
     )
     run.add_argument(
+        "--balance",
+        action="store_const",
+        const="speed",
+        default="off",
+        help="give a slow member fewer micro-batches, from its measured compute time "
+        "(keepstep.init(balance='speed')); the numbers stay those of an even split",
+    )
+    run.add_argument(
+        "--shard",
+        choices=["zero1"],
+        help="shard the optimizer state (keepstep.init(shard=...)): zero1, each member steps "
+        "and keeps its own slice; the numbers stay those of full replicas [full replicas]",
+    )
+    run.add_argument(
         "--fault",
         action="append",
         type=checked(parse_fault),
@@ -141,7 +155,15 @@ def register(sub: Any) -> None:
         type=count,
         default=1,
         metavar="SECONDS",
-        help="a node silent this long (its etcd lease) is taken for hung [1]",
+        help="a node whose etcd lease is silent this long is taken for hung [1]",
+    )
+    run.add_argument(
+        "--heartbeat-timeout",
+        type=seconds_or_off,
+        default=0.5,
+        metavar="SECONDS",
+        help="a node that misses its neighbours' heartbeats this long is taken for hung; "
+        "0: only the lease finds hangs [0.5]",
     )
     run.add_argument(
         "--checkpoint",
@@ -191,6 +213,9 @@ def register(sub: Any) -> None:
         help="SCRIPT is a module: each worker runs `python -m SCRIPT ARGS` (from this "
         "directory), as with torchrun -m",
     )
+    from keepstep.raylaunch.cli import add_arguments as add_ray_arguments
+
+    add_ray_arguments(run)  # --backend, --address, --ray-resource, --etcd, --etcd-tls, ...
     run.add_argument("script", metavar="SCRIPT", help="the training script (or module, with -m)")
     run.add_argument(
         "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="the script's arguments"
@@ -242,16 +267,21 @@ def run_config(args: argparse.Namespace, env: dict[str, str]) -> RunConfig:
         resume=args.resume,
         storage_options=options,
         lease_ttl=args.hang_timeout,
+        heartbeat_timeout=args.heartbeat_timeout,
         warm_spare=args.warm_spare,
         netns=args.netns,
         etcd_members=args.etcd_members,
         module=args.module,
         max_restarts=args.max_restarts,
-        extra_env=(
-            {"KEEPSTEP_TENSORBOARD": str(Path(args.tensorboard).resolve())}
-            if args.tensorboard
-            else {}
-        ),
+        balance=args.balance,
+        extra_env={
+            **(
+                {"KEEPSTEP_TENSORBOARD": str(Path(args.tensorboard).resolve())}
+                if args.tensorboard
+                else {}
+            ),
+            **({"KEEPSTEP_SHARD": args.shard} if args.shard else {}),
+        },
     )
 
 
@@ -272,9 +302,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from keepstep.launch.run import Launcher
 
     cfg = run_config(args, dict(os.environ))
+    ray_cfg = None
+    if args.backend == "ray":
+        from keepstep.raylaunch.cli import ray_config
+
+        ray_cfg = ray_config(args)  # its flags checked before ray is imported
     # SIGTERM (a CI timeout, kill) must still end every node the launcher started.
     signal.signal(signal.SIGTERM, _interrupt)
-    summary = Launcher(cfg, sys.stderr).run()
+    if ray_cfg is not None:
+        from keepstep.raylaunch.cli import run as run_on_ray
+
+        summary = run_on_ray(cfg, ray_cfg, sys.stderr)
+    else:
+        summary = Launcher(cfg, sys.stderr).run()
     if args.summary:
         Path(args.summary).write_text(json.dumps(summary, indent=2))
     samples = summary["samples"]

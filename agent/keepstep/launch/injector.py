@@ -9,10 +9,16 @@ lands with exactly its step committed, whatever the step time. `on_progress` is 
 fallback for a gate the job passed unheld (or, if the gates could not be armed, for every
 fault): the fault is injected when the launcher sees the job past its step, late.
 
+A slow-node fault lasts: it starts a `slowdown` (a cgroup's CPU quota, or a SIGSTOP/SIGCONT
+duty cycle) that `tick` lifts at its deadline and `lift_all` at the end of the run (or
+before a kill or hang lands on the same node, whose stop a duty cycle would undo).
+
 Each injected fault adds a record to `log` (the run's faults.json, and the summary's
 `faults`): kind, node, spec, `scheduled_step`, `step` (the steps committed when it
 landed: the scheduled one unless it was fired late), `held` (the job stood at the
-boundary while it was injected), t.
+boundary while it was injected), t; a slow-node's also `factor`, `duration`, `method`,
+`cpu_share` (and `cgroup_unavailable`: why the duty cycle stood in), and `lifted_t` once
+lifted.
 """
 
 from __future__ import annotations
@@ -28,8 +34,10 @@ from typing import Any
 from keepstep.agent import protocol
 from keepstep.agent.kv import KVError, KVStore
 from keepstep.agent.protocol import NodeRecord
+from keepstep.launch.cgroups import PREFIX
 from keepstep.launch.faults import FaultKind, FaultSpec
 from keepstep.launch.gates import Claimed, GateClient
+from keepstep.launch.slowdown import Ongoing, Slowdown, slow_down
 
 GATE_OWNER = "run"  # the launcher's gates are named run-step-<K>
 NODES_TIMEOUT_S = 2.0  # reading the node records (the workers' pids) for a kill-worker
@@ -54,6 +62,8 @@ class FaultInjector:
         self.gates: GateClient | None = None
         self.kv: KVStore | None = None
         self.job = ""
+        # Slowdowns in force: (node, monotonic deadline or None, action, log record).
+        self.slowed: list[tuple[str, float | None, Ongoing, dict[str, Any]]] = []
 
     @property
     def wake(self) -> threading.Event | None:
@@ -81,6 +91,27 @@ class FaultInjector:
     def close(self) -> None:
         if self.gates is not None:
             self.gates.close()
+
+    def tick(self, now: float | None = None) -> None:
+        """Lift every slowdown whose duration is over (`now`: time.monotonic())."""
+        now = time.monotonic() if now is None else now
+        for entry in [e for e in self.slowed if e[1] is not None and e[1] <= now]:
+            self._lift(entry)
+
+    def lift_all(self, node: str | None = None) -> None:
+        """Lift every slowdown in force (of `node` only, if given)."""
+        for entry in [e for e in self.slowed if node is None or e[0] == node]:
+            self._lift(entry)
+
+    def _lift(self, entry: tuple[str, float | None, Ongoing, dict[str, Any]]) -> None:
+        self.slowed.remove(entry)
+        node, _, action, record = entry
+        try:
+            action.end()
+        except OSError as error:  # a cgroup that would not empty: say so, go on
+            self.note(f"slowdown of {node} not lifted cleanly: {error}")
+        record["lifted_t"] = time.time()
+        self.note(f"slowdown of {node} lifted")
 
     def on_held(self) -> None:
         """Inject the faults of every gate the agents hold now, and let the job go on."""
@@ -137,8 +168,18 @@ class FaultInjector:
             if fault.kind is not FaultKind.JOIN_NODE:
                 self.note(f"fault {fault} skipped: node {node} is not running")
                 return
+        slowed: Slowdown | None = None
+        if fault.kind in (FaultKind.KILL_NODE, FaultKind.HANG_NODE):
+            self.lift_all(node)  # a duty cycle's SIGCONT would undo a hang
         if fault.kind is FaultKind.KILL_NODE:
             killpg(proc, signal.SIGKILL)
+        elif fault.kind is FaultKind.SLOW_NODE:
+            assert proc is not None
+            try:
+                slowed = self._slow(fault, node, proc.pid)
+            except OSError as error:
+                self.note(f"fault {fault} skipped: {error}")
+                return
         elif fault.kind is FaultKind.HANG_NODE:
             killpg(proc, signal.SIGSTOP)
             self.stopped.add(node)
@@ -148,19 +189,27 @@ class FaultInjector:
         elif fault.kind is FaultKind.JOIN_NODE:
             self.next_node += 1
             self.start_node(node)
-        self.log.append(
-            {
-                "kind": fault.kind.value,
-                "node": node,
-                "step": at.actual,
-                "scheduled_step": fault.step,
-                "held": at.held,
-                "spec": str(fault),
-                "t": time.time(),
-            }
-        )
+        entry: dict[str, Any] = {
+            "kind": fault.kind.value,
+            "node": node,
+            "step": at.actual,
+            "scheduled_step": fault.step,
+            "held": at.held,
+            "spec": str(fault),
+            "t": time.time(),
+        }
+        if slowed is not None:
+            entry.update(factor=fault.factor, duration=fault.duration, **slowed.detail)
+            deadline = None if fault.duration is None else time.monotonic() + fault.duration
+            self.slowed.append((node, deadline, slowed.action, entry))
+        self.log.append(entry)
         late = "" if at.actual == fault.step else f" (late: scheduled at {fault.step})"
         self.note(f"fault {fault} injected at step {at.actual} on {node}{late}")
+
+    def _slow(self, fault: FaultSpec, node: str, pgid: int) -> Slowdown:
+        """Start a slow-node fault's slowdown on the node's process group."""
+        name = f"{PREFIX}run-{self.job or 'job'}-{node}-{len(self.log)}"
+        return slow_down(pgid, fault.share, fault.method, name)
 
 
 def kill(pid: int, sig: signal.Signals) -> None:

@@ -151,6 +151,7 @@ class Launcher:
                 self._start_node(f"n{i}")
             self._watch(kv)
         finally:
+            self.faults.lift_all()  # a node stopped by a duty cycle would not hear SIGTERM
             self._stop_all()
             self.faults.close()
             kv.close()
@@ -182,11 +183,12 @@ class Launcher:
                 seed=cfg.seed,
                 mode=cfg.mode,
                 host=host,
-                extra=cfg.extra_env,
+                extra={**cfg.extra_env, **cfg.balance_env()},
             ),
             expected_nodes=cfg.nodes,
             min_nodes=cfg.min_nodes,
             lease_ttl=cfg.lease_ttl,
+            heartbeat_timeout=cfg.heartbeat_timeout,
             warm_spare=cfg.warm_spare,
             steps=cfg.steps,
             checkpoint_url=cfg.checkpoint_url,
@@ -214,6 +216,7 @@ class Launcher:
             if time.monotonic() > deadline:
                 raise KeepstepError(f"the job did not finish within {self.cfg.timeout:.0f} s")
             self.faults.on_held()
+            self.faults.tick()
             if time.monotonic() - read_at >= self._read_interval(step, rate):
                 read_at = time.monotonic()
                 step, rate = self._read_progress(kv) or (step, rate)

@@ -23,6 +23,10 @@ from keepstep.launch.etcd_cluster import MEMBER_COUNTS
 from keepstep.launch.faults import FaultKind, FaultSpec, check_faults
 from keepstep.launch.netns import MAX_NODES
 
+# keepstep.elastic.config.Balance's values, spelled out: importing it would import torch
+# into the launcher, which checks its flags without it (a test keeps the two equal).
+BALANCES = ("off", "speed")
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -41,6 +45,7 @@ class RunConfig:
     faults: tuple[FaultSpec, ...] = ()
     timeout: float = 1800.0
     lease_ttl: float = 1.0
+    heartbeat_timeout: float = 0.5  # 0: off (AgentConfig.heartbeat_timeout)
     warm_spare: bool = False
     extra_env: Mapping[str, str] = field(default_factory=dict)
     checkpoint_url: str | None = None
@@ -51,6 +56,7 @@ class RunConfig:
     etcd_members: int = 1  # 3: a cluster that survives the loss of one member
     module: bool = False  # `script` names a module, run as `python -m script` (torchrun's -m)
     max_restarts: int = 3  # a crashed worker is restarted this many times in a row at most
+    balance: str = "off"  # "speed": the plan follows the members' measured speed
 
     def __post_init__(self) -> None:
         gb, mb = self.global_batch, self.micro_batch
@@ -93,9 +99,15 @@ class RunConfig:
                 raise ConfigError(f"-m {self.script!r} is not a module name such as pkg.train")
         elif not Path(self.script).is_file():
             raise ConfigError(f"training script {self.script!r} does not exist")
+        if self.balance not in BALANCES:
+            raise ConfigError(f"balance {self.balance!r}; allowed: {', '.join(BALANCES)}")
         check_faults(self.faults, self.nodes, self.steps)
         if self.lease_ttl < 1:
             raise ConfigError(f"--hang-timeout {self.lease_ttl} must be >= 1 second")
+        if not (math.isfinite(self.heartbeat_timeout) and self.heartbeat_timeout >= 0):
+            raise ConfigError(
+                f"--heartbeat-timeout {self.heartbeat_timeout} must be >= 0 seconds (0: off)"
+            )
         if self.checkpoint_every < 0:
             raise ConfigError(f"--checkpoint-every {self.checkpoint_every} must be >= 0")
         if self.checkpoint_every and not self.checkpoint_url:
@@ -110,6 +122,11 @@ class RunConfig:
                 f"--netns gives each node an address of one /24: at most {MAX_NODES} nodes "
                 f"(--nnodes {self.nodes} + {joins} joins)"
             )
+
+    def balance_env(self) -> dict[str, str]:
+        """What the workers' `keepstep.init` reads for `balance`: set only when on, so a
+        script that passes balance="speed" itself still runs without --balance."""
+        return {"KEEPSTEP_BALANCE": self.balance} if self.balance != "off" else {}
 
 
 def _whole(value: object, minimum: int) -> bool:

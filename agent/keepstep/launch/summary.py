@@ -11,6 +11,15 @@ launcher's fault log (`launch.injector`): each fault's `scheduled_step` and `ste
 steps committed when it landed; `fault_step_error_max` is the largest difference (0: every
 fault landed at its step; None: no step-scheduled fault landed).
 
+`micro_batches_by_step` says how many micro-batches each member computed at each step that
+stands, run-length encoded, since the plan changes rarely: a list, in step order, of
+`{"steps": [first, last], "counts": {member: micro-batches}}`, one entry per run of
+consecutive steps with the same counts (`micro_batches_at` reads it back for one step).
+A member with fewer than the others on a run without a membership change was planned
+fewer by measured speed (`keepstep run --balance`); `weight_changes` lists those replans
+from the agents' "weights-changed" events (`protocol.weights`): epoch, step (the new
+weights apply from step + 1), old, new, counts.
+
 `run_failures` is the run's verdict, the one `keepstep run`'s exit status follows: the
 job trained every step, its workers agree on the parameters, and every agent exited 0
 (an agent also fails the run after training, when its durable checkpoint failed), except
@@ -90,6 +99,8 @@ def build_summary(
             for name, values in logged_metrics(standing).items()
         },
         "skipped_steps": sorted(s for s, c in standing.items() if c.get("skipped")),
+        "micro_batches_by_step": micro_batches_by_step(standing),
+        "weight_changes": weight_changes(events),
         "recoveries": records,
         "mttr_p50_s": statistics.median(mttrs) if mttrs else None,
         "samples": {
@@ -102,6 +113,49 @@ def build_summary(
         "faults": list(faults),
         "fault_step_error_max": fault_step_error(faults),
     }
+
+
+def micro_batches_by_step(
+    standing: Mapping[int, Mapping[str, Any]],
+) -> list[dict[str, Any]]:
+    """Each standing step's micro-batch count per member (its plan), run-length encoded:
+    `[{"steps": [first, last], "counts": {member: n}}, ...]` in step order; a new run
+    starts where the counts change or a step is missing."""
+    spans: list[dict[str, Any]] = []
+    for step in sorted(standing):
+        plan = standing[step].get("assignment") or {}
+        counts = {str(m): len(ids) for m, ids in sorted(plan.items())}
+        last = spans[-1] if spans else None
+        if last is not None and last["steps"][1] == step - 1 and last["counts"] == counts:
+            last["steps"][1] = step
+        else:
+            spans.append({"steps": [step, step], "counts": counts})
+    return spans
+
+
+def micro_batches_at(spans: Iterable[Mapping[str, Any]], step: int) -> dict[str, int] | None:
+    """The counts per member at `step` from a summary's `micro_batches_by_step` (None: the
+    step did not stand, or is before the run's start)."""
+    for span in spans:
+        first, last = span["steps"]
+        if first <= step <= last:
+            return {str(m): int(n) for m, n in span["counts"].items()}
+    return None
+
+
+def weight_changes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The plan's replans from measured speed, by (epoch, step): one per change even if a
+    log holds it twice. A replan in an epoch that a later one rolled back stays listed:
+    it was in force while that epoch trained."""
+    out: dict[tuple[int, int], dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == EventKind.WEIGHTS_CHANGED:
+            at = (int(e["epoch"]), int(e["step"]))
+            out.setdefault(
+                at,
+                {name: e.get(name) for name in ("epoch", "step", "old", "new", "counts")},
+            )
+    return [out[at] for at in sorted(out)]
 
 
 def fault_step_error(faults: Iterable[Mapping[str, Any]]) -> int | None:
@@ -138,6 +192,7 @@ def logged_metrics(standing: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[
     return dict(sorted(out.items()))
 
 
+_LOSES_NOBODY = frozenset(k.value for k in FaultKind if not k.changes_membership)
 _EFFECTS = {FaultKind.JOIN_NODE.value: Effect.JOIN, FaultKind.DRAIN_NODE.value: Effect.DRAIN}
 # Faults that end a node's agent by a signal: its exit status is the fault's, not a failure.
 _ENDS_THE_AGENT = frozenset({FaultKind.KILL_NODE.value, FaultKind.HANG_NODE.value})
@@ -181,8 +236,10 @@ def run_failures(
 def injected_faults(faults: Iterable[Mapping[str, Any]]) -> list[InjectedFault]:
     """Fault-log records (the launcher's, or any with its `kind`, `t` and `node`) as the
     recovery fold takes them; a kind the launcher does not know (the chaos injector's
-    partitions, corrupted snapshots) is a failure. Records never applied (no `t`) are left
-    out, so an index into the result is one into the applied records, in order."""
+    partitions, corrupted snapshots) is a failure. Left out: records never applied (no
+    `t`), and slow-node faults, which lose nobody (a recovery after one keeps the cause its
+    detector recorded: a false alarm shows as such). So an index into the result is one
+    into the applied records that change the membership, in order."""
     return [
         InjectedFault(
             kind=str(f["kind"]),
@@ -191,7 +248,7 @@ def injected_faults(faults: Iterable[Mapping[str, Any]]) -> list[InjectedFault]:
             node=None if f.get("node") is None else str(f["node"]),
         )
         for f in faults
-        if f.get("t") is not None
+        if f.get("t") is not None and str(f["kind"]) not in _LOSES_NOBODY
     ]
 
 

@@ -53,6 +53,7 @@ def agent_config(
         expected_nodes=expected_nodes,
         min_nodes=min(cfg.min_nodes, expected_nodes),
         lease_ttl=cfg.lease_ttl,
+        heartbeat_timeout=cfg.heartbeat_timeout,
         warm_spare=cfg.warm_spare,
         steps=cfg.steps,
         checkpoint_url=cfg.checkpoint_url,

@@ -6,7 +6,9 @@ here. Each goes to the node's event log (the run summary and the dashboard read 
     Reconfigured  the member's entry into an epoch after the first, as a recovery record
                   in etcd for the operator's status (its MTTR is added at the first commit)
     Commit        the node's progress record; the recovery record again, with the MTTR, at
-                  the first commit of an epoch; a durable checkpoint when one is due
+                  the first commit of an epoch; a durable checkpoint when one is due; a
+                  "weights-changed" event when the plan's weights move (`protocol.weights`:
+                  written by the node of the step's first member only)
     Finish        the member's done record (after the progress it depends on)
 
 A commit also clears the worker's crash count (`WorkerTable.committed`): a worker that
@@ -29,6 +31,7 @@ from keepstep.agent.node.workers import WorkerTable
 from keepstep.agent.protocol import key
 from keepstep.agent.protocol.events import EventKind, EventLog
 from keepstep.agent.protocol.messages import Commit, Finish, Reconfigured, encode
+from keepstep.agent.protocol.weights import WeightsInForce, writes_change
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +57,7 @@ class Reports:
         self.cfg, self.kv, self.events, self.view = cfg, kv, events, view
         self.workers, self.progress, self.durable = workers, progress, durable
         self.members = {protocol.member_id(cfg.node, r) for r in range(cfg.nproc)}  # this node's
+        self.weights = WeightsInForce()
 
     def reconfigured(self, report: Reconfigured) -> None:
         record = record_fields(report)
@@ -67,6 +71,9 @@ class Reports:
     def commit(self, report: Commit) -> None:
         record = record_fields(report)
         self.events.write(EventKind.COMMIT, member=report.member, **record)
+        change = self.weights.observe(report)
+        if change is not None and writes_change(report, self.members):
+            self.events.write(EventKind.WEIGHTS_CHANGED, member=report.member, **change.fields())
         # Only crashes in a row count against max_restarts (a crash loop), not crashes
         # spread over a long job.
         state = self.workers.committed(report.member)

@@ -37,8 +37,9 @@ class EventKind(enum.StrEnum):
         worker-ready         member (imported and built its model: it can be admitted)
         worker-exited        member, pid, code, finished (its finish was recorded first)
         worker-abnormal-exit member, pid, code, exit (described), reason (what follows)
-        fault-detected       cause (collective | worker-exit | lease-expired), node (where
-                             the fault was seen), epoch (the epoch that failed), reason;
+        fault-detected       cause (collective | worker-exit | heartbeat-missed |
+                             lease-expired), node (where the fault was seen), epoch (the
+                             epoch that failed), reason;
                              optional fault_t (when the fault itself happened, if known)
         finish               member, done (steps trained), params_sha256
         resumed              member, step (seeded from a durable checkpoint)
@@ -64,6 +65,10 @@ class EventKind(enum.StrEnum):
         commit               step, epoch, world_size, micro_batches, samples, step_s,
                              assignment, snapshot_s, skipped, metrics, compute_s,
                              new_weights (`keepstep.elastic.control.CommitRecord`)
+    The agent hosting the step's first member, once per change (`protocol.weights`):
+        weights-changed      member (whose commit said it), epoch, step (the new weights
+                             apply from step + 1), old, new (member -> weight), counts
+                             (member -> micro-batches at step, under the old weights)
     """
 
     AGENT_STARTED = "agent-started"
@@ -84,6 +89,7 @@ class EventKind(enum.StrEnum):
     EXCLUDED = "excluded"
     RECONFIGURED = "reconfigured"
     COMMIT = "commit"
+    WEIGHTS_CHANGED = "weights-changed"
 
 
 def kind_of(event: Event) -> EventKind | None:

@@ -1,7 +1,8 @@
-"""Control groups for chaos: throttle a node's CPU or freeze it, and put it back.
+"""Control groups: throttle a node's CPU or freeze it, and put it back.
 
-Where it sits: the injector's slow-node (cpu) and hang-node (freezer) faults; the only
-module that writes to the cgroup filesystem. Works on cgroup v1 (a `cpu` or `freezer`
+Where it sits: the launcher's slow-node fault (`launch.slowdown`) and the chaos injector's
+slow-node (cpu) and hang-node (freezer) faults; the only module that writes to the cgroup
+filesystem. Works on cgroup v1 (a `cpu` or `freezer`
 hierarchy under /sys/fs/cgroup) and v2 (`cpu.max`, `cgroup.freeze`). Every group is
 named with `PREFIX` and made beside the node's *home* cgroup: the one its first process
 is in, or, when that process already sits in a group of ours (a second fault on a node

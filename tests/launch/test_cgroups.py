@@ -1,4 +1,5 @@
-"""The chaos harness's cgroups are removed whatever happened to the processes inside them.
+"""The cgroups of slow-node and freezer faults (the launcher and the chaos harness) are
+removed whatever happened to the processes inside them.
 
 Real cgroups on real processes (no training job): a stand-in node is a process group that
 keeps starting children (as an agent restarts workers). Skipped, with the reason, where
@@ -18,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-from keepstep.chaos import cgroups
 from keepstep.chaos.actions import Throttled, send
 from keepstep.chaos.inject import Injector
 from keepstep.chaos.model import Fault, FaultKind, Trigger
 from keepstep.chaos.rundir import alive, process_group
+from keepstep.launch import cgroups
 
 _WHY = cgroups.available("cpu")
 needs_cpu = pytest.mark.skipif(
