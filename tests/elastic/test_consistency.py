@@ -80,7 +80,10 @@ def test_shrink_then_grow_matches_the_static_run(
 ) -> None:
     # m3 drains at step 4; a new member m4 joins at step 8 and gets state by network.
     schedule = [members(4), members(3), [*members(3), "m4"]]
-    result = launch(tmp_path, job, schedule, at_step=[0, 4, 8])
+    # A scheduled run cannot back off after a false alarm as the agents do, and about one
+    # run in twelve a store read of the join's epoch took over 2 s (also before the
+    # transport seam; cause not found yet): the epochs' timeouts are raised instead.
+    result = launch(tmp_path, job, schedule, at_step=[0, 4, 8], timeout_scale=4.0)
     assert ok(result) == reference[job]
     m0 = result.results["m0"]
     by_step = {int(k): v for k, v in m0["world_size_by_step"].items()}
@@ -105,7 +108,9 @@ def test_crash_survivors_continue_with_the_same_numbers(
 def test_crash_then_replacement_joins(reference: dict[str, str], tmp_path: Path) -> None:
     survivors = ["m0", "m2", "m3"]
     schedule = [members(4), survivors, [*survivors, "m9"]]
-    result = launch(tmp_path, "transformer", schedule, at_step=[0, None, 9], crash={"m1": 3})
+    result = launch(
+        tmp_path, "transformer", schedule, at_step=[0, None, 9], crash={"m1": 3}, timeout_scale=4.0
+    )
     assert ok(result, crashed=("m1",)) == reference["transformer"]
 
 
