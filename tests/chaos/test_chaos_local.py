@@ -155,8 +155,10 @@ def test_partitioned_node_is_excluded_then_readmitted_with_every_invariant(
     assert summary is not None
     # Lost when it missed its heartbeats (or its lease expired first), trained on without
     # it, admitted again once reachable.
+    # The first detection may come from either side of the cut: n1's own agent misses its
+    # neighbours' heartbeats as they miss its.
     causes = [(r["cause"], r["node"]) for r in summary["recoveries"]]
-    assert causes[0] in {("heartbeat-missed", "n1"), ("lease-expired", "n1")}, causes
+    assert causes[0][0] in {"heartbeat-missed", "lease-expired"}, causes
     assert causes[-1][0] == "rejoin", causes
     sizes = summary["world_size_by_step"]
     assert min(sizes) == 2 and sizes[-1] == 3
