@@ -164,39 +164,16 @@ class Launcher:
             index = int(node.removeprefix("n"))
             host = self.networks.add(index).address
             prefix = self.networks.plan.exec_prefix(index, self.networks.ip)
-        agent_cfg = AgentConfig(
+        agent_cfg = agent_config(
+            cfg,
             job=self.job,
             node=node,
             etcd=self.etcd_endpoint,
-            etcd_tls=None if self.etcd_tls is None else self.etcd_tls.resolve(),
-            script=cfg.script if cfg.module else str(Path(cfg.script).resolve()),
-            script_args=cfg.script_args,
-            # -m: the module is found as `python -m` finds it, from the launcher's directory.
-            command=(sys.executable, "-m", cfg.script, *cfg.script_args) if cfg.module else (),
-            max_restarts=cfg.max_restarts,
-            nproc=cfg.nproc_per_node,
-            run_dir=cfg.run_dir.resolve(),
-            worker_env=worker_env(
-                global_batch=cfg.global_batch,
-                micro_batch=cfg.micro_batch,
-                steps=cfg.steps,
-                seed=cfg.seed,
-                mode=cfg.mode,
-                host=host,
-                extra={**cfg.extra_env, **cfg.balance_env()},
-            ),
+            etcd_tls=self.etcd_tls,
+            host=host,
             expected_nodes=cfg.nodes,
-            min_nodes=cfg.min_nodes,
-            lease_ttl=cfg.lease_ttl,
-            heartbeat_timeout=cfg.heartbeat_timeout,
-            warm_spare=cfg.warm_spare,
-            steps=cfg.steps,
-            checkpoint_url=cfg.checkpoint_url,
-            checkpoint_every=cfg.checkpoint_every,
-            storage_options=dict(cfg.storage_options),
             resume_blob=self.resume_blob,
             resume_step=self.resume_step,
-            host=host,
         )
         path = cfg.run_dir / f"agent-{node}.json"
         dump_config(agent_cfg, path)
@@ -315,3 +292,52 @@ def _agent_reason(run_dir: Path, node: str) -> str:
         return ""
     found = [line.removeprefix(said) for line in lines if line.startswith(said)]
     return found[-1] if found else ""
+
+
+def agent_config(
+    cfg: RunConfig,
+    *,
+    job: str,
+    node: str,
+    etcd: str,
+    etcd_tls: Path | None,
+    host: str,
+    expected_nodes: int,
+    resume_blob: Path | None,
+    resume_step: int,
+) -> AgentConfig:
+    """One node's agent configuration, as `keepstep run` gives it (the Ray launcher too)."""
+    return AgentConfig(
+        job=job,
+        node=node,
+        etcd=etcd,
+        etcd_tls=None if etcd_tls is None else etcd_tls.resolve(),
+        script=cfg.script if cfg.module else str(Path(cfg.script).resolve()),
+        script_args=cfg.script_args,
+        # -m: the module is found as `python -m` finds it, from the launcher's directory.
+        command=(sys.executable, "-m", cfg.script, *cfg.script_args) if cfg.module else (),
+        max_restarts=cfg.max_restarts,
+        nproc=cfg.nproc_per_node,
+        run_dir=cfg.run_dir.resolve(),
+        worker_env=worker_env(
+            global_batch=cfg.global_batch,
+            micro_batch=cfg.micro_batch,
+            steps=cfg.steps,
+            seed=cfg.seed,
+            mode=cfg.mode,
+            host=host,
+            extra={**cfg.extra_env, **cfg.balance_env()},
+        ),
+        expected_nodes=expected_nodes,
+        min_nodes=min(cfg.min_nodes, expected_nodes),
+        lease_ttl=cfg.lease_ttl,
+        heartbeat_timeout=cfg.heartbeat_timeout,
+        warm_spare=cfg.warm_spare,
+        steps=cfg.steps,
+        checkpoint_url=cfg.checkpoint_url,
+        checkpoint_every=cfg.checkpoint_every,
+        storage_options=dict(cfg.storage_options),
+        resume_blob=resume_blob,
+        resume_step=resume_step,
+        host=host,
+    )
