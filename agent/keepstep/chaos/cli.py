@@ -115,6 +115,11 @@ def run_and_report(
     )
     for line in data["violations"][:20]:
         print(f"  {line}")
+    if len(data["by_kind"]) > 1:
+        for name, k in data["by_kind"].items():
+            p50, p95 = k["mttr_p50_s"], k["mttr_p95_s"]
+            timed = f"MTTR p50 {p50:.2f} s p95 {p95:.2f} s" if p50 is not None else "untimed"
+            print(f"  {name:<20} {k['applied']:>4} applied {k['skipped']:>3} skipped  {timed}")
     if scenario.known_failure and not result.passed:
         print(f"  known finding: {scenario.known_failure}")
     print(f"report: {path} and {page}")

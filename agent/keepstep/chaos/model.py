@@ -240,6 +240,11 @@ class RandomFaults:
     during_recovery: float = 0.0  # chance that a fault lands inside the previous recovery
     slow_duration: float = 2.0
     hang_resume_after: float | None = None  # hangs resume after this long (else they stay)
+    # Step-driven only: a node whose member a fault took out (and not for good) may be hit
+    # again this many steps later (None: never in the same run).
+    rejoin_steps: int | None = None
+    hang_methods: tuple[str, ...] = ()  # drawn per hang (empty: the launcher's SIGSTOP)
+    partition_duration: float = 3.0
 
     def __post_init__(self) -> None:
         if self.count < 1:
@@ -247,8 +252,15 @@ class RandomFaults:
         if not self.kinds:
             raise ConfigError(f"random kinds must name at least one of: {KIND_NAMES}")
         for kind in self.kinds:
-            if kind in (FaultKind.PARTITION_NODE, FaultKind.RESTART_OPERATOR):
+            if kind is FaultKind.RESTART_OPERATOR:
                 raise ConfigError(f"random kinds: {kind.value} cannot be drawn at random")
+        for method in self.hang_methods:
+            if method not in HANG_METHODS:
+                raise ConfigError(f"hang_methods: {method!r}; allowed: {', '.join(HANG_METHODS)}")
+        if self.rejoin_steps is not None and self.rejoin_steps < 1:
+            raise ConfigError(f"rejoin_steps {self.rejoin_steps} must be >= 1")
+        if not self.partition_duration > 0:
+            raise ConfigError(f"partition_duration {self.partition_duration} must be > 0 seconds")
         if self.first_step < 1 or self.min_gap < 1:
             raise ConfigError(f"first_step {self.first_step} and min_gap {self.min_gap} >= 1")
         if self.every_s is not None and not self.every_s > 0:

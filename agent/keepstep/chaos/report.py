@@ -83,6 +83,27 @@ def _header(data: dict[str, Any]) -> str:
         f"{late_text}</p>"
         f"<table><tr><th>invariant</th><th></th></tr>{rows}</table>"
         + (f"<h3>Violations</h3><ul>{violations}</ul>" if violations else "")
+        + _kinds_table(data.get("by_kind") or {})
+    )
+
+
+def _kinds_table(kinds: dict[str, dict[str, Any]]) -> str:
+    if not kinds:
+        return ""
+
+    def s(v: float | None) -> str:
+        return "-" if v is None else f"{v:.2f}"
+
+    rows = "".join(
+        f"<tr><td>{html.escape(name)}</td><td>{k['applied']}</td><td>{k['skipped']}</td>"
+        f"<td>{k['recovered']}</td><td>{s(k['detect_p50_s'])}</td><td>{s(k['mttr_p50_s'])}</td>"
+        f"<td>{s(k['mttr_p95_s'])}</td></tr>"
+        for name, k in kinds.items()
+    )
+    return (
+        "<h3>Faults by kind</h3><table><tr><th>kind</th><th>applied</th><th>skipped</th>"
+        "<th>timed recoveries</th><th>detect p50 s</th><th>MTTR p50 s</th>"
+        f"<th>MTTR p95 s</th></tr>{rows}</table>"
     )
 
 

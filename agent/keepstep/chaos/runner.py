@@ -30,6 +30,7 @@ from keepstep.chaos.invariants import (
 )
 from keepstep.chaos.model import Job, Scenario
 from keepstep.chaos.schedule import RunPlan, expand
+from keepstep.chaos.tally import by_kind
 from keepstep.chaos.target import RunOutcome, Target
 from keepstep.errors import KeepstepError
 from keepstep.launch.summary import fault_step_error, injected_faults
@@ -219,6 +220,9 @@ def summarize(result: ScenarioResult) -> dict[str, Any]:
         # Steps late of the latest step fault (0: each landed at its step; None: none).
         "fault_step_error_max": fault_step_error(faults),
         "recoveries": recoveries,
+        "by_kind": by_kind(
+            {r.plan.index: r.plan.faults for r in result.runs}, s.job, faults, recoveries
+        ),
         "goodput": {
             "samples_per_s": rate,
             "reference_samples_per_s": ref_rate,

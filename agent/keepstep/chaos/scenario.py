@@ -79,6 +79,9 @@ _RANDOM = (
     "during_recovery",
     "slow_duration",
     "hang_resume_after",
+    "rejoin_steps",
+    "hang_methods",
+    "partition_duration",
 )
 _CHECKS = ("detection_bound_s", "shutdown_bound_s", "min_goodput")
 _REQUIRED_JOB = ("script", "nodes", "global_batch", "micro_batch", "steps")
@@ -212,9 +215,20 @@ def _random(r: _Reader, node: yaml.Node) -> RandomFaults:
     for name in ("first_step", "last_step", "min_gap"):
         if name in m:
             opt[name] = r.int_(m[name])
-    for name in ("every_s", "during_recovery", "slow_duration", "hang_resume_after"):
+    for name in (
+        "every_s",
+        "during_recovery",
+        "slow_duration",
+        "hang_resume_after",
+        "partition_duration",
+    ):
         if name in m:
             opt[name] = r.float_(m[name])
+    if "rejoin_steps" in m:
+        opt["rejoin_steps"] = r.int_(m["rejoin_steps"])
+    if "hang_methods" in m:
+        methods = r.sequence(m["hang_methods"], "hang_methods")
+        opt["hang_methods"] = tuple(r.str_(x) for x in methods)
     return r.build(node, lambda: RandomFaults(count=r.int_(m["count"]), kinds=kinds, **opt))
 
 

@@ -5,9 +5,11 @@ Where it sits: between `scenario.py` (what the file says) and `runner.py` (what 
 failing run is replayed by running its scenario again (or by its `RunPlan.faults`).
 
 Random faults are drawn so that the job can always go on: a fault that takes a member
-out (a kill, a hang, a drain, a corrupted snapshot whose worker is killed) leaves at
-least one *steady* node (alive, not recovering from an earlier worker fault) and at least
-`min_nodes` of them. Joined nodes are never targets: they may still be starting up.
+out (a kill, a hang, a drain, a partition, a corrupted snapshot whose worker is killed)
+leaves at least one *steady* node (alive, not recovering from an earlier worker fault)
+and at least `min_nodes` of them; a node is steady again `rejoin_steps` after a fault that
+did not remove it for good (by time: 20 s). Joined nodes are never targets: they may still
+be starting up.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ _TAKES_MEMBER = frozenset(
         FaultKind.HANG_NODE,
         FaultKind.DRAIN_NODE,
         FaultKind.CORRUPT_SNAPSHOT,
+        FaultKind.PARTITION_NODE,
     }
 )
 
@@ -76,12 +79,18 @@ def draw(
     joins = sum(1 for f in fixed if f.kind is FaultKind.JOIN_NODE)
     workers = job.nodes * job.nproc_per_node
     out: list[Fault] = []
+    fired: list[float] = []  # the step (or time) each drawn fault fires at
     positions = _positions(spec, job, rng)
+    last_etcd_kill = -1e18
     for i, when in enumerate(positions):
-        now = when if spec.every_s is not None else 0.0
-        ready = [n for n, since in steady.items() if since <= now]
+        ready = [n for n, since in steady.items() if since <= when]
         quiet = (positions[i + 1] if i + 1 < len(positions) else float(job.steps)) - when
-        options = [k for k in spec.kinds if _feasible(k, spec, ready, job, when, quiet, workers)]
+        since_etcd = when - last_etcd_kill
+        options = [
+            k
+            for k in spec.kinds
+            if _feasible(k, spec, ready, job, when, (quiet, since_etcd), workers)
+        ]
         if not options:
             raise ConfigError(
                 f"random fault #{i}: no kind of {[k.value for k in spec.kinds]} can be placed "
@@ -97,21 +106,35 @@ def draw(
             and out
             and out[-1].kind in _TAKES_MEMBER
             and rng.random() < spec.during_recovery
+            # It fires at the previous fault's step: its node must be steady by then too.
+            and (node is None or steady[node] <= fired[-1])
+            and (kind is not FaultKind.KILL_ETCD or fired[-1] - last_etcd_kill >= _ETCD_QUIET_STEPS)
         ):
             at = Trigger(during_recovery_of=len(fixed) + len(out) - 1, delay=0.0)
+            when = fired[-1]
         else:
             at = Trigger(step=int(when))
-        fault = _make(kind, node, at, spec)
+        fault = _make(kind, node, at, spec, rng)
         out.append(fault)
+        fired.append(when)
         if kind is FaultKind.JOIN_NODE:
             joins += 1
             workers += job.nproc_per_node
+        elif kind is FaultKind.KILL_ETCD:
+            last_etcd_kill = when
         elif kind.removes_node and fault.duration is None:
             del steady[node]  # type: ignore[arg-type]
         elif kind in _TAKES_MEMBER:
             assert node is not None
-            steady[node] = now + _REJOIN_S if spec.every_s is not None else 1e18
+            steady[node] = _steady_again(spec, when)
     return tuple(out)
+
+
+def _steady_again(spec: RandomFaults, when: float) -> float:
+    """When a node whose member a fault took out (not for good) may be hit again."""
+    if spec.every_s is not None:
+        return when + _REJOIN_S
+    return when + spec.rejoin_steps if spec.rejoin_steps is not None else 1e18
 
 
 def _positions(spec: RandomFaults, job: Job, rng: random.Random) -> list[float]:
@@ -134,30 +157,44 @@ def _feasible(
     ready: list[int],
     job: Job,
     when: float,
-    quiet: float,
+    gaps: tuple[float, float],
     workers: int,
 ) -> bool:
-    """Whether `kind` can come at `when`, with `quiet` until the next fault (or the end)."""
+    """Whether `kind` can come at `when`; `gaps`: (until the next fault or the end, since the
+    last etcd kill)."""
     by_time = spec.every_s is not None
+    quiet, since_etcd = gaps
     if kind is FaultKind.JOIN_NODE:
         # Early enough that the new node is up (it starts its processes first) before the end.
         fits = workers + job.nproc_per_node <= job.n_micro
         return not by_time and fits and when <= job.steps / 5
     if kind is FaultKind.KILL_ETCD:
+        if by_time:
+            return True
+        if job.etcd_members > 1:
+            # A member of three: the others keep a quorum, unless a second member goes down
+            # before the first is back (its restart is 2 s).
+            return since_etcd >= _ETCD_QUIET_STEPS
         # Membership cannot change and the job cannot end while a job's only etcd is down:
         # by step, the next fault and the end must be well after it.
-        return by_time or (quiet >= _ETCD_QUIET_STEPS and job.steps - when >= _ETCD_QUIET_STEPS)
+        return quiet >= _ETCD_QUIET_STEPS and job.steps - when >= _ETCD_QUIET_STEPS
     if kind is FaultKind.SLOW_NODE:
         return bool(ready)
     # Takes a member out: a steady node must remain, and min_nodes of them.
     return len(ready) - 1 >= max(1, job.min_nodes)
 
 
-def _make(kind: FaultKind, node: int | None, at: Trigger, spec: RandomFaults) -> Fault:
+def _make(
+    kind: FaultKind, node: int | None, at: Trigger, spec: RandomFaults, rng: random.Random
+) -> Fault:
     if kind is FaultKind.SLOW_NODE:
         return Fault(kind, at, node, duration=spec.slow_duration)
-    if kind is FaultKind.HANG_NODE and spec.hang_resume_after is not None:
-        return Fault(kind, at, node, duration=spec.hang_resume_after)
+    if kind is FaultKind.PARTITION_NODE:
+        return Fault(kind, at, node, duration=spec.partition_duration)
+    if kind is FaultKind.HANG_NODE:
+        # Drawn only when methods are listed, so older scenarios keep their schedules.
+        method = rng.choice(spec.hang_methods) if spec.hang_methods else None
+        return Fault(kind, at, node, duration=spec.hang_resume_after, method=method)
     if kind is FaultKind.KILL_ETCD:
         return Fault(kind, at, restart_after=2.0)  # losing a lone etcd for good ends the job
     return Fault(kind, at, node)
