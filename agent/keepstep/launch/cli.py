@@ -126,6 +126,13 @@ def register(sub: Any) -> None:
         "(keepstep.init(balance='speed')); the numbers stay those of an even split",
     )
     run.add_argument(
+        "--drain-slow",
+        metavar="BELOW:STEPS",
+        help="drain the node of a member slower than BELOW x the median speed for STEPS "
+        "committed steps in a row, as a planned change (e.g. 0.25:20; "
+        "keepstep.init(drain_slow=...)); never below --min-nodes [off]",
+    )
+    run.add_argument(
         "--shard",
         choices=["zero1"],
         help="shard the optimizer state (keepstep.init(shard=...)): zero1, each member steps "
@@ -274,6 +281,7 @@ def run_config(args: argparse.Namespace, env: dict[str, str]) -> RunConfig:
         module=args.module,
         max_restarts=args.max_restarts,
         balance=args.balance,
+        drain_slow=args.drain_slow,
         extra_env={
             **(
                 {"KEEPSTEP_TENSORBOARD": str(Path(args.tensorboard).resolve())}

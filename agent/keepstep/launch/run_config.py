@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from keepstep.elastic.plan import micro_batch_count
+from keepstep.elastic.slow_drain import FORM, DrainSlow
 from keepstep.errors import ConfigError
 from keepstep.launch.etcd_cluster import MEMBER_COUNTS
 from keepstep.launch.faults import FaultKind, FaultSpec, check_faults
@@ -57,6 +58,7 @@ class RunConfig:
     module: bool = False  # `script` names a module, run as `python -m script` (torchrun's -m)
     max_restarts: int = 3  # a crashed worker is restarted this many times in a row at most
     balance: str = "off"  # "speed": the plan follows the members' measured speed
+    drain_slow: str | None = None  # "BELOW:STEPS": drain a node whose member stays too slow
 
     def __post_init__(self) -> None:
         gb, mb = self.global_batch, self.micro_batch
@@ -101,6 +103,11 @@ class RunConfig:
             raise ConfigError(f"training script {self.script!r} does not exist")
         if self.balance not in BALANCES:
             raise ConfigError(f"balance {self.balance!r}; allowed: {', '.join(BALANCES)}")
+        if self.drain_slow is not None:
+            try:
+                DrainSlow.parse(self.drain_slow)
+            except ConfigError:
+                raise ConfigError(f"--drain-slow {self.drain_slow!r} is not {FORM}") from None
         check_faults(self.faults, self.nodes, self.steps)
         if self.lease_ttl < 1:
             raise ConfigError(f"--hang-timeout {self.lease_ttl} must be >= 1 second")
@@ -124,9 +131,13 @@ class RunConfig:
             )
 
     def balance_env(self) -> dict[str, str]:
-        """What the workers' `keepstep.init` reads for `balance`: set only when on, so a
-        script that passes balance="speed" itself still runs without --balance."""
-        return {"KEEPSTEP_BALANCE": self.balance} if self.balance != "off" else {}
+        """What the workers' `keepstep.init` reads for `balance` and `drain_slow`: set only
+        when on, so a script that passes balance="speed" itself still runs without
+        --balance."""
+        env = {"KEEPSTEP_BALANCE": self.balance} if self.balance != "off" else {}
+        if self.drain_slow is not None:
+            env["KEEPSTEP_DRAIN_SLOW"] = str(DrainSlow.parse(self.drain_slow))
+        return env
 
 
 def _whole(value: object, minimum: int) -> bool:

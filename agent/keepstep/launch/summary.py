@@ -101,6 +101,7 @@ def build_summary(
         "skipped_steps": sorted(s for s, c in standing.items() if c.get("skipped")),
         "micro_batches_by_step": micro_batches_by_step(standing),
         "weight_changes": weight_changes(events),
+        "slow_drains": slow_drains(events),
         "recoveries": records,
         "mttr_p50_s": statistics.median(mttrs) if mttrs else None,
         "samples": {
@@ -141,6 +142,15 @@ def micro_batches_at(spans: Iterable[Mapping[str, Any]], step: int) -> dict[str,
         if first <= step <= last:
             return {str(m): int(n) for m, n in span["counts"].items()}
     return None
+
+
+def slow_drains(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The agents' "drain-slow" events (`node/slow_drain`), in time order: member, node,
+    epoch, step, ratio (its speed / the median), drained (false: refused), reason."""
+    names = ("member", "node", "epoch", "step", "ratio", "drained", "reason")
+    return [
+        {name: e.get(name) for name in names} for e in events if e["kind"] == EventKind.DRAIN_SLOW
+    ]
 
 
 def weight_changes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

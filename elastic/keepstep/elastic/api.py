@@ -23,6 +23,7 @@ from keepstep.elastic.control import Controller, ScheduleController
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.job import Job
 from keepstep.elastic.reduce import ReduceMode
+from keepstep.elastic.slow_drain import DrainSlow
 from keepstep.elastic.snapshot_store import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
 from keepstep.elastic.tracked import Stateful
 
@@ -65,6 +66,10 @@ def _names(metrics: Sequence[str]) -> tuple[str, ...]:
     return tuple(metrics)
 
 
+def _drain_slow(given: DrainSlow | str | None) -> DrainSlow | None:
+    return DrainSlow.parse(given) if isinstance(given, str) else given
+
+
 def _snapshot_buffer(path: str | None) -> SnapshotBuffer:
     if not path:
         return MemoryBuffer(0)
@@ -90,6 +95,7 @@ def init(
     prefetch: int = 0,
     balance: Balance | str | None = None,
     shard: Shard | str | None = None,
+    drain_slow: DrainSlow | str | None = None,
     tensorboard: str | None = None,
     controller: Controller | None = None,
     snapshot_path: str | None = None,
@@ -113,6 +119,10 @@ def init(
     ``shard="zero1"``: each member steps and keeps the optimizer state of its own shard and
     the parameters are all-gathered (ZeRO-1, sharded.py), bit-identical to the full step;
     the optimizer must be elementwise (SGD, Adam, AdamW, ...). Default None: full replicas.
+    ``drain_slow="0.25:20"`` (or ``DrainSlow(below=0.25, after=20)``): a member slower than
+    0.25x the median speed for 20 committed steps in a row has its node drained at a step
+    boundary, as a planned change (slow_drain.py; the node agent refuses a drain below the
+    job's minimum nodes). Default None: never.
     ``tensorboard``: a folder where the leader writes the ``metrics`` as TensorBoard scalars
     (needs the tensorboard package; ``keepstep run --tensorboard DIR`` sets it).
     """
@@ -139,6 +149,7 @@ def init(
         prefetch=prefetch,
         balance=_setting("balance", balance, str, env) or Balance.OFF,  # JobConfig checks it
         shard=_setting("shard", shard, str, env) or None,  # JobConfig checks it
+        drain_slow=_setting("drain_slow", _drain_slow(drain_slow), DrainSlow.parse, env),
     )
     if controller is None:
         controller = controller_from_env(env)

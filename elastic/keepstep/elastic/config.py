@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.plan import micro_batch_count
 from keepstep.elastic.reduce import ReduceMode
+from keepstep.elastic.slow_drain import DrainSlow
 
 
 class Balance(enum.StrEnum):
@@ -48,7 +49,9 @@ class JobConfig:
     same layout; `prefetch`: micro-batches read ahead of the training thread (data.py).
     `balance`: whether the plan follows the members' measured speed (balance.py).
     `shard`: None keeps a full optimizer on every member; ``"zero1"`` shards its state and
-    step (sharded.py), with the same numbers.
+    step (sharded.py), with the same numbers. `drain_slow`: a member slower than
+    ``below`` x the median speed for ``after`` steps in a row asks to be drained
+    (slow_drain.py); None: never.
     """
 
     global_batch: int
@@ -66,6 +69,7 @@ class JobConfig:
     prefetch: int = 0
     balance: Balance = Balance.OFF
     shard: Shard | None = None
+    drain_slow: DrainSlow | None = None
     n_micro: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -128,3 +132,7 @@ class JobConfig:
                 raise ConfigError(
                     f"shard={self.shard!r} is not one of: {allowed} (or None: full replicas)"
                 ) from None
+        if self.drain_slow is not None and not isinstance(self.drain_slow, DrainSlow):
+            raise ConfigError(
+                f"drain_slow={self.drain_slow!r} must be a DrainSlow (or None: never drain)"
+            )

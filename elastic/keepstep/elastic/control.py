@@ -19,6 +19,7 @@ from typing import Protocol
 from torch._C._distributed_c10d import Store
 
 from keepstep.elastic.errors import ConfigError, PeerLost
+from keepstep.elastic.slow_drain import DrainRequest
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,11 @@ class Controller(Protocol):
 
     def on_commit(self, record: CommitRecord) -> None: ...
 
+    def request_drain(self, request: DrainRequest) -> None:
+        """This member stays too slow (slow_drain.py): drain it, as a planned change, if
+        whoever decides membership allows it. Must not block the step for long."""
+        ...
+
     def on_finish(self, done: int, params_sha256: str) -> None: ...
 
 
@@ -153,6 +159,7 @@ class ScheduleController:
     timeout_scale: float = 1.0
     reconfigurations: list[Reconfiguration] = field(default_factory=list)
     commits: list[CommitRecord] = field(default_factory=list)
+    drain_requests: list[DrainRequest] = field(default_factory=list)
     _epoch: int = 0
 
     def __post_init__(self) -> None:
@@ -214,6 +221,10 @@ class ScheduleController:
     def on_commit(self, record: CommitRecord) -> None:
         self.commits.append(record)
 
+    def request_drain(self, request: DrainRequest) -> None:
+        # The schedule is fixed in advance: the request is recorded, never acted on.
+        self.drain_requests.append(request)
+
     def on_finish(self, done: int, params_sha256: str) -> None:
         if self.result_path is None:
             return
@@ -227,6 +238,7 @@ class ScheduleController:
                 str(c.step): dict(c.new_weights) for c in self.commits if c.new_weights
             },
             "step_seconds": [c.step_s for c in self.commits],
+            "drain_requests": [r.__dict__ for r in self.drain_requests],
             # A step committed again after a rollback: its last commit is the one that stands.
             "metrics_by_step": {str(c.step): dict(c.metrics) for c in self.commits if c.metrics},
             "samples": [s for c in self.commits for s in c.samples],

@@ -9,11 +9,11 @@ epoch. Entering an epoch is the data-plane half of a recovery:
 
 and each phase is timed into a `Reconfiguration` record handed back to the controller.
 After each step the loop applies what `Step.commit` returned: it snapshots and reports a
-committed step (its timings folded into the plan: balance.py), remembers whether a planned
-change was announced, and retries or recovers a failed step. The snapshot is taken there,
-when the script's loop body has ended, so that what the body advanced after
-`if step.commit():` (an LR scheduler, an EMA: the objects tracked in tracked.py) is in the
-snapshot of the step it belongs to.
+committed step (its timings folded into the plan, which may ask to drain a member too slow:
+balance.py), remembers whether a planned change was announced, and retries or recovers a
+failed step. The snapshot is taken there, when the script's loop body has ended, so that
+what the body advanced after `if step.commit():` (an LR scheduler, an EMA: the objects
+tracked in tracked.py) is in the snapshot of the step it belongs to.
 
 Between the reduction and the optimizer step (`apply_update`) run the script's
 `before_optimizer_step` hooks and clipping by global norm: both see the same reduced
@@ -197,6 +197,7 @@ class Job:
             self.controller.on_commit(
                 replace(record, step_s=step_s, snapshot_s=snapshot_s, new_weights=weights)
             )
+            self.planner.ask_drain(self.controller.request_drain)  # if too slow: slow_drain.py
             return 0
         # The step is repeated: the loop body must not have advanced tracked state in it.
         self.tracked.warn_if_moved(f"step {index} did not commit ({result.outcome.value})")

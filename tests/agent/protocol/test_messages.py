@@ -38,6 +38,7 @@ from keepstep.agent.protocol.messages import (
     Op,
     PendingPush,
     Reconfigured,
+    SlowDrain,
     decode,
     encode,
     error_of,
@@ -73,6 +74,7 @@ EVERY_TYPE: list[Message] = [
         rolled_back_steps=1,
         received_state=True,
     ),
+    SlowDrain("n1/0", epoch=2, step=30, ratio=0.1, reason="step 30: n1/0 ran at 0.100x"),
     MembershipReply(4, ("n0/0", "n2/0"), "127.0.0.1:2379"),
     MembershipReply(5, (), ""),  # the job ended while the worker waited
     MembershipReply(6, ("n0/0",), "10.0.0.1:2379", timeout_scale=4.0),  # after false alarms

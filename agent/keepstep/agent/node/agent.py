@@ -6,7 +6,8 @@ hosts for process groups (`stores`), worker processes (`supervisor`) and what th
 knows of each (`workers`), the local link to them (`link_server`) and the answers on it
 (`requests`, with the reports a worker sends published by `reports`), liveness probes
 (`probe`), this node's leased record (`registration`), the step gates its workers hold at
-while a scheduled fault is injected (`gates`). This module wires them, and acts on what
+while a scheduled fault is injected (`gates`), draining it when its member stays too slow
+(`slow_drain`). This module wires them, and acts on what
 etcd and the supervisor tell it.
 
 Detection that does not wait for a collective to fail: a worker that exits (the
@@ -42,6 +43,7 @@ from keepstep.agent.node.progress import ProgressPublisher
 from keepstep.agent.node.registration import Registration
 from keepstep.agent.node.reports import Reports
 from keepstep.agent.node.requests import WorkerRequests
+from keepstep.agent.node.slow_drain import SlowDrains
 from keepstep.agent.node.spare import SparePool
 from keepstep.agent.node.stores import StoreClients, StoreHost
 from keepstep.agent.node.supervisor import ExitAction, Supervisor, after_exit, describe_exit
@@ -134,9 +136,13 @@ class NodeAgent:
         )
         hold = hold_timeout_for(answer_bounds(cfg).decision, cfg.op_timeout)
         self.gates = GateHolds(kv, cfg.job, cfg.node, self.events, cfg.op_timeout, hold)
-        self.requests = WorkerRequests(
-            self.workers, self.healer, reports, self.progress, self.events, self._fail, self.gates
+        slow = SlowDrains(
+            cfg.node, cfg.min_nodes, self.view, self.events, lambda: self.draining, self.drain
         )
+        self.requests = WorkerRequests(
+            self.workers, self.healer, reports, self.progress, self.events, self._fail, self.gates,
+            slow.handle,
+        )  # fmt: skip
         self.link = LinkServer(
             socket_address(cfg.job, cfg.node),
             self.requests.handle,
@@ -217,13 +223,13 @@ class NodeAgent:
     def snapshot_path(self, member: str) -> Path:
         return snapshot_path(self.cfg, member)
 
-    def drain(self) -> None:
-        """Leave at the next step boundary (SIGTERM): nothing is rolled back."""
+    def drain(self, cause: str = "signal") -> None:
+        """Leave at the next step boundary (SIGTERM, or a member too slow): no rollback."""
         with self.lock:
             if self.draining:
                 return
             self.draining = True
-        self.events.write(EventKind.DRAIN_REQUESTED, node=self.cfg.node)
+        self.events.write(EventKind.DRAIN_REQUESTED, node=self.cfg.node, cause=cause)
         self.kv.put(
             key(self.cfg.job, "leaving", self.cfg.node),
             protocol.encode(protocol.LeavingRecord(self.cfg.node, time.time())),

@@ -12,6 +12,8 @@ thread of its own (so a request that waits never holds up another). What each do
     Hold           the worker reached a closed step gate: answered once it is open
                    (`node/gates`, bounded)
     Commit, Reconfigured   reports, published by `node/reports`; not answered
+    SlowDrain      the worker's member stayed too slow: `on_slow_drain` drains the node
+                   if the job can spare it (`node/slow_drain`); not answered
 
 The answers are typed replies; an error raised here reaches the worker as its type
 (`link_server` turns it into an ErrorReply).
@@ -49,6 +51,7 @@ from keepstep.agent.protocol.messages import (
     Push,
     Reconfigured,
     Reply,
+    SlowDrain,
 )
 
 
@@ -62,12 +65,14 @@ class WorkerRequests:
         events: EventLog,
         on_fatal: Callable[[str], None],
         gates: GateHolds | None = None,
+        on_slow_drain: Callable[[SlowDrain], None] | None = None,
     ) -> None:
         """`on_fatal(reason)` is told when the job cannot go on (the agent then fails);
-        `gates`: the step gates (None: none are ever armed, as in unit tests)."""
+        `gates`: the step gates (None: none are ever armed, as in unit tests);
+        `on_slow_drain`: acts on a worker's request to drain its node (None: ignored)."""
         self.workers, self.healer, self.reports = workers, healer, reports
         self.progress, self.events, self.on_fatal = progress, events, on_fatal
-        self.gates = gates
+        self.gates, self.on_slow_drain = gates, on_slow_drain
 
     def handle(self, conn: Connection, message: Message) -> Reply | None:
         if isinstance(message, Reply | Push):
@@ -112,6 +117,10 @@ class WorkerRequests:
                 return None
             case Reconfigured():
                 self.reports.reconfigured(message)
+                return None
+            case SlowDrain():
+                if self.on_slow_drain is not None:
+                    self.on_slow_drain(message)
                 return None
 
     def _check_speaker(self, conn: Connection, message: Message) -> None:

@@ -69,6 +69,9 @@ class EventKind(enum.StrEnum):
         weights-changed      member (whose commit said it), epoch, step (the new weights
                              apply from step + 1), old, new (member -> weight), counts
                              (member -> micro-batches at step, under the old weights)
+    The agent of a member found too slow (`node/slow_drain`), once per request:
+        drain-slow           member, node, epoch, step, ratio (its speed / the median),
+                             drained (false: refused), reason
     """
 
     AGENT_STARTED = "agent-started"
@@ -90,6 +93,7 @@ class EventKind(enum.StrEnum):
     RECONFIGURED = "reconfigured"
     COMMIT = "commit"
     WEIGHTS_CHANGED = "weights-changed"
+    DRAIN_SLOW = "drain-slow"
 
 
 def kind_of(event: Event) -> EventKind | None:

@@ -6,7 +6,8 @@ Where it sits: `link` frames these as JSON lines; the worker's side (`worker/lin
 Dataclasses and JSON only: no pickle, no torch, so that either side decodes only data.
 
     worker -> agent, answered          Hello, Initial, Boundary, Failure, Finish, Hold
-    worker -> agent, not answered      Commit, Reconfigured (reports, once a step at most)
+    worker -> agent, not answered      Commit, Reconfigured (reports, once a step at most),
+                                       SlowDrain (once an epoch at most)
     agent -> worker, answers           MembershipReply, Excluded, NoChange, Ok, ErrorReply
     agent -> worker, pushed            PendingPush, GatesPush
 
@@ -44,6 +45,7 @@ class Op(enum.StrEnum):
     PENDING = "pending"
     HOLD = "hold"
     GATES = "gates"
+    SLOW_DRAIN = "slow-drain"
 
 
 class ErrorCode(enum.StrEnum):
@@ -172,6 +174,19 @@ class Reconfigured:
 
 
 @dataclass(frozen=True)
+class SlowDrain:
+    """The worker's member stayed too slow (`keepstep.elastic.slow_drain.DrainRequest`):
+    drain its node as a planned change, if the job can spare it. A report, not answered."""
+
+    OP: ClassVar[Op] = Op.SLOW_DRAIN
+    member: str
+    epoch: int
+    step: int
+    ratio: float  # its speed / the median speed
+    reason: str
+
+
+@dataclass(frozen=True)
 class Hold:
     """The worker reached a step gate (`done` steps committed): answered once it is open."""
 
@@ -239,7 +254,7 @@ class GatesPush:
 
 
 Request = Hello | Initial | Boundary | Failure | Finish | Hold
-Report = Commit | Reconfigured
+Report = Commit | Reconfigured | SlowDrain
 Reply = MembershipReply | Excluded | NoChange | Ok | ErrorReply
 Push = PendingPush | GatesPush
 Message = Request | Report | Reply | Push
@@ -262,6 +277,7 @@ _TYPES: dict[Op, type[Any]] = {
         PendingPush,
         Hold,
         GatesPush,
+        SlowDrain,
     )
 }
 assert set(_TYPES) == set(Op), "every op has exactly one message type"

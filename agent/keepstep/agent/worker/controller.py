@@ -50,11 +50,13 @@ from keepstep.agent.protocol.messages import (
     PendingPush,
     Reconfigured,
     Reply,
+    SlowDrain,
 )
 from keepstep.agent.worker import stores
 from keepstep.agent.worker.link_client import LinkClient
 from keepstep.elastic.control import CommitRecord, Membership, Reconfiguration
 from keepstep.elastic.errors import PeerLost
+from keepstep.elastic.slow_drain import DrainRequest
 
 STORE_CONNECT_TIMEOUT = 3.0  # a healthy store answers in milliseconds
 RELEASE_TIMEOUT = 2.0  # for threads woken from a store call to end, when the worker is done
@@ -196,6 +198,12 @@ class AgentController:
                 compute_s=record.compute_s,
                 new_weights=dict(record.new_weights),
             )
+        )
+
+    def request_drain(self, request: DrainRequest) -> None:
+        # A report: the agent decides (and records) whether the node goes; the step goes on.
+        self._client.report(
+            SlowDrain(self.member, request.epoch, request.step, request.ratio, request.reason)
         )
 
     def on_finish(self, done: int, params_sha256: str) -> None:
