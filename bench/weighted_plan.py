@@ -2,6 +2,7 @@
 
     scripts/env python bench/weighted_plan.py [--members 4] [--micro-batches 64]
         [--slow 3] [--noise 0.1] [--mb-seconds 0.05] [--collective-s 0.05] [--steps 500]
+        [--time-members 1000 100000] [--repeats 7]
 
 A SIMULATION OF THE PLAN, NOT A TRAINING RUN: nothing is trained and no time is measured.
 Each member computes the micro-batches that ``plan`` gives it; each micro-batch takes
@@ -19,13 +20,19 @@ with the slow member on an equal share); "after the replan" is the steady state.
 second table repeats the runs for several slowdowns: inside the hysteresis band (below
 about 1.33x for 4 members at the default threshold of 0.2, where the slow member's share
 would move by less than 20%) the plan is left alone on purpose.
+
+The last table times ``plan`` itself for ``--time-members`` members (4 micro-batches each):
+the best CPU time of ``--repeats`` calls, equal weights and weights on the speed policy's
+5% grid (most members at 1.0), beside a yardstick (a bare 1M-iteration Python loop) that
+scales the figures between machines. Target: 50 ms at 100,000 members.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 
 from keepstep.elastic.plan import plan
 from keepstep.elastic.speed import SpeedPolicy, SpeedState, StepTiming, observe
@@ -64,6 +71,32 @@ def _simulate(
     return len(times) / sum(times), len(steady) / sum(steady), state, replans
 
 
+def _best_ms(fn: Callable[[], object], repeats: int) -> float:
+    # CPU time, best of N: on a shared machine wall time would measure the neighbours too.
+    times = []
+    for _ in range(repeats):
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return min(times) * 1e3
+
+
+def _plan_ms(members: list[str], weights: Mapping[str, float] | None, repeats: int) -> float:
+    return _best_ms(lambda: plan(0, members, 4 * len(members), 1, weights), repeats)
+
+
+def time_plan(counts: list[int], repeats: int) -> None:
+    loop = _best_ms(lambda: sum(1 for _ in range(1_000_000)), repeats)
+    print(f"\nplan() CPU time, best of {repeats}; yardstick: a 1M-iteration loop {loop:.1f} ms")
+    rng = random.Random(0)
+    grid = [1.05**k for k in (0, 0, 0, 0, 0, 0, -1, -2, -8, 3)]
+    for count in counts:
+        members = sorted(f"n{i // 8}/{i % 8}" for i in range(count))
+        weights = {m: rng.choice(grid) for m in members}
+        times = [_plan_ms(members, w, repeats) for w in (None, weights)]
+        print(f"  {count:>7} members  equal {times[0]:7.1f} ms   weighted {times[1]:7.1f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--members", type=int, default=4)
@@ -76,6 +109,8 @@ def main() -> None:
     parser.add_argument("--threshold", type=float, default=SpeedPolicy().threshold)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--slowdowns", type=float, nargs="+", default=[1.25, 1.5, 2, 3, 5, 10])
+    parser.add_argument("--time-members", type=int, nargs="*", default=[1000, 100_000])
+    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
 
     w = args.members
@@ -111,6 +146,7 @@ def main() -> None:
             f"  {slow:>5g}x   unweighted {un / slow_ideal:.3f}   weighted {we / slow_ideal:.3f}"
             f" / {we_steady / slow_ideal:.3f}   replans {len(again)}"
         )
+    time_plan(args.time_members, args.repeats)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ tests read better, and it keeps a straggler's share in one piece.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import math
 from collections.abc import Mapping, Sequence
-from fractions import Fraction
+from itertools import accumulate, chain, islice, repeat
 
 from keepstep.elastic.errors import ConfigError
 
@@ -55,6 +57,15 @@ def _check_members(members: Sequence[str]) -> list[str]:
     listed = list(members)
     if not listed:
         raise ConfigError("members=[] is empty; at least one member must train")
+    # The common case in one pass at C speed: plain strs, strictly increasing (so sorted
+    # and unique), hence "" could only come first. Anything else takes the slow checks
+    # below, which find the first problem in their order and name it.
+    if (
+        set(map(type, listed)) == {str}
+        and all(map(str.__lt__, listed, islice(listed, 1, None)))
+        and listed[0]
+    ):
+        return listed
     for member in listed:
         if not isinstance(member, str) or not member:
             raise ConfigError(f"member id {member!r} in members must be a non-empty str")
@@ -69,61 +80,130 @@ def _check_members(members: Sequence[str]) -> list[str]:
     return listed
 
 
-def _check_weights(weights: Mapping[str, float], members: list[str]) -> dict[str, Fraction]:
+def _ratio(member: str, w: object) -> tuple[int, int]:
+    if not isinstance(w, int | float) or isinstance(w, bool) or not math.isfinite(w) or w <= 0:
+        raise ConfigError(f"weight {w!r} of member {member!r} must be a finite number > 0")
+    return w.as_integer_ratio()
+
+
+def _check_weights(weights: Mapping[str, float], members: list[str]) -> list[int]:
+    """The weights in member order as integers in exact proportion: every float is
+    p / 2**k exactly, so scaling all by the largest denominator loses nothing (ints have
+    denominator 1). The apportionment below then runs on ints, the same numbers a
+    Fraction would give, bit for bit on every member. Weights come from a coarse grid, so
+    each distinct value is checked and converted once."""
     if not isinstance(weights, Mapping):
         raise ConfigError(f"weights={weights!r} must be a mapping of member id -> weight")
-    known = set(members)
-    missing = [m for m in members if m not in weights]
-    extra = sorted(repr(k) for k in weights if k not in known)
-    if missing or extra:
+    values: list[float] = []
+    # With as many keys as members, every member found means exactly the members. A plain
+    # dict is read in the same pass (a KeyError is a missing member); another mapping may
+    # answer a missing key (defaultdict), so it is asked first.
+    if len(weights) == len(members):
+        if type(weights) is dict:
+            with contextlib.suppress(KeyError):
+                values = list(map(weights.__getitem__, members))
+        elif all(map(weights.__contains__, members)):
+            values = list(map(weights.__getitem__, members))
+    if not values:
+        known = set(members)
+        missing = [m for m in members if m not in weights]
+        extra = sorted(repr(k) for k in weights if k not in known)
         raise ConfigError(
             f"weights must name exactly the members: missing {missing!r}, "
             f"unknown [{', '.join(extra)}]"
         )
-    exact: dict[str, Fraction] = {}
-    for member in members:
-        w = weights[member]
-        if not isinstance(w, int | float) or isinstance(w, bool) or not math.isfinite(w) or w <= 0:
-            raise ConfigError(f"weight {w!r} of member {member!r} must be a finite number > 0")
-        # Fraction(float) is exact, so every member computes the same quotas bit for bit.
-        exact[member] = Fraction(w)
-    return exact
+    # Checked per distinct value only when every weight is a plain int or float: then
+    # equal keys (1 and 1.0) are equally valid with equal ratios, which True and 1 are not.
+    valid = False
+    if set(map(type, values)) <= {int, float}:
+        distinct = dict.fromkeys(values)
+        valid = all(math.isfinite(w) and w > 0 for w in distinct)
+    if not valid:
+        for member, w in zip(members, values, strict=True):
+            _ratio(member, w)  # raises at the first bad weight, naming its member
+        distinct = dict.fromkeys(values)
+    ratios = {w: w.as_integer_ratio() for w in distinct}
+    # Denominators are powers of two, so the largest is a multiple of every other.
+    denominator = max(q for _, q in ratios.values())
+    scaled = {w: p * (denominator // q) for w, (p, q) in ratios.items()}
+    return list(map(scaled.__getitem__, values))
 
 
-def _largest_remainder(seats: int, weights: dict[str, Fraction]) -> dict[str, int]:
-    """Hamilton apportionment of ``seats``; ties go to the earlier member (dict order)."""
-    total = sum(weights.values(), Fraction(0))
-    quotas = {m: seats * w / total for m, w in weights.items()}
-    counts = {m: math.floor(q) for m, q in quotas.items()}
-    left = seats - sum(counts.values())
-    order = list(weights)
-    # Stable sort: equal remainders keep member order.
-    by_remainder = sorted(order, key=lambda m: quotas[m] - counts[m], reverse=True)
-    for member in by_remainder[:left]:
-        counts[member] += 1
-    return counts
+def _extra_seats(
+    left: int, pool: dict[int, list[int]], remainders: dict[int, int]
+) -> dict[int, int]:
+    """How many members of each weight's group get one of the ``left`` extra seats.
+
+    Largest remainders first; members of one group share a remainder, so within a run
+    of equal remainders the seats go to the lowest indices across the run's groups: a
+    prefix of each group's ascending indices."""
+    extra = dict.fromkeys(pool, 0)
+    runs: dict[int, list[int]] = {}
+    for w, r in remainders.items():
+        runs.setdefault(r, []).append(w)
+    for r in sorted(runs, reverse=True):
+        if left == 0:
+            break
+        tied = runs[r]
+        size = sum(len(pool[w]) for w in tied)
+        if size <= left:
+            for w in tied:
+                extra[w] = len(pool[w])
+            left -= size
+            continue
+        if len(tied) == 1:
+            extra[tied[0]] = left
+            break
+        # The left-th lowest index of the run (sorting ascending runs merges them).
+        last = sorted(chain.from_iterable(pool[w] for w in tied))[left - 1]
+        for w in tied:
+            extra[w] = bisect.bisect_right(pool[w], last)
+        left = 0
+    return extra
 
 
-def _weighted_counts(n_micro: int, weights: dict[str, Fraction]) -> dict[str, int]:
-    """Largest remainder with a floor of one micro-batch per member.
+def _weighted_counts(n_micro: int, weights: list[int]) -> list[int]:
+    """Largest remainder with a floor of one micro-batch per member, ties to the earlier
+    member (Hamilton apportionment, run per group of equal weights).
 
     A member whose quota rounds to zero is given exactly one and leaves the pool; the
     others re-share what is left by their weights, until nobody gets zero. Without any
     zero this is plain largest remainder, so every count is within one of its quota.
+    Member m's quota is ``seats * w / total``: its floor and remainder are the quotient
+    and remainder of one integer division, and remainders over one total compare as
+    their numerators do.
     """
-    fixed: dict[str, int] = {}
-    pool = dict(weights)
+    fixed: list[int] = []  # members given exactly one
+    pool: dict[int, list[int]] = {}
+    for i, w in enumerate(weights):
+        pool.setdefault(w, []).append(i)
+    seats = n_micro
     while True:
-        counts = _largest_remainder(n_micro - len(fixed), pool)
-        zeros = [m for m, c in counts.items() if c == 0]
-        if not zeros:
+        total = sum(w * len(ids) for w, ids in pool.items())
+        split = {w: divmod(seats * w, total) for w in pool}
+        left = seats - sum(q * len(pool[w]) for w, (q, _) in split.items())
+        extra = _extra_seats(left, pool, {w: r for w, (_, r) in split.items()})
+        zeros = {w: ids[extra[w] :] for w, ids in pool.items() if split[w][0] == 0}
+        if not any(zeros.values()):
             break
-        for member in zeros:
-            fixed[member] = 1
-            del pool[member]
+        for w, lost in zeros.items():
+            seats -= len(lost)
+            fixed += lost
+            pool[w] = pool[w][: extra[w]]
+            if not pool[w]:
+                del pool[w]
         # len(members) <= n_micro keeps the pool's seats >= its size, so this ends.
-    merged = {**fixed, **counts}
-    return {m: merged[m] for m in weights}
+    # A whole group's count by one lookup per member; then the few exceptions: the first
+    # members of a group cut inside a run of equal remainders, and those fixed at one.
+    count_of = {w: q + (extra[w] == len(pool[w])) for w, (q, _) in split.items()}
+    counts = list(map(count_of.get, weights, repeat(1)))
+    for w, ids in pool.items():
+        if 0 < extra[w] < len(ids):
+            for i in ids[: extra[w]]:
+                counts[i] += 1
+    for i in fixed:
+        counts[i] = 1
+    return counts
 
 
 def plan(
@@ -157,21 +237,19 @@ def plan(
 
     if weights is None:
         base, extra = divmod(n_micro, len(listed))
-        counts = {m: base + (1 if i < extra else 0) for i, m in enumerate(listed)}
+        counts = [base + 1] * extra + [base] * (len(listed) - extra)
     else:
         counts = _weighted_counts(n_micro, _check_weights(weights, listed))
 
-    assignment: dict[str, list[int]] = {}
-    start = 0
-    for member in listed:
-        assignment[member] = list(range(start, start + counts[member]))
-        start += counts[member]
-
-    # The batch invariant, asserted where it is made: every id once, none lost.
-    assert start == n_micro, (start, n_micro)
-    assert all(len(ids) >= 1 for ids in assignment.values()), counts
-    assert sorted(owner_of(assignment)) == list(range(n_micro))
-    return assignment
+    stops = list(accumulate(counts))
+    # The batch invariant, asserted where it is made: blocks of at least one id that
+    # follow each other from 0 without a gap or an overlap cover every id once.
+    assert min(counts) >= 1, min(counts)
+    assert stops[-1] == n_micro, (stops[-1], n_micro)
+    # Slices of one list of ids share its int objects: cheaper than a range per member.
+    ids = list(range(n_micro))
+    blocks = map(ids.__getitem__, map(slice, [0, *stops[:-1]], stops))
+    return dict(zip(listed, blocks, strict=True))
 
 
 def owner_of(assignment: Mapping[str, Sequence[int]]) -> dict[int, str]:
