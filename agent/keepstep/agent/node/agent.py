@@ -7,8 +7,7 @@ knows of each (`workers`), the local link to them (`link_server`) and the answer
 (`requests`, with the reports a worker sends published by `reports`), liveness probes
 (`probe`), this node's leased record (`registration`), the step gates its workers hold at
 while a scheduled fault is injected (`gates`), draining it when its member stays too slow
-(`slow_drain`). This module wires them, and acts on what
-etcd and the supervisor tell it.
+(`slow_drain`). This module wires them, and acts on what etcd and the supervisor tell it.
 
 Detection that does not wait for a collective to fail: a worker that exits (the
 supervisor sees it at once), a neighbouring node that misses its heartbeats (`heartbeat`:
@@ -273,11 +272,14 @@ class NodeAgent:
             if self.gates.apply(event):
                 self.gates.push(self.workers.connections())
             return
+        before = self.view.current
         change = self.view.apply(event)
         if change.lost_self and not self.done.is_set():
             threading.Thread(target=self._reregister, daemon=True).start()
         if change.new_epoch is not None and not self.view.job_finished:
             self._check_members(change.new_epoch)
+            if before is not None and agreement.superseded_unstarted(before, change.new_epoch):
+                self.stores.end(before, f"superseded by epoch {change.new_epoch.epoch}")
         cur = self.view.current
         if change.lost_node is not None and cur is not None and not self.view.job_finished:
             node = change.lost_node
@@ -322,8 +324,7 @@ class NodeAgent:
             EventKind.FAULT_DETECTED, cause=cause, node=node, epoch=epoch.epoch, reason=reason
         )
         self.progress.fault(epoch.epoch)
-        if epoch.store:
-            self.stores.abort(epoch.store, epoch.epoch, len(epoch.members), reason, epoch.token)
+        self.stores.end(epoch, reason)
 
     # -- workers ----------------------------------------------------------------------
     def _status(self) -> dict[str, Any]:

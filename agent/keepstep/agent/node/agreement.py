@@ -148,3 +148,12 @@ def with_store(record: EpochRecord, nodes: Mapping[str, NodeRecord]) -> EpochRec
         if found is not None and found.store_port:
             return replace(record, store=found.store_address())
     return record
+
+
+def superseded_unstarted(before: EpochRecord, new: EpochRecord) -> bool:
+    """Whether `new` replaces `before` at the step `before` started at: no step was ever
+    committed in `before`, so its rendezvous can be ended. Two planned changes at one
+    boundary (a drain, then a node back) can tell one member the first epoch and the others
+    the second; without an abort of the first, that member waits out the rendezvous's
+    timeout (30 s) for peers who went on to the second."""
+    return new.epoch > before.epoch and new.start_step == before.start_step and bool(before.store)

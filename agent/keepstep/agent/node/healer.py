@@ -22,6 +22,7 @@ A worker the next epoch leaves out is told so (`Excluded`) and asks to be admitt
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -30,12 +31,12 @@ from dataclasses import replace
 from typing import Any
 
 from keepstep.agent import protocol
-from keepstep.agent.kv import KVStore
+from keepstep.agent.kv import KVStore, KVTimeout
 from keepstep.agent.node import agreement
 from keepstep.agent.node.config import AgentConfig
 from keepstep.agent.node.probe import probe_all
 from keepstep.agent.node.registration import Registration
-from keepstep.agent.node.view import JobView
+from keepstep.agent.node.view import JobView, Observed
 from keepstep.agent.protocol import EpochRecord, NodeRecord, key, node_of
 from keepstep.agent.protocol.events import EventKind, EventLog
 from keepstep.agent.protocol.messages import (
@@ -49,6 +50,12 @@ from keepstep.agent.protocol.messages import (
 __all__ = ["Healer", "JobCannotContinue", "stamp"]
 
 TOKEN_BYTES = 16  # 128 random bits: the epoch's key prefix cannot be guessed
+# A boundary's decision is asked again while etcd does not answer, for at most this many
+# op timeouts: the worker's own bound on the answer (config.answer_bounds) still holds.
+BOUNDARY_RETRY_OPS = 2
+BOUNDARY_RETRY_PAUSE_S = 0.2
+
+log = logging.getLogger(__name__)
 
 
 def stamp(record: EpochRecord, nodes: Mapping[str, NodeRecord]) -> EpochRecord:
@@ -171,24 +178,50 @@ class Healer:
         cur = seen.current
         assert cur is not None, "a worker at a boundary is a member of an epoch"
         decision_key = key(self.cfg.job, "boundary", f"{cur.epoch}-{done}")
-        record, reason = agreement.at_boundary(cur, seen.pending, seen.leaving, done, time.time())
+        record, _ = agreement.at_boundary(cur, seen.pending, seen.leaving, done, time.time())
         if record is not None:
             record = stamp(record, seen.nodes)
         payload = protocol.encode(record) if record is not None else b"null"
-        # The first decision for this (epoch, step) is the only one: a late agent, whose
-        # view has one more joiner, must not agree a different epoch at the same boundary.
+        deadline = time.monotonic() + BOUNDARY_RETRY_OPS * self.cfg.op_timeout
+        while True:
+            try:
+                decided = self._decide_at_boundary(decision_key, payload, seen, done)
+                break
+            except KVTimeout as error:
+                # etcd electing a leader (its leader lost) answers nothing for seconds: a
+                # worker told to give up here would restart from its snapshot.
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("boundary %s: %s; asking again", decision_key, error)
+                time.sleep(BOUNDARY_RETRY_PAUSE_S)
+        if decided is None:
+            return NoChange()
+        return self._settle(member, self.view.wait_epoch_after(cur.epoch, self.cfg.epoch_timeout))
+
+    def _decide_at_boundary(
+        self, decision_key: str, payload: bytes, seen: Observed, done: int
+    ) -> EpochRecord | None:
+        """The boundary's one decision, made idempotent so that it can be asked again.
+
+        The first decision for this (epoch, step) is the only one: a late agent, whose
+        view has one more joiner, must not agree a different epoch at the same boundary.
+        Whoever reads a decision that changes the membership also writes its epoch
+        (compare-and-set on the epoch this agent saw, so it never overwrites a newer one):
+        the agent that created the decision may have died, or not heard that it did."""
         if self.kv.create(decision_key, payload, self.cfg.op_timeout):
-            if record is not None and self.kv.compare_and_put(
-                key(self.cfg.job, "epoch"), payload, seen.revision, self.cfg.op_timeout
-            ):
-                self._agreed(record, reason, cur, planned=True, step=done)
+            decided = payload
         else:
             got = self.kv.get(decision_key, self.cfg.op_timeout)
             assert got is not None, "a decision key, once created, is never deleted"
-            record = None if got.value == b"null" else protocol.decode(EpochRecord, got.value)
-        if record is None:
-            return NoChange()
-        return self._settle(member, self.view.wait_epoch_after(cur.epoch, self.cfg.epoch_timeout))
+            decided = got.value
+        if decided == b"null":
+            return None
+        record = protocol.decode(EpochRecord, decided)
+        if self.kv.compare_and_put(
+            key(self.cfg.job, "epoch"), decided, seen.revision, self.cfg.op_timeout
+        ):
+            self._agreed(record, record.reason, seen.current, planned=True, step=done)
+        return record
 
     # -- failures ---------------------------------------------------------------------------
     def failure(

@@ -26,6 +26,7 @@ from datetime import timedelta
 
 from torch._C._distributed_c10d import TCPStore
 
+from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.worker.stores import connect, for_epoch
 from keepstep.elastic.comm import abort_epoch
 from keepstep.errors import KeepstepError
@@ -112,6 +113,11 @@ class StoreClients:
             name="keepstep-abort",
             daemon=True,
         ).start()
+
+    def end(self, epoch: EpochRecord, reason: str) -> None:
+        """`abort` the rendezvous and collectives of `epoch`, wherever its store is."""
+        if epoch.store:
+            self.abort(epoch.store, epoch.epoch, len(epoch.members), reason, epoch.token)
 
     def _abort(self, address: str, epoch: int, ranks: int, reason: str, token: str) -> None:
         try:

@@ -1,0 +1,145 @@
+"""A boundary's decision survives etcd not answering for a while (its leader lost and a
+new one being elected): the agent asks again instead of telling its worker to give up,
+and a decision whose creator never heard it was created still gets its epoch written."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from keepstep.agent import protocol
+from keepstep.agent.kv import KVTimeout, Lease
+from keepstep.agent.kv.memory import MemoryKV
+from keepstep.agent.node.agent import NodeAgent
+from keepstep.agent.node.config import AgentConfig
+from keepstep.agent.protocol.events import read_events
+from keepstep.agent.protocol.link import socket_address
+from keepstep.agent.protocol.messages import Boundary, Hello, Initial, MembershipReply, Ok
+from keepstep.agent.worker.link_client import LinkClient
+
+T = 10.0
+
+
+class ElectingKV:
+    """The agent's KV, whose first `create` gets no answer and whose second is applied but
+    its answer lost (both raise KVTimeout, as etcd does while it elects a leader)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.creates = inner, 0
+
+    def create(self, key: str, value: bytes, timeout: float, lease: Lease | None = None) -> bool:
+        self.creates += 1
+        if self.creates == 1:
+            raise KVTimeout(f"create {key!r}: etcd did not answer within {timeout} s")
+        created = self.inner.create(key, value, timeout, lease)
+        if self.creates == 2:
+            assert created
+            raise KVTimeout(f"create {key!r}: etcd did not answer within {timeout} s")
+        return bool(created)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[Callable[..., NodeAgent]]:
+    kv = MemoryKV()
+    started: list[NodeAgent] = []
+
+    def start(job: str, node: str) -> NodeAgent:
+        cfg = AgentConfig(
+            job=job,
+            node=node,
+            etcd="",
+            script="",
+            command=("sleep", "60"),
+            run_dir=tmp_path,
+            snapshot_dir=tmp_path,
+            expected_nodes=2,
+        )
+        agent = NodeAgent(cfg, kv.client())
+        agent.start()
+        started.append(agent)
+        return agent
+
+    try:
+        yield start
+    finally:
+        for agent in started:
+            agent.close()
+
+
+def test_a_drain_at_a_boundary_is_agreed_through_an_etcd_election(
+    agents: Callable[..., NodeAgent], tmp_path: Path
+) -> None:
+    job = f"electing-{os.getpid()}-{time.monotonic_ns()}"
+    n0, n1 = agents(job, "n0"), agents(job, "n1")
+    clients = {
+        m: LinkClient(socket_address(job, m[:2]), lambda _: None, T) for m in ("n0/0", "n1/0")
+    }
+    try:
+        for member, client in clients.items():
+            assert client.request(Hello(member), T) == Ok()
+        with ThreadPoolExecutor(2) as pool:  # the first epoch waits for both nodes
+            first = [pool.submit(c.request, Initial(m), T) for m, c in clients.items()]
+            assert all(isinstance(f.result(), MembershipReply) for f in first)
+        n1.drain()
+        deadline = time.monotonic() + T
+        while "n1" not in n0.view.observe().leaving:
+            assert time.monotonic() < deadline, "n0 never saw n1 leaving"
+            time.sleep(0.02)
+        electing = ElectingKV(n0.healer.kv)
+        n0.healer.kv = electing
+        answer = clients["n0/0"].request(Boundary("n0/0", 5), T)
+    finally:
+        for client in clients.values():
+            client.close()
+    assert isinstance(answer, MembershipReply), answer
+    assert (answer.epoch, answer.members) == (1, ("n0/0",))
+    assert electing.creates == 3  # no answer, a lost answer, then "exists"
+    stored = n0.kv.get(protocol.key(job, "epoch"), T)
+    assert stored is not None
+    assert protocol.decode(protocol.EpochRecord, stored.value).members == ["n0/0"]
+    agreed = [e for e in read_events(tmp_path) if e["kind"] == "epoch-agreed" and e["epoch"] == 1]
+    assert len(agreed) == 1 and agreed[0]["reason"] == "drain n1/0", agreed
+
+
+def _epoch(n: int, start_step: int) -> protocol.EpochRecord:
+    return protocol.EpochRecord(
+        n, ["n9/0"], f"epoch {n}", start_step, time.time(), store="127.0.0.1:9", token="ab" * 16
+    )
+
+
+def test_an_epoch_superseded_before_its_first_step_is_ended_for_its_members(
+    agents: Callable[..., NodeAgent],
+) -> None:
+    """A drain and a node back at one boundary: one member told epoch 17 while the others
+    went on to 18 waited out 17's 30 s rendezvous. The agents now end 17 when 18 replaces
+    it at the same step; an epoch that trained a step is left to the fault paths."""
+    job = f"superseded-{os.getpid()}-{time.monotonic_ns()}"
+    n0 = agents(job, "n0")
+    ended: list[tuple[int, str]] = []
+    n0.stores.end = lambda epoch, reason: ended.append((epoch.epoch, reason))  # type: ignore[method-assign]
+    for record in (_epoch(16, 270), _epoch(17, 272), _epoch(18, 272), _epoch(19, 280)):
+        n0.kv.put(protocol.key(job, "epoch"), protocol.encode(record), T)
+    deadline = time.monotonic() + T
+    while (n0.view.current is None or n0.view.current.epoch < 19) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert n0.view.current is not None and n0.view.current.epoch == 19
+    assert ended == [(17, "superseded by epoch 18")]
+
+
+def test_superseded_unstarted_needs_the_same_start_step_and_a_store() -> None:
+    from keepstep.agent.node.agreement import superseded_unstarted
+
+    assert superseded_unstarted(_epoch(1, 5), _epoch(2, 5))
+    assert not superseded_unstarted(_epoch(1, 5), _epoch(2, 6))
+    assert not superseded_unstarted(_epoch(2, 5), _epoch(2, 5))
+    storeless = protocol.EpochRecord(1, ["n9/0"], "x", 5, 0.0)
+    assert not superseded_unstarted(storeless, _epoch(2, 5))
