@@ -158,3 +158,24 @@ def test_a_failed_agent_says_why_in_its_termination_log(etcd_server: str, tmp_pa
     message = log.read_text()
     assert message.startswith("keepstep agent p0: ") and "code 3" in message, message
     assert message in done.stderr  # the same line the agent printed
+
+
+def test_the_agent_exits_with_its_code_and_flushed_output_past_a_stuck_daemon_thread() -> None:
+    """The agent ends its process without the interpreter's teardown (a daemon thread may
+    be blocked in native code): the code is kept and what it printed or logged is out."""
+    code = (
+        "import logging, sys, threading, time\n"
+        "from keepstep.agent.node.cli import exit_now\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+        "logging.basicConfig(stream=sys.stderr)\n"
+        "print('summary on stdout', end='')\n"
+        "logging.getLogger('x').warning('last words')\n"
+        "exit_now(3)\n"
+        "print('never')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout == "summary on stdout"
+    assert "last words" in proc.stderr
