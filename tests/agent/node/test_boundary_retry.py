@@ -52,7 +52,7 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., NodeAgent]]:
     kv = MemoryKV()
     started: list[NodeAgent] = []
 
-    def start(job: str, node: str) -> NodeAgent:
+    def start(job: str, node: str, expected_nodes: int = 2) -> NodeAgent:
         cfg = AgentConfig(
             job=job,
             node=node,
@@ -61,7 +61,7 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., NodeAgent]]:
             command=("sleep", "60"),
             run_dir=tmp_path,
             snapshot_dir=tmp_path,
-            expected_nodes=2,
+            expected_nodes=expected_nodes,
         )
         agent = NodeAgent(cfg, kv.client())
         agent.start()
@@ -143,3 +143,30 @@ def test_superseded_unstarted_needs_the_same_start_step_and_a_store() -> None:
     assert not superseded_unstarted(_epoch(2, 5), _epoch(2, 5))
     storeless = protocol.EpochRecord(1, ["n9/0"], "x", 5, 0.0)
     assert not superseded_unstarted(storeless, _epoch(2, 5))
+
+
+def test_a_worker_is_admitted_through_an_etcd_election(
+    agents: Callable[..., NodeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A restarted worker announcing itself while etcd elects a leader used to get the
+    KVTimeout and exit; its agent gave up after three such restarts in a row."""
+    job = f"admit-electing-{os.getpid()}-{time.monotonic_ns()}"
+    n0 = agents(job, "n0", expected_nodes=1)
+    registration = n0.healer._registration
+    put, calls = registration.put, []
+
+    def electing_put(k: str, value: bytes) -> None:
+        calls.append(k)
+        if len(calls) == 1:
+            raise KVTimeout(f"put {k!r}: etcd did not answer within 5.0 s")
+        put(k, value)
+
+    monkeypatch.setattr(registration, "put", electing_put)
+    client = LinkClient(socket_address(job, "n0"), lambda _: None, T)
+    try:
+        assert client.request(Hello("n0/0"), T) == Ok()
+        answer = client.request(Initial("n0/0"), T)
+    finally:
+        client.close()
+    assert isinstance(answer, MembershipReply) and answer.members == ("n0/0",), answer
+    assert len(calls) == 2

@@ -131,6 +131,11 @@ def worker_env(
     return env
 
 
+# A boundary's decision (or an admission's record) is asked again while etcd does not
+# answer (it elects a new leader), for at most this many op timeouts (healer.py).
+BOUNDARY_RETRY_OPS = 2
+
+
 def answer_bounds(cfg: AgentConfig) -> AnswerBounds:
     """How long this agent's workers wait for its answers: the agent's own bounds on the
     same work, plus slack, so that the agent's answer (a typed error included) comes first
@@ -142,10 +147,14 @@ def answer_bounds(cfg: AgentConfig) -> AnswerBounds:
     decision = (
         cfg.epoch_timeout
         + (cfg.nproc + 1) * (cfg.probe_timeout + 2 * cfg.op_timeout)
+        + BOUNDARY_RETRY_OPS * cfg.op_timeout
         + ANSWER_SLACK_S
     )
-    # initial: writing and removing the pending key around the wait itself.
-    admission = cfg.admission_timeout + 3 * cfg.op_timeout + ANSWER_SLACK_S
+    # initial: writing and removing the pending key around the wait itself, each asked
+    # again while etcd elects a leader.
+    admission = (
+        cfg.admission_timeout + (3 + 2 * BOUNDARY_RETRY_OPS) * cfg.op_timeout + ANSWER_SLACK_S
+    )
     return AnswerBounds(reply=reply, decision=decision, admission=admission)
 
 

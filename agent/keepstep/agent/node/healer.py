@@ -28,12 +28,12 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from keepstep.agent import protocol
 from keepstep.agent.kv import KVStore, KVTimeout
 from keepstep.agent.node import agreement
-from keepstep.agent.node.config import AgentConfig
+from keepstep.agent.node.config import BOUNDARY_RETRY_OPS, AgentConfig
 from keepstep.agent.node.probe import probe_all
 from keepstep.agent.node.registration import Registration
 from keepstep.agent.node.view import JobView, Observed
@@ -50,12 +50,10 @@ from keepstep.agent.protocol.messages import (
 __all__ = ["Healer", "JobCannotContinue", "stamp"]
 
 TOKEN_BYTES = 16  # 128 random bits: the epoch's key prefix cannot be guessed
-# A boundary's decision is asked again while etcd does not answer, for at most this many
-# op timeouts: the worker's own bound on the answer (config.answer_bounds) still holds.
-BOUNDARY_RETRY_OPS = 2
 BOUNDARY_RETRY_PAUSE_S = 0.2
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def stamp(record: EpochRecord, nodes: Mapping[str, NodeRecord]) -> EpochRecord:
@@ -113,6 +111,21 @@ class Healer:
             timeout_scale=record.timeout_scale,
         )
 
+    def _patiently(self, what: str, call: Callable[[], T]) -> T:
+        """`call`, asked again while etcd does not answer, for at most BOUNDARY_RETRY_OPS op
+        timeouts in all: etcd electing a leader (its leader lost) answers nothing for
+        seconds, and a worker told to give up then would restart from its snapshot. Only
+        for calls that may be asked twice (puts, deletes, the boundary's decision)."""
+        deadline = time.monotonic() + BOUNDARY_RETRY_OPS * self.cfg.op_timeout
+        while True:
+            try:
+                return call()
+            except KVTimeout as error:
+                if time.monotonic() >= deadline:
+                    raise
+                log.warning("%s: %s; asking again", what, error)
+                time.sleep(BOUNDARY_RETRY_PAUSE_S)
+
     # -- admission ----------------------------------------------------------------------
     def admit(self, member: str) -> MembershipReply:
         """Wait until an epoch includes `member`, announcing it as pending meanwhile, at
@@ -121,11 +134,13 @@ class Healer:
         pending_key = key(self.cfg.job, "pending", member)
         # Under the node's lease, renewed first if it expired while the node was stopped.
         pending = protocol.encode(protocol.PendingRecord(member, time.time()))
-        self._registration.put(pending_key, pending)
+        self._patiently(f"announce {member}", lambda: self._registration.put(pending_key, pending))
         try:
             record = self._wait_admitted(member)
         finally:
-            self.kv.delete(pending_key, self.cfg.op_timeout)
+            self._patiently(
+                f"withdraw {member}", lambda: self.kv.delete(pending_key, self.cfg.op_timeout)
+            )
         if member not in record.members:
             return MembershipReply(record.epoch, (), "")
         return self.membership(record)
@@ -182,18 +197,10 @@ class Healer:
         if record is not None:
             record = stamp(record, seen.nodes)
         payload = protocol.encode(record) if record is not None else b"null"
-        deadline = time.monotonic() + BOUNDARY_RETRY_OPS * self.cfg.op_timeout
-        while True:
-            try:
-                decided = self._decide_at_boundary(decision_key, payload, seen, done)
-                break
-            except KVTimeout as error:
-                # etcd electing a leader (its leader lost) answers nothing for seconds: a
-                # worker told to give up here would restart from its snapshot.
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("boundary %s: %s; asking again", decision_key, error)
-                time.sleep(BOUNDARY_RETRY_PAUSE_S)
+        decided = self._patiently(
+            f"boundary {decision_key}",
+            lambda: self._decide_at_boundary(decision_key, payload, seen, done),
+        )
         if decided is None:
             return NoChange()
         return self._settle(member, self.view.wait_epoch_after(cur.epoch, self.cfg.epoch_timeout))
