@@ -244,6 +244,19 @@ def test_a_fault_nobody_recovered_from() -> None:
     assert "fault #3 kill-node:1@time=1s" in v.violations[0]
 
 
+def test_a_fault_on_a_node_the_job_had_left_out_needs_no_recovery() -> None:
+    """Seen in the 1,000-fault campaign: n5 excluded after a partition, then killed."""
+    summary, events = make_run()
+    events.insert(0, {"t": T0, "kind": "epoch-agreed", "epoch": 0, "members": ["n0/0", "n1/0"]})
+    fault = {"index": 3, "kind": "kill-node", "spec": "kill-node:1@time=1s", "node": "n1",
+             "t": T0 + 0.2}  # fmt: skip
+    v = verdict(summary, events, Observation(0, T0 + 3, (fault,)))
+    assert any("fault #3" in line for line in v.violations)
+    events.insert(1, {"t": T0 + 0.1, "kind": "epoch-agreed", "epoch": 1, "members": ["n0/0"]})
+    v = verdict(summary, events, Observation(0, T0 + 3, (fault,)))
+    assert not any("fault #3" in line for line in v.violations), v.violations
+
+
 def test_faults_that_need_no_recovery_are_not_matched() -> None:
     summary, events = make_run()
     faults = (

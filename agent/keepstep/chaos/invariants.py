@@ -341,6 +341,7 @@ def _recoveries(
                 f"without {', '.join(missing) or 'a cause'}{late}"
             )
     last = max((float(e["t"]) for e in events), default=seen.ended_t)
+    epochs = [e for e in events if e["kind"] == EventKind.EPOCH_AGREED]
     for fault in seen.faults:
         kind = FaultKind(fault["kind"])
         if fault.get("t") is None or not kind.expects_recovery:
@@ -348,6 +349,8 @@ def _recoveries(
         if kind is FaultKind.CORRUPT_SNAPSHOT and not fault.get("detail", {}).get("killed"):
             continue  # nobody had to load the corrupted slot
         t = float(fault["t"])
+        if _outside_the_job(fault.get("node"), t, epochs):
+            continue  # it hit a node the job had already left out: nothing to recover
         until = last if kind in _LATE_RECOVERY else t + checks.detection_bound_s
         if not any(t <= at <= until for at in agreed.values()):
             out.append(
@@ -355,6 +358,17 @@ def _recoveries(
                 f"a recovery within {until - t:.1f} s"
             )
     return out
+
+
+def _outside_the_job(node: object, t: float, epochs: Sequence[Event]) -> bool:
+    """Whether `node` had no member in the epoch in force at `t` (excluded, not back yet)."""
+    if not isinstance(node, str):
+        return False
+    before = [e for e in epochs if float(e["t"]) <= t]
+    if not before:
+        return False
+    members = max(before, key=lambda e: int(e["epoch"])).get("members") or []
+    return not any(str(m).partition("/")[0] == node for m in members)
 
 
 def _clean_exit(summary: Mapping[str, Any] | None, seen: Observation) -> list[str]:
