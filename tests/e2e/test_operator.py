@@ -237,7 +237,10 @@ def test_status_from_agent_records_then_success_then_cleanup(env: Env, kv: EtcdK
 
     def running() -> Any:
         status = env.job("delta").get("status", {})
-        return status if status.get("phase") == "Running" and status.get("step") == 22 else None
+        # Every figure written above, the recoveries included (written last: a reconcile
+        # between the puts shows the progress without them).
+        ready = status.get("step") == 22 and status.get("recoveries") == 2
+        return status if status.get("phase") == "Running" and ready else None
 
     status = env.wait("Running with the agents' figures", running)
     assert (status["nodes"], status["worldSize"], status["epoch"]) == (3, 3, 2)
