@@ -21,10 +21,12 @@ second table repeats the runs for several slowdowns: inside the hysteresis band 
 about 1.33x for 4 members at the default threshold of 0.2, where the slow member's share
 would move by less than 20%) the plan is left alone on purpose.
 
-The last table times ``plan`` itself for ``--time-members`` members (4 micro-batches each):
+The last table times the plan itself for ``--time-members`` members (4 micro-batches each):
 the best CPU time of ``--repeats`` calls, equal weights and weights on the speed policy's
 5% grid (most members at 1.0), beside a yardstick (a bare 1M-iteration Python loop) that
-scales the figures between machines. Target: 50 ms at 100,000 members.
+scales the figures between machines. "blocks" is ``plan_blocks``, what every member
+computes (its own block is then a bisection); "spelled out" is ``plan``, which also builds
+every member's list of ids. Target: 50 ms at 100,000 members.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import random
 import time
 from collections.abc import Callable, Mapping
 
-from keepstep.elastic.plan import plan
+from keepstep.elastic.plan import plan, plan_blocks
 from keepstep.elastic.speed import SpeedPolicy, SpeedState, StepTiming, observe
 
 
@@ -81,20 +83,29 @@ def _best_ms(fn: Callable[[], object], repeats: int) -> float:
     return min(times) * 1e3
 
 
-def _plan_ms(members: list[str], weights: Mapping[str, float] | None, repeats: int) -> float:
-    return _best_ms(lambda: plan(0, members, 4 * len(members), 1, weights), repeats)
+def _plan_ms(
+    fn: Callable[..., object],
+    members: list[str],
+    weights: Mapping[str, float] | None,
+    repeats: int,
+) -> float:
+    return _best_ms(lambda: fn(0, members, 4 * len(members), 1, weights), repeats)
 
 
 def time_plan(counts: list[int], repeats: int) -> None:
     loop = _best_ms(lambda: sum(1 for _ in range(1_000_000)), repeats)
-    print(f"\nplan() CPU time, best of {repeats}; yardstick: a 1M-iteration loop {loop:.1f} ms")
+    print(f"\nplan CPU time, best of {repeats}; yardstick: a 1M-iteration loop {loop:.1f} ms")
     rng = random.Random(0)
     grid = [1.05**k for k in (0, 0, 0, 0, 0, 0, -1, -2, -8, 3)]
     for count in counts:
         members = sorted(f"n{i // 8}/{i % 8}" for i in range(count))
         weights = {m: rng.choice(grid) for m in members}
-        times = [_plan_ms(members, w, repeats) for w in (None, weights)]
-        print(f"  {count:>7} members  equal {times[0]:7.1f} ms   weighted {times[1]:7.1f} ms")
+        for name, fn in (("blocks", plan_blocks), ("spelled out", plan)):
+            times = [_plan_ms(fn, members, w, repeats) for w in (None, weights)]
+            print(
+                f"  {count:>7} members  {name:<11}  equal {times[0]:7.1f} ms"
+                f"   weighted {times[1]:7.1f} ms"
+            )
 
 
 def main() -> None:

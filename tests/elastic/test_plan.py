@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keepstep.elastic.errors import ConfigError
-from keepstep.elastic.plan import micro_batch_count, owner_of, plan
+from keepstep.elastic.plan import micro_batch_count, owner_of, plan, plan_blocks
 
 # The machine is small and shared: no per-example deadline, a modest example count.
 FAST = settings(max_examples=150, deadline=None)
@@ -102,6 +102,23 @@ def test_deterministic_and_independent_of_step(
     assert plan(step_a, members, global_batch, micro_batch) == plan(
         step_b, tuple(members), global_batch, micro_batch
     )
+
+
+@FAST
+@given(st.booleans().flatmap(jobs), st.integers(0, 10**9))
+def test_blocks_are_the_plan_and_each_member_finds_its_own(
+    job: tuple[list[str], int, int, dict[str, float] | None], step: int
+) -> None:
+    members, global_batch, micro_batch, weights = job
+    blocks = plan_blocks(step, members, global_batch, micro_batch, weights)
+    spelled = plan(step, members, global_batch, micro_batch, weights)
+    assert blocks.as_dict() == spelled
+    for m in members:
+        assert list(blocks.of(m)) == spelled[m]
+        assert blocks.count(m) == len(spelled[m])
+    for stranger in ("", "node-99/9", members[0] + "x"):
+        with pytest.raises(ConfigError, match=r"is not in this plan's \d+ members"):
+            blocks.of(stranger)
 
 
 def test_equal_weights_match_unweighted() -> None:

@@ -9,7 +9,11 @@ micro-batch id (see ``rng.py``), not by the member, the split does not change th
 
 A member's block is contiguous and blocks follow member order, so the ids ascend when
 read member by member; the order-invariant reduction does not need that, but logs and
-tests read better, and it keeps a straggler's share in one piece.
+tests read better, and it keeps a straggler's share in one piece. That also makes the
+plan two lists: :func:`plan_blocks` returns the sorted members and where each block stops,
+which is what every member computes; a member reads its own block from it by bisection, and
+:func:`plan` spells every block out (what logs, commit records and tests read), which at
+100,000 members costs more than the plan itself.
 """
 
 from __future__ import annotations
@@ -18,11 +22,12 @@ import bisect
 import contextlib
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from itertools import accumulate, chain, islice, repeat
 
 from keepstep.elastic.errors import ConfigError
 
-__all__ = ["micro_batch_count", "owner_of", "plan"]
+__all__ = ["Blocks", "micro_batch_count", "owner_of", "plan", "plan_blocks"]
 
 
 def _check_positive_int(name: str, value: object) -> int:
@@ -206,6 +211,76 @@ def _weighted_counts(n_micro: int, weights: list[int]) -> list[int]:
     return counts
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A plan in compact form: ``members[i]`` computes the ids from ``stops[i - 1]`` (0 for
+    the first) up to ``stops[i]``, excluded. ``members`` is sorted, so a block is found by
+    bisection without building a dict of every member."""
+
+    members: Sequence[str]
+    stops: Sequence[int]
+
+    def _index(self, member: str) -> int:
+        i = bisect.bisect_left(self.members, member)
+        if i == len(self.members) or self.members[i] != member:
+            count = len(self.members)
+            raise ConfigError(f"member {member!r} is not in this plan's {count} members")
+        return i
+
+    def of(self, member: str) -> range:
+        """The micro-batch ids of ``member``'s block (ConfigError if it has none)."""
+        i = self._index(member)
+        return range(self.stops[i - 1] if i else 0, self.stops[i])
+
+    def count(self, member: str) -> int:
+        """How many micro-batches ``member`` computes."""
+        return len(self.of(member))
+
+    def as_dict(self) -> dict[str, list[int]]:
+        """Every member's block spelled out, in member order (what :func:`plan` returns)."""
+        # Slices of one list of ids share its int objects: cheaper than a list per range.
+        ids = list(range(self.stops[-1]))
+        blocks = map(ids.__getitem__, map(slice, [0, *self.stops[:-1]], self.stops))
+        return dict(zip(self.members, blocks, strict=True))
+
+
+def plan_blocks(
+    step: int,
+    members: Sequence[str],
+    global_batch: int,
+    micro_batch: int,
+    weights: Mapping[str, float] | None = None,
+) -> Blocks:
+    """The plan of :func:`plan` (same arguments, same checks) as :class:`Blocks`."""
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ConfigError(f"step={step!r} must be an int >= 0")
+    n_micro = micro_batch_count(global_batch, micro_batch)
+    listed = _check_members(members)
+    if len(listed) > n_micro:
+        raise ConfigError(
+            f"{len(listed)} members but only {n_micro} micro-batches; at most {n_micro} "
+            f"members can train with global_batch={global_batch} micro_batch={micro_batch}"
+        )
+
+    if weights is None:
+        base, extra = divmod(n_micro, len(listed))
+        # Equal blocks: the stops are two arithmetic runs, built at C speed.
+        stops = list(range(base + 1, (base + 1) * extra + 1, base + 1))
+        stops += range(stops[-1] + base if stops else base, n_micro + 1, base)
+        counts_min = base  # extra < len(listed), so some block has base ids
+    else:
+        counts = _weighted_counts(n_micro, _check_weights(weights, listed))
+        stops = list(accumulate(counts))
+        counts_min = min(counts)
+
+    # The batch invariant, asserted where it is made: blocks of at least one id that
+    # follow each other from 0 without a gap or an overlap cover every id once.
+    assert counts_min >= 1, counts_min
+    assert len(stops) == len(listed), (len(stops), len(listed))
+    assert stops[-1] == n_micro, (stops[-1], n_micro)
+    return Blocks(listed, stops)
+
+
 def plan(
     step: int,
     members: Sequence[str],
@@ -225,31 +300,7 @@ def plan(
     The result does not depend on ``step`` today; the parameter is part of the contract
     so that a later version may rotate blocks between steps without changing callers.
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ConfigError(f"step={step!r} must be an int >= 0")
-    n_micro = micro_batch_count(global_batch, micro_batch)
-    listed = _check_members(members)
-    if len(listed) > n_micro:
-        raise ConfigError(
-            f"{len(listed)} members but only {n_micro} micro-batches; at most {n_micro} "
-            f"members can train with global_batch={global_batch} micro_batch={micro_batch}"
-        )
-
-    if weights is None:
-        base, extra = divmod(n_micro, len(listed))
-        counts = [base + 1] * extra + [base] * (len(listed) - extra)
-    else:
-        counts = _weighted_counts(n_micro, _check_weights(weights, listed))
-
-    stops = list(accumulate(counts))
-    # The batch invariant, asserted where it is made: blocks of at least one id that
-    # follow each other from 0 without a gap or an overlap cover every id once.
-    assert min(counts) >= 1, min(counts)
-    assert stops[-1] == n_micro, (stops[-1], n_micro)
-    # Slices of one list of ids share its int objects: cheaper than a range per member.
-    ids = list(range(n_micro))
-    blocks = map(ids.__getitem__, map(slice, [0, *stops[:-1]], stops))
-    return dict(zip(listed, blocks, strict=True))
+    return plan_blocks(step, members, global_batch, micro_batch, weights).as_dict()
 
 
 def owner_of(assignment: Mapping[str, Sequence[int]]) -> dict[int, str]:
