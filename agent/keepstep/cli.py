@@ -78,6 +78,7 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
         global_batch=SELFCHECK_GLOBAL_BATCH,
         micro_batch=SELFCHECK_MICRO_BATCH,
         mode=args.mode,
+        shard=args.shard,
     )
     # The parameters (the clipped updates included) and the logged loss of every step.
     identical = len({(r.params_sha256, r.loss) for r in runs}) == 1
@@ -88,6 +89,8 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
                 "params_sha256": r.params_sha256,
                 "loss": list(r.loss),
                 "seconds": round(r.seconds, 2),
+                "shard": r.shard,
+                "stepped_share": list(r.stepped_share),
             }
             for r in runs
         ]
@@ -95,11 +98,13 @@ def _cmd_selfcheck(args: argparse.Namespace) -> int:
     else:
         for r in runs:
             last = f"{r.loss[-1]:.6f}" if r.loss else "-"
+            held = f" shard={r.shard}" if r.shard else (" unsharded" if args.shard else "")
             print(
-                f"ranks={r.ranks:<3} params_sha256={r.params_sha256} last loss={last}  "
+                f"ranks={r.ranks:<3}{held} params_sha256={r.params_sha256} last loss={last}  "
                 f"({r.seconds:.1f} s)"
             )
-        print("identical" if identical else "NOT identical: numbers depend on the rank count")
+        differ = "the rank count" + (" or the sharding" if args.shard else "")
+        print("identical" if identical else f"NOT identical: numbers depend on {differ}")
     return 0 if identical else 1
 
 
@@ -178,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["exact", "fast"],
         default="exact",
         help="the reduction to check; fast is expected to differ [exact]",
+    )
+    check.add_argument(
+        "--shard",
+        choices=["zero1"],
+        default=None,
+        help="shard the optimizer state in every run, and compare with an unsharded run too",
     )
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(func=_cmd_selfcheck)

@@ -33,6 +33,27 @@ def test_selfcheck_reports_identical_parameters_across_rank_counts() -> None:
     assert len(losses[0]) == 6 and all(loss == losses[0] for loss in losses)
 
 
+@pytest.mark.slow
+def test_selfcheck_shard_matches_the_unsharded_run() -> None:
+    proc = keepstep("selfcheck", "--shard", "zero1", "--ranks", "3", "--steps", "4", "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    # The unsharded one-rank run first, then the sharded runs it is compared with.
+    assert [(r["ranks"], r["shard"]) for r in report["runs"]] == [(1, None), (3, "zero1")]
+    assert report["identical"] is True
+    assert len({r["params_sha256"] for r in report["runs"]}) == 1
+    assert len({tuple(r["loss"]) for r in report["runs"]}) == 1
+    # Each member stepped its own share of the optimizer's elements, together all of them.
+    shares = [r["stepped_share"] for r in report["runs"]]
+    assert shares[0] == [] and len(shares[1]) == 3
+    assert max(shares[1]) < 0.5 and sum(shares[1]) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_selfcheck_refuses_an_unknown_shard() -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["selfcheck", "--shard", "zero3"])
+
+
 def test_selfcheck_refuses_more_ranks_than_micro_batches() -> None:
     proc = keepstep("selfcheck", "--ranks", "1,13", "--steps", "2")
     assert proc.returncode == 2

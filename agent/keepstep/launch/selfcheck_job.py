@@ -15,14 +15,18 @@ from torch.utils.data import TensorDataset
 import keepstep
 
 
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(12, 48), nn.LayerNorm(48), nn.GELU(), nn.Dropout(0.2), nn.Linear(48, 1)
+    )
+
+
 def main() -> None:
     g = torch.Generator().manual_seed(7)
     x = torch.randn(1024, 12, generator=g)
     y = (x[:, :4].sum(dim=1, keepdim=True) > 0).float()
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(12, 48), nn.LayerNorm(48), nn.GELU(), nn.Dropout(0.2), nn.Linear(48, 1)
-    )
+    model = build_model()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     job = keepstep.init(
         model, optimizer, TensorDataset(x, y), clip_grad_norm=0.5, metrics=("loss",)

@@ -54,6 +54,8 @@ class Reconfiguration:
     `resume_step` is the committed step every member rolled back to (the minimum over
     members that held state); `rolled_back_steps` is how many committed steps this member
     threw away; `received_state` says whether the state came from a peer over the network.
+    `stepped_elements`: with sharded optimizer state, how many of its elements this member
+    steps and holds in the epoch (None: full replicas, all of them).
     """
 
     epoch: int
@@ -64,6 +66,7 @@ class Reconfiguration:
     resume_step: int
     rolled_back_steps: int
     received_state: bool
+    stepped_elements: int | None = None
 
 
 @dataclass(frozen=True)

@@ -355,8 +355,7 @@ class Job:
             host=self.config.host,
             store_timeout=WATCH_TIMEOUT * scale,
         )
-        t1 = time.perf_counter()
-        before = self.done
+        t1, before = time.perf_counter(), self.done
         received = self._agree_and_restore(self.comm)
         t2 = time.perf_counter()
         self.planner.enter(membership, self.done)
@@ -372,6 +371,7 @@ class Job:
             resume_step=self.done,
             rolled_back_steps=max(0, before - self.done) if not received else 0,
             received_state=received,
+            stepped_elements=self.sharded.stepped_elements() if self.sharded else None,
         )
         self.reconfigurations.append(record)
         self.controller.on_reconfigured(record)

@@ -170,6 +170,11 @@ class ShardedOptimizer:
             groups = self.optimizer.state_dict()["param_groups"]
             self.zero.load_full_state_dict({"state": state, "param_groups": groups})
 
+    def stepped_elements(self) -> int | None:
+        """How many of the optimizer's elements this member steps in the epoch (None:
+        outside an epoch)."""
+        return None if self.zero is None else self.zero.ownership.owned(self.zero.rank)
+
     def leave(self) -> None:
         """Drop the epoch's shards (its communicator is closed)."""
         self.zero = None
