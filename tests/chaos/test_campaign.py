@@ -14,7 +14,7 @@ import pytest
 from keepstep.chaos.model import FaultKind, RandomFaults, Trigger
 from keepstep.chaos.scenario import load_scenario, parse_scenario
 from keepstep.chaos.schedule import expand
-from keepstep.chaos.tally import DURING_RECOVERY, by_kind, label
+from keepstep.chaos.tally import DURING_RECOVERY, by_kind, label, unexplained
 from keepstep.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -139,3 +139,17 @@ def test_the_tally_counts_kinds_inside_recoveries_and_times_each_fault_once() ->
     inside_row = rows[DURING_RECOVERY]
     assert inside_row["recovered"] == 1 and inside_row["mttr_p50_s"] == 2.0
     assert sum(r["recovered"] for n, r in rows.items() if n != DURING_RECOVERY) == 2
+
+
+def test_unexplained_recoveries_are_failures_no_fault_and_no_plan_explains() -> None:
+    recoveries = [
+        {"run": 0, "epoch": 1, "fault": 0, "cause": "kill-node", "reason": "lost n1"},
+        {"run": 0, "epoch": 2, "cause": "rejoin", "reason": "admit n1/0"},
+        {"run": 0, "epoch": 3, "cause": "drain", "reason": "drain n2"},
+        {"run": 1, "epoch": 4, "cause": "heartbeat-missed", "reason": "n3 silent 0.5 s"},
+        {"run": 1, "epoch": 5, "cause": "worker-exit", "reason": "n0/0 exited 1"},
+    ]
+    assert unexplained(recoveries) == [
+        {"run": 1, "epoch": 4, "cause": "heartbeat-missed", "reason": "n3 silent 0.5 s"},
+        {"run": 1, "epoch": 5, "cause": "worker-exit", "reason": "n0/0 exited 1"},
+    ]

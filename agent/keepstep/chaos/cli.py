@@ -111,7 +111,8 @@ def run_and_report(
     print(
         f"{scenario.name} ({target.name}): {'PASSED' if result.passed else 'FAILED'}  "
         f"{data['faults_applied']} faults applied, {data['faults_skipped']} skipped, "
-        f"{len(data['violations'])} violations, goodput {ratio} of the fault-free run"
+        f"{len(data['violations'])} violations, goodput {ratio} of the fault-free run, "
+        f"{len(data['unexplained_recoveries'])} recoveries no fault explains"
     )
     for line in data["violations"][:20]:
         print(f"  {line}")

@@ -79,7 +79,9 @@ def _header(data: dict[str, Any]) -> str:
         f"<h1>{html.escape(data['scenario'])} ({html.escape(data['target'])})</h1>"
         f"<p>{html.escape(data.get('description') or '')}</p>{verdict}{known}"
         f"<p>{data['faults_applied']} faults applied, {data['faults_skipped']} skipped, "
-        f"{len(data['recoveries'])} recoveries; goodput {ratio} of the fault-free run"
+        f"{len(data['recoveries'])} recoveries "
+        f"({len(data.get('unexplained_recoveries') or [])} that no fault explains); "
+        f"goodput {ratio} of the fault-free run"
         f"{late_text}</p>"
         f"<table><tr><th>invariant</th><th></th></tr>{rows}</table>"
         + (f"<h3>Violations</h3><ul>{violations}</ul>" if violations else "")

@@ -30,7 +30,7 @@ from keepstep.chaos.invariants import (
 )
 from keepstep.chaos.model import Job, Scenario
 from keepstep.chaos.schedule import RunPlan, expand
-from keepstep.chaos.tally import by_kind
+from keepstep.chaos.tally import by_kind, unexplained
 from keepstep.chaos.target import RunOutcome, Target
 from keepstep.errors import KeepstepError
 from keepstep.launch.summary import fault_step_error, injected_faults
@@ -220,6 +220,8 @@ def summarize(result: ScenarioResult) -> dict[str, Any]:
         # Steps late of the latest step fault (0: each landed at its step; None: none).
         "fault_step_error_max": fault_step_error(faults),
         "recoveries": recoveries,
+        # Recoveries with no fault and no planned change behind them: false detections.
+        "unexplained_recoveries": unexplained(recoveries),
         "by_kind": by_kind(
             {r.plan.index: r.plan.faults for r in result.runs}, s.job, faults, recoveries
         ),

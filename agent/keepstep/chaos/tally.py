@@ -6,6 +6,9 @@ shows it as a table. A kind's label tells apart what the campaign counts as diff
 faults: a hang by SIGSTOP or by a frozen cgroup, and an etcd kill that takes one member of
 three rather than the only etcd. Each fault is timed by the first recovery attributed to
 it (`runner.attribute`), from its injection to the first step committed after it.
+`unexplained` lists the recoveries no fault explains that were not planned changes either:
+a failure found where none was injected (a false detection) or a worker that left by
+itself.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from keepstep.agent.protocol.recovery import Cause
 from keepstep.chaos.model import Fault, FaultKind, Job
 
 DURING_RECOVERY = "(inside a recovery)"
@@ -69,6 +73,20 @@ def by_kind(
         row["mttr_p95_s"] = _quantile(mttr, 0.95)
         row["mttr_max_s"] = max(mttr) if mttr else None
     return dict(sorted(rows.items()))
+
+
+# Changes that nobody detected: admissions, returns and drains need no fault behind them.
+_PLANNED = frozenset({Cause.JOIN, Cause.REJOIN, Cause.DRAIN, Cause.PLANNED})
+
+
+def unexplained(recoveries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The report's recoveries (attributed, each naming its `run`) that followed no fault
+    and were no planned change: run, epoch, cause and reason of each."""
+    return [
+        {k: rec.get(k) for k in ("run", "epoch", "cause", "reason")}
+        for rec in recoveries
+        if rec.get("fault") is None and rec.get("cause") not in _PLANNED
+    ]
 
 
 def _quantile(values: list[float], q: float) -> float | None:
