@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
-from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.errors import BadMessage, ConfigError
 from keepstep.elastic.numerics import (
     NumericsFingerprint,
     NumericsMismatch,
+    agree,
     check_agreement,
     current,
     mixed_reason,
@@ -118,3 +119,16 @@ def test_a_cuda_fingerprint_names_the_gpu() -> None:
     fp = current(torch.device("cuda"))
     assert fp.device_kind == "cuda" and fp.sm_count > 0
     assert fp.device_name == torch.cuda.get_device_name()
+
+
+def test_agree_reads_what_members_told_and_names_a_malformed_one() -> None:
+    told = {"node-a": H200.as_dict(), "node-b": H200.as_dict(), "old": None}
+    assert agree(told, ReduceMode.EXACT) is None
+    other = dataclasses.replace(H200, driver="12.8").as_dict()
+    with pytest.raises(NumericsMismatch, match=r"node-a has .* node-b has .*driver 12\.8"):
+        agree({"node-a": H200.as_dict(), "node-b": other}, ReduceMode.EXACT)
+    assert "driver" in (agree({"node-a": H200.as_dict(), "node-b": other}, ReduceMode.FAST) or "")
+    with pytest.raises(BadMessage, match=r"node-b's numerics fingerprint: fingerprint keys"):
+        agree({"node-a": H200.as_dict(), "node-b": {"torch": "2"}}, ReduceMode.EXACT)
+    with pytest.raises(BadMessage, match=r"node-b's numerics fingerprint: sm_count="):
+        agree({"node-b": {**H200.as_dict(), "sm_count": "many"}}, ReduceMode.EXACT)

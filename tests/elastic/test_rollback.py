@@ -155,19 +155,34 @@ def test_a_view_travels_as_compact_bounded_json() -> None:
     assert len(data) <= VIEW_MAX_BYTES
     assert MemberView.decode(data, 0) == view
     assert json.loads(FRESH.encode()) == {"fresh": True, "done": 0, "held": [0]}
+    # With the numerics fingerprint numerics.py reads (CPU fields), still within the bound.
+    fingerprint: dict[str, str | int] = {
+        "device_kind": "cuda",
+        "device_name": "NVIDIA H200 " + "x" * 200,
+        "capability": "9.0",
+        "sm_count": 132,
+        "driver": "13.0",
+        "cuda": "12.9",
+        "cublas": "12.9.1.4",
+        "cudnn": "91002",
+        "torch": "2.15.0+cu129",
+    }
+    told = MemberView(False, 2**62, view.held, fingerprint)
+    assert len(told.encode()) <= VIEW_MAX_BYTES
+    assert MemberView.decode(told.encode(), 0) == told
 
 
 BAD_VIEWS: list[tuple[bytes, str]] = [
     (b"\xff\xfe", "rank 3's view is not JSON"),
     (b"{not json", "rank 3's view is not JSON"),
-    (b"[]", "rank 3's view must have fresh, done and held, got list"),
+    (b"[]", "rank 3's view must have fresh, done, held (and numerics), got list"),
     (
         b'{"fresh":false,"done":1}',
-        "rank 3's view must have fresh, done and held, got ['done', 'fresh']",
+        "rank 3's view must have fresh, done, held (and numerics), got ['done', 'fresh']",
     ),
     (
         b'{"fresh":false,"done":1,"held":[1],"extra":0}',
-        "rank 3's view must have fresh, done and held, got ['done', 'extra', 'fresh', 'held']",
+        "(and numerics), got ['done', 'extra', 'fresh', 'held']",
     ),
     (b'{"fresh":0,"done":1,"held":[1]}', "rank 3's view: fresh=0 must be a bool"),
     (b'{"fresh":false,"done":-1,"held":[]}', "rank 3's view: done=-1 must be an int in [0, 2**62]"),
@@ -176,6 +191,8 @@ BAD_VIEWS: list[tuple[bytes, str]] = [
     (b'{"fresh":false,"done":NaN,"held":[]}', "rank 3's view: done=nan must be an int"),
     (b'{"fresh":false,"done":4611686018427387905,"held":[]}', "done=4611686018427387905 must"),
     (b'{"fresh":false,"done":1,"held":"1"}', "rank 3's view: held='1' must be a list of steps"),
+    (b'{"fresh":false,"done":1,"held":[],"numerics":[1]}', "rank 3's view: numerics=[1] must"),
+    (b'{"fresh":false,"done":1,"held":[],"numerics":{"a":1.5}}', "numerics={'a': 1.5} must"),
     (b'{"fresh":false,"done":1,"held":[1,"0"]}', "rank 3's view: held=(1, '0') must hold ints"),
     (
         b'{"fresh":false,"done":1,"held":[' + b",".join([b"1"] * 17) + b"]}",

@@ -114,9 +114,8 @@ class Job:
         self.sharded = sharded_optimizer(config.shard, self.params, optimizer, self.grad_scaler)
         self.hooks: list[Hook] = []
         infos = snapshots.infos()
-        # A restarted worker finds its node's snapshots and resumes from them; a new one
-        # starts "fresh": its state counts only if no member holds a committed one. (A
-        # fresh one snapshots step 0 when training starts, with the state tracked by then.)
+        # A restarted worker resumes from its node's snapshots; a new one starts "fresh": its
+        # state counts only if no member holds a committed one (it snapshots step 0 first).
         self.fresh = not infos
         self.done = infos[0].step if infos else 0
         self.loaded_step: int | None = None if infos else 0
@@ -380,7 +379,8 @@ class Job:
         """Roll every member to the same committed step; return True if state came by wire."""
         self.snapshots.wait()
         mine = MemberView(self.fresh, self.done, tuple(i.step for i in self.snapshots.infos()))
-        views = exchange_views(comm, mine, self.collective_timeout)
+        device = self.params[0].device
+        views = exchange_views(comm, mine, self.collective_timeout, self.config.mode, device)
         decision = resume_plan(views)
         log.info("epoch %d: %s", comm.epoch, decision.reason)
         resume = decision.resume_step

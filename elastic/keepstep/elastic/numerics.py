@@ -6,8 +6,8 @@ GPU model and SM count (cuBLAS picks its algorithm, and so its summation order, 
 driver, CUDA, cuBLAS and cuDNN versions, and torch version; on the CPU, the processor
 model, the instruction set torch dispatches to, and torch. `current()` reads them for this
 process; `mixed_reason` and `check_agreement` are the pure decision over every member's
-fingerprint, which the membership epoch runs before its first step (the fingerprint rides
-in the member's record as `as_dict()`).
+fingerprint, and `agree` runs it as every epoch is entered, before its first step (the
+fingerprint rides in each member's view as `as_dict()`: transfer.exchange_views).
 
 Nothing here initialises CUDA: `current(torch.device("cuda"))` does, by asking the device.
 """
@@ -18,6 +18,7 @@ import ctypes
 import hashlib
 import importlib.metadata
 import json
+import logging
 import platform
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
@@ -25,18 +26,20 @@ from typing import Any
 
 import torch
 
-from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.elastic.errors import BadMessage, ConfigError, KeepstepError
 from keepstep.elastic.reduce_base import ReduceMode
 
 __all__ = [
     "NumericsFingerprint",
     "NumericsMismatch",
+    "agree",
     "check_agreement",
     "current",
     "mixed_reason",
 ]
 
 UNKNOWN = "unknown"
+log = logging.getLogger(__name__)
 
 
 class NumericsMismatch(KeepstepError):
@@ -199,4 +202,22 @@ def check_agreement(
             f"exact mode needs one numerics fingerprint across members: {reason}; "
             "give the job identical nodes, or use reduce mode 'fast'"
         )
+    return reason
+
+
+def agree(told: Mapping[str, Mapping[str, object] | None], mode: ReduceMode) -> str | None:
+    """The epoch's check, run by every member on the fingerprints its members told as
+    ``as_dict()`` (by member; None: a member that told none, left out). BadMessage names a
+    member whose fingerprint is malformed; then as ``check_agreement``."""
+    fingerprints = {}
+    for member, data in told.items():
+        if data is None:
+            continue
+        try:
+            fingerprints[member] = NumericsFingerprint.from_dict(data)
+        except (ConfigError, TypeError) as error:
+            raise BadMessage(f"{member}'s numerics fingerprint: {error}") from None
+    reason = check_agreement(fingerprints, mode)
+    if reason is not None:  # fast mode: its deviation is measured, not promised
+        log.warning("%s", reason)
     return reason

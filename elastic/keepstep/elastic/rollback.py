@@ -19,14 +19,15 @@ state, so all start from the same bits.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotMissing
 
-# A view is a few dozen bytes; the bound keeps a confused or hostile peer from making every
-# member allocate what it announces.
-VIEW_MAX_BYTES = 1024
+# A view is a few hundred bytes (the numerics fingerprint is most of it); the bound keeps a
+# confused or hostile peer from making every member allocate what it announces.
+VIEW_MAX_BYTES = 4096
+_MAX_NUMERICS = 16  # fields a view's numerics fingerprint may have (numerics.py checks them)
 _MAX_HELD = 16  # snapshot slots a view may list (a node keeps two per worker)
 _MAX_STEP = 2**62
 
@@ -37,12 +38,14 @@ class MemberView:
 
     ``fresh``: it started without state of its own (a new joiner, or every member at a cold
     start); ``done``: the steps committed in the state it trains with; ``held``: the steps
-    of its valid snapshots, newest first.
+    of its valid snapshots, newest first; ``numerics``: its numerics fingerprint as
+    ``NumericsFingerprint.as_dict()`` (numerics.py checks it; None: not told).
     """
 
     fresh: bool
     done: int
     held: tuple[int, ...]
+    numerics: Mapping[str, str | int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fresh, bool):
@@ -53,10 +56,21 @@ class MemberView:
             raise ConfigError(f"held={self.held!r} must be a tuple of at most {_MAX_HELD} steps")
         if not all(_is_step(s) for s in self.held):
             raise ConfigError(f"held={self.held!r} must hold ints in [0, 2**62]")
+        n = self.numerics
+        if n is not None and not (
+            isinstance(n, Mapping)
+            and len(n) <= _MAX_NUMERICS
+            and all(isinstance(k, str) and isinstance(v, str | int) for k, v in n.items())
+        ):
+            raise ConfigError(
+                f"numerics={n!r} must be a mapping of at most {_MAX_NUMERICS} names to strs or ints"
+            )
 
     def encode(self) -> bytes:
         """The view as it travels: compact JSON, at most ``VIEW_MAX_BYTES``."""
-        data = {"fresh": self.fresh, "done": self.done, "held": list(self.held)}
+        data: dict[str, object] = {"fresh": self.fresh, "done": self.done, "held": list(self.held)}
+        if self.numerics is not None:
+            data["numerics"] = dict(self.numerics)
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
@@ -67,14 +81,17 @@ class MemberView:
             obj = json.loads(data.decode())
         except (UnicodeDecodeError, ValueError) as error:
             raise BadMessage(f"rank {rank}'s view is not JSON: {error}") from None
-        if not isinstance(obj, dict) or set(obj) != {"fresh", "done", "held"}:
+        fields = {"fresh", "done", "held"}
+        if not isinstance(obj, dict) or not fields <= set(obj) <= fields | {"numerics"}:
             got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-            raise BadMessage(f"rank {rank}'s view must have fresh, done and held, got {got}")
+            raise BadMessage(
+                f"rank {rank}'s view must have fresh, done, held (and numerics), got {got}"
+            )
         held = obj["held"]
         if not isinstance(held, list):
             raise BadMessage(f"rank {rank}'s view: held={held!r} must be a list of steps")
         try:
-            return cls(obj["fresh"], obj["done"], tuple(held))
+            return cls(obj["fresh"], obj["done"], tuple(held), obj.get("numerics"))
         except ConfigError as error:
             raise BadMessage(f"rank {rank}'s view: {error}") from None
 

@@ -10,16 +10,23 @@ pickle), a snapshot by a limit derived from this member's own model (a snapshot 
 parameters, the optimizer's slots and the tracked state, which are a few copies of the
 parameters at most). A peer that announces more is refused on every member that would
 receive it (`BadMessage`), never allocated.
+
+Each view carries its member's numerics fingerprint (numerics.py): in exact mode members
+whose kernels may round differently are refused here, before any step (`NumericsMismatch`).
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 
 from keepstep.elastic.comm import Communicator
 from keepstep.elastic.errors import BadMessage
+from keepstep.elastic.numerics import agree, current
+from keepstep.elastic.reduce_base import ReduceMode
 from keepstep.elastic.rollback import VIEW_MAX_BYTES, MemberView, ResumePlan
 from keepstep.elastic.snapshot_store import SnapshotStore
 
@@ -36,10 +43,22 @@ def snapshot_limit(model: torch.nn.Module) -> int:
     return int(SNAPSHOT_COPIES_MAX * state + SNAPSHOT_SLACK_BYTES)
 
 
-def exchange_views(comm: Communicator, mine: MemberView, timeout: timedelta) -> list[MemberView]:
-    """Every member's view in rank order, as bounded JSON (never pickle)."""
+@functools.cache
+def numerics_of(device: torch.device) -> dict[str, str | int]:
+    """This process's numerics fingerprint for ``device``, read once."""
+    return current(device).as_dict()
+
+
+def exchange_views(
+    comm: Communicator, mine: MemberView, timeout: timedelta, mode: ReduceMode, device: torch.device
+) -> list[MemberView]:
+    """Every member's view in rank order, as bounded JSON (never pickle), each with its
+    member's numerics fingerprint for ``device``, agreed in ``mode`` (``numerics.agree``)."""
+    mine = replace(mine, numerics=numerics_of(device))
     blobs = comm.allgather_bytes(mine.encode(), VIEW_MAX_BYTES, timeout)
-    return [MemberView.decode(blob, rank) for rank, blob in enumerate(blobs)]
+    views = [MemberView.decode(blob, rank) for rank, blob in enumerate(blobs)]
+    agree(dict(zip(comm.members, (v.numerics for v in views), strict=True)), mode)
+    return views
 
 
 def transfer_snapshot(
