@@ -341,8 +341,7 @@ class Job:
             self.left = True
             return
         self.planner.check(membership, self.done)  # refuses a batch it cannot split, early
-        # After a false alarm the agents raise the epoch's timeouts (see timeout_scale):
-        # every collective of the epoch, and each read of its store, waits that much longer.
+        # After a false alarm the agents raise the epoch's timeouts: collectives, store reads.
         scale = membership.timeout_scale
         self.collective_timeout = timedelta(seconds=self.config.collective_timeout) * scale
         self.comm = Communicator.create(
@@ -353,6 +352,7 @@ class Job:
             self.collective_timeout,
             host=self.config.host,
             store_timeout=WATCH_TIMEOUT * scale,
+            device=self.params[0].device,  # CUDA parameters: an NCCL epoch (comm/nccl.py)
         )
         t1, before = time.perf_counter(), self.done
         received = self._agree_and_restore(self.comm)
