@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from keepstep.elastic.errors import SnapshotMissing as SnapshotMissing
     from keepstep.elastic.errors import StateShapeError as StateShapeError
     from keepstep.elastic.job import Job as Job
+    from keepstep.elastic.local_device import device as device
     from keepstep.elastic.reduce import ReduceMode as ReduceMode
     from keepstep.elastic.step import MicroBatch as MicroBatch
     from keepstep.elastic.step import NonFiniteGradient as NonFiniteGradient
@@ -53,6 +54,7 @@ _WHERE = {
     "Membership": "control",
     "Reconfiguration": "control",
     "ScheduleController": "control",
+    "device": "local_device",
     "ConfigError": "errors",
     "KeepstepError": "errors",
     "PeerLost": "errors",

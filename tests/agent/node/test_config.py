@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,15 @@ def test_workers_start_with_deterministic_cublas(
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")  # the user's own choice wins
     spec = worker_spec(config(run_dir=tmp_path), "n0/0", "@keepstep/j/n0", tmp_path / "s")
     assert spec.env["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+def test_each_worker_is_told_its_local_slot_like_torchrun(tmp_path: Path) -> None:
+    cfg = config(nproc=4, run_dir=tmp_path)
+    for slot in range(4):
+        spec = worker_spec(cfg, f"n2/{slot}", "@keepstep/j/n2", tmp_path / f"s{slot}")
+        assert spec.env["LOCAL_RANK"] == str(slot)
+        assert spec.env["LOCAL_WORLD_SIZE"] == "4"
+        assert "RANK" not in spec.env or spec.env["RANK"] == os.environ.get("RANK")
 
 
 def test_every_bound_is_checked_and_travels_in_the_config_file(tmp_path: Path) -> None:

@@ -175,6 +175,9 @@ def worker_spec(cfg: AgentConfig, member: str, link: str, snapshot: Path) -> Wor
         OMP_NUM_THREADS="1",
     )
     env.update(answer_bounds(cfg).env())
+    # torchrun's names: the worker's slot on this node (keepstep.device() picks GPU
+    # LOCAL_RANK) and how many slots the node has. Ranks are the epoch's, never set here.
+    env.update(LOCAL_RANK=member.rpartition("/")[2], LOCAL_WORLD_SIZE=str(cfg.nproc))
     # cuBLAS reads it once, when CUDA starts: set before the script can touch a GPU (the
     # value keepstep.elastic.rng.fix_determinism needs; one the user set wins).
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
