@@ -95,9 +95,11 @@ class Member:
         }
 
 
-def run(n: int, amp: str | None = None, steps: int = STEPS, **scaler_kw: Any) -> dict[str, Any]:
+def run(
+    n: int, amp: str | None = None, steps: int = STEPS, shard: str | None = None, **scaler_kw: Any
+) -> dict[str, Any]:
     """Train with `n` members on threads; every member's outcome must be the same: return it.
-    Without `scaler_kw` there is no grad_scaler."""
+    Without `scaler_kw` there is no grad_scaler; `shard` shards the optimizer state."""
     store, names = HashStore(), [f"m{i}" for i in range(n)]
     members = []
     for me in names:  # built here, in one thread: model init draws from the global generator
@@ -106,7 +108,16 @@ def run(n: int, amp: str | None = None, steps: int = STEPS, **scaler_kw: Any) ->
         gs = scaler(**scaler_kw) if scaler_kw else None
         controller = ScheduleController(store_=store, me=me, schedule=[names])
         job = keepstep.init(
-            net, opt, dataset(), GB, MB, SEED, env={}, controller=controller, grad_scaler=gs
+            net,
+            opt,
+            dataset(),
+            GB,
+            MB,
+            SEED,
+            env={},
+            controller=controller,
+            grad_scaler=gs,
+            shard=shard,
         )
         members.append(Member(job, net, gs, amp))
     threads = [threading.Thread(target=m.train, args=(steps,), daemon=True) for m in members]
@@ -179,6 +190,16 @@ def test_fp16_loss_scaling_skips_the_steps_torch_skips_at_every_member_count() -
         assert outcome["scales"] == ref["scales"]
         assert outcome["scaler"] == ref["scaler"]  # scale and growth tracker
         assert outcome["params"] == got[1]["params"]
+
+
+def test_fp16_loss_scaling_with_sharded_optimizer_state_matches_full_replicas() -> None:
+    # The same skips, scale and parameters as one full optimizer: a skipped step leaves the
+    # shards as they were, a stepped one steps them, at 1 and 3 members.
+    kw: dict[str, Any] = {"init_scale": 2.0**20, "growth_interval": 2}
+    full = run(1, "fp16", **kw)
+    assert any(full["skipped"]) and not all(full["skipped"])
+    for n in (1, 3):
+        assert run(n, "fp16", shard="zero1", **kw) == full
 
 
 def test_a_huge_initial_scale_in_float32_is_skipped_alike_at_every_member_count() -> None:

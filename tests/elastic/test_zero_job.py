@@ -75,11 +75,12 @@ def test_an_optimizer_that_is_not_elementwise_is_refused_at_init() -> None:
         keepstep.init(model, lbfgs, data, 32, 4, shard="zero1", env={})
 
 
-def test_a_grad_scaler_with_shard_is_refused() -> None:
+def test_a_grad_scaler_with_shard_is_taken() -> None:
+    # Its numbers against full replicas: test_mixed_precision.py.
     model, opt, data = make()
     scaler = torch.amp.GradScaler("cpu", enabled=True)
-    with pytest.raises(ConfigError, match="shard='zero1' with a grad_scaler"):
-        keepstep.init(model, opt, data, 32, 4, shard="zero1", grad_scaler=scaler, env={})
+    job = keepstep.init(model, opt, data, 32, 4, shard="zero1", grad_scaler=scaler, env={})
+    assert job.sharded is not None and job.grad_scaler is scaler
 
 
 # ---- the job -------------------------------------------------------------------------

@@ -111,7 +111,7 @@ class Job:
             self.tracked.add(SCALER_NAME, self.grad_scaler)
         self.lr_watch = LrWatch(optimizer)
         # shard="zero1": the script's optimizer is stepped as ZeRO-1 shards (sharded.py).
-        self.sharded = sharded_optimizer(config.shard, self.params, optimizer, self.grad_scaler)
+        self.sharded = sharded_optimizer(config.shard, self.params, optimizer)
         self.hooks: list[Hook] = []
         infos = snapshots.infos()
         # A restarted worker resumes from its node's snapshots; a new one starts "fresh": its
@@ -221,9 +221,8 @@ class Job:
         returns the gradient's global norm before clipping when clipping is on.
 
         With a grad_scaler the gradient is unscaled first, so hooks and clipping see the
-        true gradient. `scaler.step` then always steps: a reduction that succeeded summed
-        finite micro-batch gradients only, and their mean is finite, so `unscale_` finds no
-        inf (a non-finite step goes to `skip_update` instead).
+        true gradient. The step always steps: a reduction that succeeded summed finite
+        gradients only, so `unscale_` finds no inf (a non-finite one goes to `skip_update`).
         """
         self._wait_for_snapshot()
         scaler = self.grad_scaler
@@ -240,13 +239,14 @@ class Job:
             )
             norm = float(total)
         self.lr_watch.check(index, self.tracked.objects())
-        if scaler is not None:
-            scaler.step(self.optimizer)
-            scaler.update()
-        elif self.sharded is not None:
+        if self.sharded is not None:
             self.sharded.step()  # PeerLost in its all-gathers: the step does not commit
+        elif scaler is not None:
+            scaler.step(self.optimizer)
         else:
             self.optimizer.step()
+        if scaler is not None:  # sharded: unscale_ found no inf, which is all update needs
+            scaler.update()
         self._advance()
         return norm
 
@@ -258,13 +258,14 @@ class Job:
         assert scaler is not None, "only a job with a grad_scaler skips steps"
         self._wait_for_snapshot()  # as in apply_update: nothing changes before the copy ends
         log.info("step %d skipped, the loss scale backs off: %s", index, reason)
-        skip_step(scaler, self.optimizer)
+        skip_step(scaler, self.optimizer)  # finds the inf it plants: the optimizer never steps
+        if self.sharded is not None:  # the unchanged state, gathered for the snapshot
+            self.sharded.skip()
         self._advance()
 
     def _wait_for_snapshot(self) -> None:
         # The previous snapshot copy reads the live tensors: it must end before they change.
-        # Waiting for it is the snapshot's cost to this step (starting the next copy is
-        # added when the job takes it; the copy itself overlaps the next step).
+        # The wait is the snapshot's cost to this step (the copy overlaps the next step).
         t0 = time.perf_counter()
         self.snapshots.wait()
         self.snapshot_s = time.perf_counter() - t0
@@ -279,9 +280,8 @@ class Job:
         if self.sharded is not None:  # its pieces of the state gathered at the commit
             extra, optim = self.sharded.for_snapshot(extra)
         state = capture(self.done, self.model, self.optimizer, extra, self.tracked, optim)
-        # Buffers can change in the next forward while the copy runs; parameters and
-        # optimizer slots only change in the next optimizer.step, after wait(). (The state
-        # dict holds detached aliases of the parameters: their memory tells them apart.)
+        # Buffers can change in the next forward while the copy runs, parameters (aliased in
+        # the state dict, told apart by their memory) only in the next step, after wait().
         params = {p.data_ptr() for p in self.model.parameters()}
         tensors = {
             k: (v if not k.startswith("model/") or v.data_ptr() in params else v.detach().clone())

@@ -125,16 +125,9 @@ class ShardedOptimizer:
     ``enter`` joins with the other members' into the epoch's shards.
     """
 
-    def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        optimizer: torch.optim.Optimizer,
-        grad_scaler: torch.amp.GradScaler | None = None,
-    ) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
         # A non-elementwise optimizer is refused here, at init, not at the first step.
         self.keys = check_supported(optimizer)  # its per-element state keys
-        if grad_scaler is not None:
-            raise ConfigError("shard='zero1' with a grad_scaler is not supported yet")
         self.params = list(params)
         self.optimizer = optimizer
         # Pieces are cut in the optimizer's parameter order (its state_dict's indices).
@@ -189,6 +182,14 @@ class ShardedOptimizer:
         self.zero.step()
         self._full = self.zero.full_state_dict()
 
+    def skip(self) -> None:
+        """A step committed without an optimizer step (the loss scale backs off): the state
+        does not change, and is gathered for the snapshot as after a step (a collective)."""
+        if self.zero is None:
+            raise ConfigError("the sharded optimizer skips only inside an epoch")
+        self._full = None
+        self._full = self.zero.full_state_dict()
+
     def for_snapshot(
         self, extra: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
@@ -211,16 +212,13 @@ class ShardedOptimizer:
 
 
 def sharded_optimizer(
-    shard: Shard | None,
-    params: Sequence[torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    grad_scaler: torch.amp.GradScaler | None = None,
+    shard: Shard | None, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
 ) -> ShardedOptimizer | None:
     """The job's sharded optimizer for ``JobConfig.shard``; None for full replicas."""
     if shard is None:
         return None
     assert shard is Shard.ZERO1, shard  # JobConfig allows no other
-    return ShardedOptimizer(params, optimizer, grad_scaler)
+    return ShardedOptimizer(params, optimizer)
 
 
 def optimizer_sha256(state: Mapping[str, Any]) -> str:
