@@ -6,6 +6,8 @@ one live communicator per process). The real path is in test_transport_nccl_gpu.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -382,3 +384,22 @@ def _until(done: Callable[[], bool]) -> bool:
             return True
         pause.wait(0.01)
     return done()
+
+
+def test_keepstep_imports_on_a_torch_without_nccl2() -> None:
+    # torch before 2.15 (the GPU machine's 2.11) has no ReconfigureOptions and no
+    # ProcessGroupNCCL2: the communicator still imports, picks the legacy group for CUDA,
+    # and runs gloo. Simulated in a fresh interpreter by removing both names first.
+    code = (
+        "import torch._C._distributed_c10d as c, torch.distributed as dist\n"
+        "del c.ReconfigureOptions\n"
+        "if hasattr(dist, 'ProcessGroupNCCL2'): delattr(dist, 'ProcessGroupNCCL2')\n"
+        "from keepstep.elastic.comm import Communicator\n"
+        "from keepstep.elastic.comm.nccl_group import observed_flavour\n"
+        "print(observed_flavour({})[0].value if dist.is_nccl_available() else 'none')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() in ("legacy", "none"), proc.stdout

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 # The typed names live here; torch.distributed re-exports them only at runtime.
-from torch._C._distributed_c10d import ReconfigureOptions, Store
+# (ReconfigureOptions exists only with NCCL2, torch >= 2.15: imported where it is used.)
+from torch._C._distributed_c10d import Store
 
 from keepstep.elastic.comm.group import EpochSpec, own_prefix
 from keepstep.elastic.comm.nccl_policy import (
@@ -109,6 +110,8 @@ def _legacy(store: Store, spec: EpochSpec, device: torch.device, opts: Any) -> A
 
 
 def _reconfigured(store: Store, spec: EpochSpec, device: torch.device, opts: Any) -> Any:
+    from torch._C._distributed_c10d import ReconfigureOptions
+
     nccl2 = dist.ProcessGroupNCCL2
     with torch.cuda.device(device):
         # In the reconfigure regime torch itself passes no device: the current one is used.
