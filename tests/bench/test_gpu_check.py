@@ -1,5 +1,7 @@
-"""bench/gpu_check.py on the CPU: every section runs, every check is true, the JSON has the
-fingerprint and the figures; and the exit code turns any false check into a failure.
+"""bench/gpu_check.py on the CPU: every section a CPU can run runs (the gloo processes
+with a kill and a rebuild included), every check is true, the JSON has the fingerprint and
+the figures, the GPU-only sections are listed as not covered; and the exit code turns any
+false check into a failure.
 
 (On a GPU machine: `python3 bench/gpu_check.py`; its JSON goes in the issue note.)
 """
@@ -25,7 +27,11 @@ CHECKS = {
     "fwd_bwd_fresh_process",
     "dropout_is_keyed",
     "device_generator_restored",
+    "gloo_allreduce_equal",
+    "gloo_kill_detected",
+    "gloo_rebuild_equal",
 }
+GPU_ONLY = ("snapshot_copy", "nccl_one_rank")  # listed as not covered, not failed
 
 
 @pytest.mark.slow
@@ -51,6 +57,15 @@ def test_the_cpu_run_passes_every_check() -> None:
     paths = report["details"]["reducer_normal"]["paths"]
     assert paths["device_default"] == "device-eager" and paths["cpu_tensor_ops"] == "tensor-ops"
     assert report["figures"]["fused_eager_ms_per_1e9"] > 0
+    # The gloo section: p2 killed inside a collective, p0 and p1 rebuilt epoch 1 as two.
+    assert report["details"]["gloo_kill_rebuild"]["exit_codes"] == {"p0": 0, "p1": 0, "p2": -9}
+    assert 0 < report["figures"]["gloo_detect_s"] < 10  # well inside the collective's timeout
+    assert report["figures"]["gloo_rebuild_s"] > 0
+    not_covered = report["not_covered_here"]
+    assert [s.split(" ")[0] for s in not_covered] == list(GPU_ONLY)
+    assert all(s.endswith(": needs a CUDA device") for s in not_covered)
+    gpu_figures = [k for k in report["figures"] if k.startswith(("snapshot", "pinned", "nccl"))]
+    assert gpu_figures == []
 
 
 def test_any_false_check_or_error_fails_the_run() -> None:
