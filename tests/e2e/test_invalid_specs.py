@@ -1,11 +1,11 @@
-"""The thirty invalid TrainJobs of tests/manifests/invalid_trainjobs.yaml against the real
+"""The thirty-one invalid TrainJobs of tests/manifests/invalid_trainjobs.yaml against the real
 kube-apiserver with the TrainJob CRD: every case the table says the API server refuses is
 refused (422) with a message naming the field; every case it leaves to the operator is
 admitted, so the table says truly where each mistake is caught (the operator's side:
 tests/operator/test_invalid_specs.py).
 
 Each case is one server-side dry-run create over HTTPS (no kubectl process, nothing
-stored): the thirty take about a second together.
+stored): the thirty-one take about a second together.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_every_invalid_spec_is_refused_naming_the_field_or_left_to_the_operator(
 ) -> None:
     cases: list[dict[str, Any]] = yaml.safe_load(TABLE.read_text(encoding="utf-8"))
     sample = yaml.safe_load(SAMPLE.read_text(encoding="utf-8"))
-    assert len(cases) == 30
+    assert len(cases) == 31
     code, _ = dry_run_create(trainjob_crd, namespace, sample)
     assert code == 201, "the base of every case must itself be admitted"
     started = time.monotonic()
@@ -85,5 +85,5 @@ def test_every_invalid_spec_is_refused_naming_the_field_or_left_to_the_operator(
             wrong.append(f"{case['id']}: the operator's case was refused: {code} {message}")
     took = time.monotonic() - started
     assert not wrong, "\n".join(wrong)
-    print(f"\n30 invalid TrainJobs judged in {took:.2f} s")
+    print(f"\n31 invalid TrainJobs judged in {took:.2f} s")
     assert took < 30.0

@@ -1,4 +1,4 @@
-"""The thirty invalid TrainJobs of tests/manifests/invalid_trainjobs.yaml, as the operator
+"""The thirty-one invalid TrainJobs of tests/manifests/invalid_trainjobs.yaml, as the operator
 sees them: what the API server cannot refuse fails the job in the first reconcile, with the
 condition InvalidSpec naming the field and no pod created; what it refuses, the operator
 refuses as well (a job stored under an older CRD), naming the same field.
@@ -66,8 +66,8 @@ OPERATOR = [c for c in CASES if c["refused_by"] == "operator"]
 API = [c for c in CASES if c["refused_by"] == "api" and c["id"] not in TOLERATED]
 
 
-def test_the_table_holds_thirty_distinct_cases_over_a_valid_sample() -> None:
-    assert len(CASES) == 30 and len(set(ids(CASES))) == 30
+def test_the_table_holds_thirty_one_distinct_cases_over_a_valid_sample() -> None:
+    assert len(CASES) == 31 and len(set(ids(CASES))) == 31
     assert {c["refused_by"] for c in CASES} == {"api", "operator"}
     assert set(TOLERATED) <= set(ids(CASES))
     Job.from_object(invalid_job({"patch": {}}))  # the base itself is valid

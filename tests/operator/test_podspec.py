@@ -135,6 +135,19 @@ def test_resources_per_node_go_to_the_container() -> None:
     assert "resources" not in plain
 
 
+def test_gpus_per_node_are_one_per_worker() -> None:
+    gpus = {"limits": {"nvidia.com/gpu": 2}}
+    (container,) = pod_manifest(job(resourcesPerNode=gpus, numProcPerNode=2), 0, ETCD)["spec"][
+        "containers"
+    ]
+    assert container["resources"] == gpus  # the device plugin sees the node's GPUs asked for
+    assert container["args"][container["args"].index("--nproc") + 1] == "2"
+    with pytest.raises(SpecError, match=r"numProcPerNode=1 but .* asks for 2 nvidia.com/gpu"):
+        job(resourcesPerNode=gpus, numProcPerNode=1)
+    with pytest.raises(SpecError, match=r"requests.nvidia.com/gpu='1500m' must be a whole"):
+        job(resourcesPerNode={"requests": {"nvidia.com/gpu": "1500m"}}, numProcPerNode=2)
+
+
 def test_an_agent_that_serves_prometheus_declares_its_port_by_name() -> None:
     """KEEPSTEP_TELEMETRY=prometheus in trainer.env: the agent's scrape port is the
     container port `metrics` (what a PodMonitor names); 9464 unless the env says."""

@@ -142,6 +142,24 @@ def check_resources(raw: Any, where: str = "spec.trainer.resourcesPerNode") -> d
     return dict(raw)
 
 
+GPU = "nvidia.com/gpu"
+
+
+def gpus_per_node(
+    resources: Mapping[str, Any], where: str = "spec.trainer.resourcesPerNode"
+) -> int:
+    """The GPUs a node's pod asks for (its limit, else its request; 0: none), checked by
+    ``check_resources`` already; SpecError unless it is a whole number."""
+    for part in ("limits", "requests"):
+        value = (resources.get(part) or {}).get(GPU)
+        if value is not None:
+            amount = quantity(value, f"{where}.{part}.{GPU}")
+            if amount != amount.to_integral_value():
+                raise SpecError(f"{where}.{part}.{GPU}={value!r} must be a whole number of GPUs")
+            return int(amount)
+    return 0
+
+
 def check_checkpoint_uri(uri: str, where: str = "spec.checkpoint.uri") -> str:
     """A URL whose scheme names a store every node of the job can reach."""
     scheme, sep, rest = uri.partition("://")

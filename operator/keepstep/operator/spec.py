@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from keepstep.operator.errors import SpecError
-from keepstep.operator.fields import check_checkpoint_uri, check_env, check_resources
+from keepstep.operator.fields import (
+    GPU,
+    check_checkpoint_uri,
+    check_env,
+    check_resources,
+    gpus_per_node,
+)
 from keepstep.operator.template import PodTemplate
 
 
@@ -136,6 +142,13 @@ class JobSpec:
                 f"{self.nproc_per_node} workers"
             )
         check_env(self.env)
+        gpus = gpus_per_node(self.resources)
+        if gpus and gpus != self.nproc_per_node:
+            raise SpecError(
+                f"spec.trainer.numProcPerNode={self.nproc_per_node} but "
+                f"spec.trainer.resourcesPerNode asks for {gpus} {GPU} per node: keepstep runs "
+                f"one worker per GPU (worker LOCAL_RANK on GPU LOCAL_RANK), so they must be equal"
+            )
 
     @property
     def desired_nodes(self) -> int:
