@@ -83,6 +83,8 @@ class LocalTarget:
             argv += ["--checkpoint-every", str(job.checkpoint_every)]
         if job.etcd_members != 1:
             argv += ["--etcd-members", str(job.etcd_members)]
+        if job.shard is not None:
+            argv += ["--shard", job.shard]
         for spec in plan.native_specs if plan is not None else ():
             argv += ["--fault", spec]
         partitions = plan is not None and any(

@@ -14,7 +14,7 @@ import hashlib
 import importlib.util
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,7 @@ def job_key(job: Job) -> str:
     fields = asdict(job)
     del fields["timeout"]  # how long to wait changes no number
     del fields["etcd_members"]  # nor how many etcd members the run has
+    del fields["shard"]  # nor sharding the optimizer state: the reference has full replicas
     fields["reference_format"] = _REFERENCE_FORMAT
     h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode())
     try:
@@ -87,7 +88,9 @@ def job_key(job: Job) -> str:
 def reference(
     job: Job, target: Target, cache: Path, say: Callable[[str], None] = print
 ) -> Reference:
-    """The fault-free run of `job`: from the cache, or run now and cached."""
+    """The fault-free run of `job` with full replicas (sharded or not, a run must end with
+    their numbers): from the cache, or run now and cached."""
+    job = replace(job, shard=None)
     key = job_key(job)
     path = cache / f"reference-{key}.json"
     if path.exists():

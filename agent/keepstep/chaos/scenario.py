@@ -66,6 +66,7 @@ _JOB = (
     "timeout",
     "checkpoint_every",
     "etcd_members",
+    "shard",
 )
 _FAULT = ("kind", "node", "at", "duration", "method", "cpu", "restart_after", "kill")
 _AT = ("step", "time", "during_recovery_of", "delay")
@@ -160,7 +161,7 @@ def _job(r: _Reader, node: yaml.Node) -> Job:
         r.require(m, name, node, "job")
     kw: dict[str, Any] = {}
     for name, value in m.items():
-        if name in ("script", "mode"):
+        if name in ("script", "mode", "shard"):
             kw[name] = r.str_(value)
         elif name == "script_args":
             kw[name] = tuple(r.str_(a) for a in r.sequence(value, "script_args"))
