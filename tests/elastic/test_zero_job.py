@@ -90,6 +90,11 @@ def test_one_member_zero1_matches_full_replicas() -> None:
     sharded, params, optim = train(12, shard="zero1", env={})
     _, params_full, optim_full = train(12, env={})
     assert (params, optim) == (params_full, optim_full)
+    # Entering the epoch cut the shards (timed as its own part of the restore); one member
+    # steps every element.
+    (entered,) = sharded.reconfigurations
+    assert 0 < entered.reshard_s <= entered.restore_s
+    assert entered.stepped_elements == sum(p.numel() for p in sharded.params)
     # The state lives in the shards, and the snapshot of the last step holds it whole.
     assert not sharded.optimizer.state
     assert sharded.sharded is not None and sharded.sharded.zero is not None

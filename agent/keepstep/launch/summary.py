@@ -278,6 +278,7 @@ _SUMMARY_FIELDS = (
     "rolled_back_steps",
     "reason",
     "timeout_scale",
+    "reshard_s",  # of restore_s: a sharded optimizer state moved into the epoch's shards
 )
 
 

@@ -55,7 +55,8 @@ class Reconfiguration:
     members that held state); `rolled_back_steps` is how many committed steps this member
     threw away; `received_state` says whether the state came from a peer over the network.
     `stepped_elements`: with sharded optimizer state, how many of its elements this member
-    steps and holds in the epoch (None: full replicas, all of them).
+    steps and holds in the epoch (None: full replicas, all of them); `reshard_s`: the part
+    of `restore_s` spent moving and cutting that state into the epoch's shards.
     """
 
     epoch: int
@@ -67,6 +68,7 @@ class Reconfiguration:
     rolled_back_steps: int
     received_state: bool
     stepped_elements: int | None = None
+    reshard_s: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import SampleOrder, fix_determinism
 from keepstep.elastic.rollback import MemberView, resume_plan
-from keepstep.elastic.sharded import optimizer_sha256, sharded_optimizer
+from keepstep.elastic.sharded import optimizer_sha256, shard_figures, sharded_optimizer
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
 from keepstep.elastic.tracked import Stateful, TrackedState
@@ -114,8 +114,8 @@ class Job:
         self.sharded = sharded_optimizer(config.shard, self.params, optimizer)
         self.hooks: list[Hook] = []
         infos = snapshots.infos()
-        # A restarted worker resumes from its node's snapshots; a new one starts "fresh": its
-        # state counts only if no member holds a committed one (it snapshots step 0 first).
+        # A restarted worker resumes from its node's snapshots; a new one starts "fresh" (it
+        # counts only if no member holds a committed state; it snapshots step 0 first).
         self.fresh = not infos
         self.done = infos[0].step if infos else 0
         self.loaded_step: int | None = None if infos else 0
@@ -370,7 +370,7 @@ class Job:
             resume_step=self.done,
             rolled_back_steps=max(0, before - self.done) if not received else 0,
             received_state=received,
-            stepped_elements=self.sharded.stepped_elements() if self.sharded else None,
+            **shard_figures(self.sharded),
         )
         self.reconfigurations.append(record)
         self.controller.on_reconfigured(record)

@@ -29,9 +29,10 @@ Snapshots
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypedDict
 
 import torch
 
@@ -50,9 +51,11 @@ from keepstep.elastic.zero.optimizers import check_supported
 __all__ = [
     "BytesCollective",
     "CommGather",
+    "ShardFigures",
     "ShardedOptimizer",
     "optimizer_sha256",
     "ownership_for",
+    "shard_figures",
     "sharded_optimizer",
 ]
 
@@ -138,6 +141,7 @@ class ShardedOptimizer:
         self._full: dict[str, Any] | None = None  # gathered at a commit, until its snapshot
         self._holds: tuple[Range, ...] = ()  # what this member's snapshots keep
         self._restored = b""  # the pieces of the snapshot just restored
+        self.enter_s = 0.0  # how long the last `enter` took (the recovery's reshard phase)
 
     def from_snapshot(self, extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Take this member's pieces out of a restored snapshot's ``extra`` tensors (the
@@ -152,6 +156,7 @@ class ShardedOptimizer:
         from and clears; one of pieces left them here, and the members join them (a
         collective: ``StateShapeError`` if an element has no live copy)."""
         self.leave()
+        started = time.perf_counter()
         ownership = ownership_for([p.numel() for p in self.params], members)
         self.zero = ZeroOptimizer(
             self.params, self.optimizer, ownership, CommGather(comm), timeout=timeout
@@ -162,6 +167,7 @@ class ShardedOptimizer:
         if state is not None:
             groups = self.optimizer.state_dict()["param_groups"]
             self.zero.load_full_state_dict({"state": state, "param_groups": groups})
+        self.enter_s = time.perf_counter() - started
 
     def stepped_elements(self) -> int | None:
         """How many of the optimizer's elements this member steps in the epoch (None:
@@ -219,6 +225,20 @@ def sharded_optimizer(
         return None
     assert shard is Shard.ZERO1, shard  # JobConfig allows no other
     return ShardedOptimizer(params, optimizer)
+
+
+class ShardFigures(TypedDict):
+    """What entering an epoch measured of the sharded state (a `Reconfiguration`'s fields)."""
+
+    stepped_elements: int | None
+    reshard_s: float
+
+
+def shard_figures(sharded: ShardedOptimizer | None) -> ShardFigures:
+    """The epoch's figures of ``sharded`` (None: full replicas)."""
+    if sharded is None:
+        return {"stepped_elements": None, "reshard_s": 0.0}
+    return {"stepped_elements": sharded.stepped_elements(), "reshard_s": sharded.enter_s}
 
 
 def optimizer_sha256(state: Mapping[str, Any]) -> str:

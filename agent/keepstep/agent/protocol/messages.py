@@ -171,6 +171,7 @@ class Reconfigured:
     resume_step: int
     rolled_back_steps: int
     received_state: bool
+    reshard_s: float = 0.0  # of restore_s: moving the sharded optimizer state into shards
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,7 @@ class AgentController:
                 resume_step=record.resume_step,
                 rolled_back_steps=record.rolled_back_steps,
                 received_state=record.received_state,
+                reshard_s=record.reshard_s,
             )
         )
 
