@@ -104,3 +104,37 @@ def test_only_nodes_that_let_the_probe_time_out_are_probed_again() -> None:
     probes["n1"] = ProbeResult("n1", False, (), "no answer within 0.3 s (hung?)", timed_out=True)
     probes["n2"] = ProbeResult("n2", False, (), "unreachable: Connection refused")
     assert agreement.suspects(probes) == ["n1"]
+
+
+def silent(*nodes: str) -> dict[str, ProbeResult]:
+    return {
+        n: ProbeResult(n, False, (), "no answer within 0.3 s (hung?)", 0.3, True) for n in nodes
+    }
+
+
+def refused(*nodes: str) -> dict[str, ProbeResult]:
+    return {n: ProbeResult(n, False, (), "unreachable: Connection refused") for n in nodes}
+
+
+def test_a_node_cut_off_from_most_of_the_epoch_leaves_the_decision_to_them() -> None:
+    three = EpochRecord(7, ["n0/0", "n4/0", "n5/0"], "", 340, 0.0)
+    # n5 is cut off: its probes of n0 and n4 time out, as a hung node's would.
+    why = agreement.minority(three, {**alive("n5/0"), **silent("n0", "n4")})
+    assert why is not None and "1 of the epoch's 3 live nodes answered (n0, n4 silent)" in why
+    # The other side reaches two of three: it decides, and leaves n5 out.
+    assert agreement.minority(three, {**alive("n0/0", "n4/0"), **silent("n5")}) is None
+    # Killed nodes refuse the probe, and a node whose lease expired is not probed: neither
+    # counts, so a lone survivor of real losses decides at once.
+    assert agreement.minority(three, {**alive("n5/0"), **refused("n0", "n4")}) is None
+    # n0 gone: n4 and n5 tie, and n4 comes first; once n4's lease expires too, n5 decides.
+    assert agreement.minority(three, {**alive("n5/0"), **silent("n4")}) is not None
+    assert agreement.minority(three, alive("n5/0")) is None
+
+
+def test_a_tie_between_two_halves_is_decided_by_the_first_node() -> None:
+    two = EpochRecord(3, ["n0/0", "n1/0"], "", 10, 0.0)
+    assert agreement.minority(two, {**alive("n0/0"), **silent("n1")}) is None
+    assert agreement.minority(two, {**alive("n1/0"), **silent("n0")}) is not None
+    four = EpochRecord(3, FOUR, "", 10, 0.0)
+    assert agreement.minority(four, {**alive("n0/0", "n1/0"), **silent("n2", "n3")}) is None
+    assert agreement.minority(four, {**alive("n2/0", "n3/0"), **silent("n0", "n1")}) is not None

@@ -10,6 +10,12 @@ within the default bounds. Retrying the same bounds could fire again forever, so
 epoch doubles its `timeout_scale` (the store and collective timeouts of the workers, up to
 `MAX_TIMEOUT_SCALE` times their defaults). A real loss or a planned change keeps the scale:
 the machine is as loaded as before.
+
+Split brain: a node cut off from the others by the network still reaches etcd, and its
+probes of the others time out as a hung node's would. Deciding from its side it would
+remove everyone else. So an agent decides after a failure only if the nodes that answered
+it are a majority of the epoch's nodes not known dead (`minority`); otherwise the others
+decide, or, if they are gone, their leases expire and the count changes.
 """
 
 from __future__ import annotations
@@ -112,6 +118,26 @@ def after_failure(
         reason += f"; timeouts raised to {scale:g}x (a timeout fired while all answered)"
     record = EpochRecord(current.epoch + 1, members, reason, done, now, timeout_scale=scale)
     return record, reason
+
+
+def minority(current: EpochRecord, probes: Mapping[str, ProbeResult]) -> str | None:
+    """Why this agent must leave the decision after a failure to the others (None: it may
+    decide). Of the epoch's nodes, those that refused the probe (killed) or are gone from
+    etcd (lease expired: not in `probes`) are dead and not counted; of the rest, those that
+    answered must be more than half, or exactly half with the first of them in order (a
+    tie between two halves has one winner)."""
+    nodes = sorted(current.nodes())
+    answered = [n for n in nodes if n in probes and probes[n].alive]
+    silent = [n for n in nodes if n in probes and probes[n].timed_out]
+    counted = sorted({*answered, *silent})
+    if 2 * len(answered) > len(counted) or (
+        2 * len(answered) == len(counted) and counted and counted[0] in answered
+    ):
+        return None
+    return (
+        f"{len(answered)} of the epoch's {len(counted)} live nodes answered ({', '.join(silent)} "
+        "silent): cut off from most of them, this node leaves the decision to the others"
+    )
 
 
 def suspects(probes: Mapping[str, ProbeResult], silent: Collection[str] = ()) -> list[str]:

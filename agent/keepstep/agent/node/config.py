@@ -134,6 +134,9 @@ def worker_env(
 # A boundary's decision (or an admission's record) is asked again while etcd does not
 # answer (it elects a new leader), for at most this many op timeouts (healer.py).
 BOUNDARY_RETRY_OPS = 2
+# An agent cut off from most of a failed epoch's nodes waits this many leases for the
+# others' decision, or for their leases to expire, before it decides itself (healer.py).
+MINORITY_WAIT_LEASES = 3
 
 
 def answer_bounds(cfg: AgentConfig) -> AnswerBounds:
@@ -148,6 +151,7 @@ def answer_bounds(cfg: AgentConfig) -> AnswerBounds:
         cfg.epoch_timeout
         + (cfg.nproc + 1) * (cfg.probe_timeout + 2 * cfg.op_timeout)
         + BOUNDARY_RETRY_OPS * cfg.op_timeout
+        + MINORITY_WAIT_LEASES * cfg.lease_ttl
         + ANSWER_SLACK_S
     )
     # initial: writing and removing the pending key around the wait itself, each asked

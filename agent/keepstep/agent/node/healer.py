@@ -33,8 +33,8 @@ from typing import Any, TypeVar
 from keepstep.agent import protocol
 from keepstep.agent.kv import KVStore, KVTimeout
 from keepstep.agent.node import agreement
-from keepstep.agent.node.config import BOUNDARY_RETRY_OPS, AgentConfig
-from keepstep.agent.node.probe import probe_all
+from keepstep.agent.node.config import BOUNDARY_RETRY_OPS, MINORITY_WAIT_LEASES, AgentConfig
+from keepstep.agent.node.probe import ProbeResult, probe_all
 from keepstep.agent.node.registration import Registration
 from keepstep.agent.node.view import JobView, Observed
 from keepstep.agent.protocol import EpochRecord, NodeRecord, key, node_of
@@ -270,6 +270,10 @@ class Healer:
                 return  # another agent agreed the next epoch while this one probed
             seen = latest
             probes = {n: p for n, p in probes.items() if n in seen.nodes}
+        waited = self._unless_cut_off(cur, seen, probes)
+        if waited is None:
+            return  # another agent agreed the next epoch while this one waited for it
+        seen, probes = waited
         record, why = agreement.after_failure(
             cur, probes, seen.pending, seen.leaving, done, time.time()
         )
@@ -280,3 +284,28 @@ class Healer:
             key(self.cfg.job, "epoch"), protocol.encode(record), seen.revision, self.cfg.op_timeout
         ):
             self._agreed(record, why, cur, planned=False, step=done, agree_s=time.monotonic() - t0)
+
+    def _unless_cut_off(
+        self, cur: EpochRecord, seen: Observed, probes: dict[str, ProbeResult]
+    ) -> tuple[Observed, dict[str, ProbeResult]] | None:
+        """While the nodes that answered are a minority of the epoch (`agreement.minority`:
+        this node may be the one cut off), wait for the others' epoch (None), or for the
+        silent nodes' leases to expire, which counts them out. After MINORITY_WAIT_LEASES
+        leases it decides anyway: the others have had the time to, and did not."""
+        why = agreement.minority(cur, probes)
+        if why is None:
+            return seen, probes
+        log.warning("epoch %d failed: %s", cur.epoch, why)
+        waited = MINORITY_WAIT_LEASES * self.cfg.lease_ttl * cur.timeout_scale
+        deadline = time.monotonic() + waited
+        while why is not None and time.monotonic() < deadline:
+            with self.view.changed:
+                self.view.changed.wait(0.1)
+            seen = self.view.observe()
+            if seen.current != cur:
+                return None
+            probes = {n: p for n, p in probes.items() if n in seen.nodes}
+            why = agreement.minority(cur, probes)
+        if why is not None:
+            log.warning("epoch %d: after %.1f s still %s; deciding", cur.epoch, waited, why)
+        return seen, probes
