@@ -8,6 +8,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,53 @@ def test_a_worker_is_admitted_through_an_etcd_election(
         client.close()
     assert isinstance(answer, MembershipReply) and answer.members == ("n0/0",), answer
     assert len(calls) == 2
+
+
+class ElectingCasKV:
+    """The agent's KV, whose first compare-and-set gets no answer and whose second is
+    applied but its answer lost (etcd electing a leader); later ones answer."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.cas = inner, 0
+
+    def compare_and_put(self, key: str, value: bytes, revision: int, timeout: float) -> bool:
+        self.cas += 1
+        if self.cas == 1:
+            raise KVTimeout(f"compare-and-put {key!r}: etcd did not answer within {timeout} s")
+        done = self.inner.compare_and_put(key, value, revision, timeout)
+        if self.cas == 2:
+            assert done
+            raise KVTimeout(f"compare-and-put {key!r}: etcd did not answer within {timeout} s")
+        return bool(done)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_failures_epoch_is_agreed_through_an_etcd_election(
+    agents: Callable[..., NodeAgent],
+) -> None:
+    """A failure's decision that met etcd electing a leader answered the worker with the
+    KVTimeout, and the worker exited to restart from its snapshot (11 times in the
+    campaign). The proposal is asked again; one that landed unanswered is read back."""
+    job = f"failure-electing-{os.getpid()}-{time.monotonic_ns()}"
+    n0 = agents(job, "n0", expected_nodes=1)
+    client = LinkClient(socket_address(job, "n0"), lambda _: None, T)
+    try:
+        assert client.request(Hello("n0/0"), T) == Ok()
+        assert isinstance(client.request(Initial("n0/0"), T), MembershipReply)
+    finally:
+        client.close()
+    seen = n0.view.observe()
+    assert seen.current is not None
+    mine = replace(seen.current, epoch=1, reason="lost nothing", created_at=time.time())
+    electing = ElectingCasKV(n0.healer.kv)
+    n0.healer.kv = electing
+    assert n0.healer._propose(mine, seen.revision)
+    assert electing.cas == 3  # no answer, a lost answer, then "not at that revision"
+    stored = n0.kv.get(protocol.key(job, "epoch"), T)
+    assert stored is not None and protocol.decode(protocol.EpochRecord, stored.value) == mine
+    # Another agent's proposal won: answered at once, nothing read back, not agreed here.
+    theirs = replace(mine, epoch=2, created_at=time.time())
+    n0.kv.put(protocol.key(job, "epoch"), protocol.encode(theirs), T)
+    assert not n0.healer._propose(replace(theirs, reason="mine"), seen.revision)

@@ -280,10 +280,31 @@ class Healer:
         if record is None:
             raise JobCannotContinue(f"the job cannot continue: {why}")
         record = stamp(record, seen.nodes)
-        if self.kv.compare_and_put(
-            key(self.cfg.job, "epoch"), protocol.encode(record), seen.revision, self.cfg.op_timeout
-        ):
+        if self._propose(record, seen.revision):
             self._agreed(record, why, cur, planned=False, step=done, agree_s=time.monotonic() - t0)
+
+    def _propose(self, record: EpochRecord, revision: int) -> bool:
+        """Compare-and-set `record` as the epoch on `revision`; whether it won. Asked again
+        while etcd does not answer (a leader election: a worker told to give up would
+        restart from its snapshot); a try that landed unanswered makes the next one fail,
+        so then the epoch is read back: it is this proposal's if it holds its bytes (its
+        creation time and token are its own)."""
+        epoch_key, payload = key(self.cfg.job, "epoch"), protocol.encode(record)
+        tries = 0
+
+        def put() -> bool:
+            nonlocal tries
+            tries += 1
+            return self.kv.compare_and_put(epoch_key, payload, revision, self.cfg.op_timeout)
+
+        if self._patiently(f"epoch {record.epoch}", put):
+            return True
+        if tries == 1:
+            return False  # answered: another agent's proposal won
+        got = self._patiently(
+            f"epoch {record.epoch} (read back)", lambda: self.kv.get(epoch_key, self.cfg.op_timeout)
+        )
+        return got is not None and got.value == payload
 
     def _unless_cut_off(
         self, cur: EpochRecord, seen: Observed, probes: dict[str, ProbeResult]
