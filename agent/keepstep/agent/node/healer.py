@@ -312,7 +312,8 @@ class Healer:
         """While the nodes that answered are a minority of the epoch (`agreement.minority`:
         this node may be the one cut off), wait for the others' epoch (None), or for the
         silent nodes' leases to expire, which counts them out. After MINORITY_WAIT_LEASES
-        leases it decides anyway: the others have had the time to, and did not."""
+        leases it decides anyway (the others have had the time to, and did not), unless its
+        own lease expired meanwhile (None: it is the node cut off)."""
         why = agreement.minority(cur, probes)
         if why is None:
             return seen, probes
@@ -327,6 +328,11 @@ class Healer:
                 return None
             probes = {n: p for n, p in probes.items() if n in seen.nodes}
             why = agreement.minority(cur, probes)
+        if why is not None and self.cfg.node not in seen.nodes:
+            # Its own lease expired meanwhile: this node is the one cut off, and the others
+            # leave it out; it hears their epoch once it can reach etcd again.
+            log.warning("epoch %d: this node lost its lease; the others decide", cur.epoch)
+            return None
         if why is not None:
             log.warning("epoch %d: after %.1f s still %s; deciding", cur.epoch, waited, why)
         return seen, probes
