@@ -15,7 +15,8 @@ Split brain: a node cut off from the others by the network still reaches etcd, a
 probes of the others time out as a hung node's would. Deciding from its side it would
 remove everyone else. So an agent decides after a failure only if the nodes that answered
 it are a majority of the epoch's nodes not known dead (`minority`); otherwise the others
-decide, or, if they are gone, their leases expire and the count changes.
+decide, or, if they are gone, their leases expire and the count changes. A node that
+stays cut off never decides: the nodes it cannot reach hold leases, so they reach etcd.
 """
 
 from __future__ import annotations

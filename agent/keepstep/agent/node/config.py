@@ -134,8 +134,9 @@ def worker_env(
 # A boundary's decision (or an admission's record) is asked again while etcd does not
 # answer (it elects a new leader), for at most this many op timeouts (healer.py).
 BOUNDARY_RETRY_OPS = 2
-# An agent cut off from most of a failed epoch's nodes waits this many leases for the
-# others' decision, or for their leases to expire, before it decides itself (healer.py).
+# An agent cut off from most of a failed epoch's nodes waits this many leases for their
+# leases to expire (then it decides) or their epoch; still cut off, it leaves the decision
+# to them (healer.py).
 MINORITY_WAIT_LEASES = 3
 
 

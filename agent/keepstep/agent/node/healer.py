@@ -312,8 +312,8 @@ class Healer:
         """While the nodes that answered are a minority of the epoch (`agreement.minority`:
         this node may be the one cut off), wait for the others' epoch (None), or for the
         silent nodes' leases to expire, which counts them out. After MINORITY_WAIT_LEASES
-        leases it decides anyway (the others have had the time to, and did not), unless its
-        own lease expired meanwhile (None: it is the node cut off)."""
+        leases it still does not decide (None): the silent nodes hold leases, so they reach
+        etcd, and the next epoch is theirs to agree (`failure` waits for it)."""
         why = agreement.minority(cur, probes)
         if why is None:
             return seen, probes
@@ -328,11 +328,10 @@ class Healer:
                 return None
             probes = {n: p for n, p in probes.items() if n in seen.nodes}
             why = agreement.minority(cur, probes)
-        if why is not None and self.cfg.node not in seen.nodes:
-            # Its own lease expired meanwhile: this node is the one cut off, and the others
-            # leave it out; it hears their epoch once it can reach etcd again.
-            log.warning("epoch %d: this node lost its lease; the others decide", cur.epoch)
-            return None
         if why is not None:
-            log.warning("epoch %d: after %.1f s still %s; deciding", cur.epoch, waited, why)
+            # Still cut off: the silent nodes kept their leases, so they reach etcd and
+            # will decide (this node's own lease may have gone meanwhile). Deciding from
+            # here could only remove them; this node hears their epoch when it can.
+            log.warning("epoch %d: after %.1f s still %s", cur.epoch, waited, why)
+            return None
         return seen, probes
