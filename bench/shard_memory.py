@@ -35,6 +35,7 @@ from torch._C._distributed_c10d import HashStore
 
 import keepstep
 from keepstep.elastic import Job, ScheduleController
+from keepstep.elastic.zero.optimizer import state_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from transformer import CopyTask, TinyGPT
@@ -43,13 +44,7 @@ from transformer import CopyTask, TinyGPT
 def _optimizer_bytes(job: Job) -> int:
     if job.sharded is not None and job.sharded.zero is not None:
         return job.sharded.zero.state_bytes()
-    storages = {
-        v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
-        for s in job.optimizer.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    }
-    return sum(storages.values())
+    return state_bytes(job.optimizer)
 
 
 def _train(args: argparse.Namespace, members: int, shard: str | None) -> list[dict[str, int]]:

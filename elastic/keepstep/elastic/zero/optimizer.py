@@ -38,10 +38,21 @@ from keepstep.elastic.zero.optimizers import check_supported, hyper, rebuild, sy
 from keepstep.elastic.zero.ownership import ALIGN, Ownership, windows
 from keepstep.elastic.zero.state import join_pieces, pack_owned, slice_state, unpack_full
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["ZeroOptimizer", "state_bytes"]
 
 _GRAIN = 32768  # torch's intra-op grain: a tensor this large may be cut between threads
 _REDUCED = (torch.bfloat16, torch.float16)
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of `optimizer`'s state: the storage behind its tensors, each counted once."""
+    storages = {
+        v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if isinstance(v, torch.Tensor)
+    }
+    return sum(storages.values())
 
 
 class ZeroOptimizer:
@@ -259,15 +270,8 @@ class ZeroOptimizer:
 
     # -- figures ----------------------------------------------------------------------
     def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (its windows, scratch lanes included):
-        the storage behind the state's tensors, each counted once."""
-        storages = {
-            v.untyped_storage().data_ptr(): v.untyped_storage().nbytes()
-            for s in self.inner.state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor)
-        }
-        return sum(storages.values())
+        """Bytes of optimizer state this rank holds (its windows, scratch lanes included)."""
+        return state_bytes(self.inner)
 
     def owned_elements(self) -> int:
         return sum(r.size for w in self.windows for r in w.owned)
