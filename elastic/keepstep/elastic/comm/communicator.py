@@ -27,6 +27,7 @@ stopped and comes back, the work completes and writes into the tensor it was han
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -200,6 +201,61 @@ class Communicator:
         slots = self._allgather("allgather_bytes", padded.to(self.device), deadline)
         return [s[:n].cpu().numpy().tobytes() for s, n in zip(slots, lengths, strict=True)]
 
+    def alltoall_bytes(
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
+    ) -> list[bytes]:
+        """``payloads[d]`` to rank d; returns what each rank sent here, in rank order. Each
+        payload is at most ``max_bytes``; an empty one sends nothing.
+
+        Rank-to-rank transfers in one collective (a member sends only what its peers
+        need, unlike ``allgather_bytes``). Two rounds under one deadline: the lengths, then
+        the bytes. Each rank checks the lengths it is to receive before the second round
+        and refuses an oversized one (``BadMessage`` naming the sender); its peers then
+        time out or hear the abort it writes, as for any collective it leaves.
+        """
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+            raise ConfigError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+        if len(payloads) != self.size:
+            raise ConfigError(f"alltoall_bytes needs {self.size} payloads, got {len(payloads)}")
+        sizes = [len(p) for p in payloads]
+        if self.size == 1:
+            self._collective("alltoall_bytes", None, timeout)
+            _check_lengths(sizes, max_bytes, "alltoall_bytes")
+            return [bytes(payloads[0])]
+        try:
+            _check_lengths(sizes, max_bytes, "alltoall_bytes (sent)")
+        except BadMessage as err:  # the peers hear the abort rather than wait for us
+            self._watch.fire(f"rank {self.rank} ({self.me}): {err}")
+            raise
+        deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
+        ones = [1] * self.size
+        sent = torch.tensor(sizes, dtype=torch.int64).to(self.device)
+        got = torch.empty_like(sent)
+        self._collective(
+            "alltoall_bytes (lengths)",
+            lambda k, t: k.alltoall(got, sent, ones, ones, t),
+            _left(deadline),
+        )
+        lengths = [int(n) for n in got.cpu()]
+        try:
+            _check_lengths(lengths, max_bytes, "alltoall_bytes")
+        except BadMessage as err:
+            self._watch.fire(f"rank {self.rank} ({self.me}): {err}")
+            raise
+        # One byte of padding after each payload: gloo is not asked to move empty slices.
+        in_splits, out_splits = [n + 1 for n in sizes], [n + 1 for n in lengths]
+        wire = b"".join(p + b"\0" for p in payloads)
+        mine = torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(self.device)
+        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
+        self._collective(
+            "alltoall_bytes",
+            lambda k, t: k.alltoall(out, mine, out_splits, in_splits, t),
+            _left(deadline),
+        )
+        raw = out.cpu().numpy().tobytes()
+        starts = [0, *itertools.accumulate(out_splits)]
+        return [raw[a : b - 1] for a, b in itertools.pairwise(starts)]
+
     def barrier(self, timeout: timedelta | None = None) -> None:
         """Return once every member entered the barrier."""
         self._collective("barrier", lambda k, t: k.barrier(t), timeout)
@@ -296,9 +352,7 @@ def _left(deadline: float) -> timedelta:
     return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
 
 
-def _check_lengths(lengths: list[int], max_bytes: int) -> None:
+def _check_lengths(lengths: list[int], max_bytes: int, what: str = "allgather_bytes") -> None:
     for rank, n in enumerate(lengths):
         if not 0 <= n <= max_bytes:
-            raise BadMessage(
-                f"allgather_bytes: rank {rank} sent {n} bytes; allowed are 0 to {max_bytes}"
-            )
+            raise BadMessage(f"{what}: rank {rank} sent {n} bytes; allowed are 0 to {max_bytes}")

@@ -91,6 +91,19 @@ class GlooLink:
         opts.timeout = timeout
         return GlooPending(self._live().allgather([slots], [mine], opts), (slots, mine))
 
+    def alltoall(
+        self,
+        out: torch.Tensor,
+        mine: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        timeout: timedelta,
+    ) -> Pending:
+        opts = dist.AllToAllOptions()
+        opts.timeout = timeout
+        work = self._live().alltoall_base(out, mine, out_splits, in_splits, opts)
+        return GlooPending(work, (out, mine))
+
     def barrier(self, timeout: timedelta) -> Pending:
         opts = dist.BarrierOptions()
         opts.timeout = timeout

@@ -206,6 +206,20 @@ class NcclLink:
         opts.timeout = timeout
         return self._start(lambda g: g.allgather([slots], [mine], opts), (slots, mine))
 
+    def alltoall(
+        self,
+        out: torch.Tensor,
+        mine: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        timeout: timedelta,
+    ) -> Pending:
+        opts = dist.AllToAllOptions()
+        opts.timeout = timeout
+        return self._start(
+            lambda g: g.alltoall_base(out, mine, out_splits, in_splits, opts), (out, mine)
+        )
+
     def barrier(self, timeout: timedelta) -> Pending:
         # An all-reduce of one element on our device: NCCL's barrier guesses the device.
         return self.allreduce(torch.ones(1, device=self._device), dist.ReduceOp.SUM, timeout)

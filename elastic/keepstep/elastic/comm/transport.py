@@ -132,6 +132,18 @@ class Link(Protocol):
         self, slots: list[torch.Tensor], mine: torch.Tensor, timeout: timedelta
     ) -> Pending: ...
 
+    def alltoall(
+        self,
+        out: torch.Tensor,
+        mine: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        timeout: timedelta,
+    ) -> Pending:
+        """Rank r's ``mine[sum(in_splits[:d]) : ...]`` to rank d, which receives it at its
+        ``out[sum(out_splits[:r]) : ...]`` (1-D tensors)."""
+        ...
+
     def barrier(self, timeout: timedelta) -> Pending: ...
 
     def interrupt(self) -> None:
