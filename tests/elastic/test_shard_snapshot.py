@@ -10,8 +10,12 @@ second lost node is detected, never silently wrong; a bad payload is refused by 
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +25,10 @@ from test_shard_layout import clusters, grid  # the member sets of the layout's 
 
 from keepstep.elastic.errors import BadMessage, StateShapeError
 from keepstep.elastic.shard import Range, make_chunk_layout, make_layout, node_of, place_replicas
+from keepstep.elastic.shard.layout import pieces_of
+from keepstep.elastic.shard_epoch import epoch_shards
 from keepstep.elastic.sharded import optimizer_sha256
-from keepstep.elastic.sharded_snapshot import exchange_and_join, pieces_tensor, snapshot_holdings
+from keepstep.elastic.sharded_snapshot import fetch_and_join, pieces_tensor
 from keepstep.elastic.snapshot_pieces import pack_pieces, unpack_pieces
 from keepstep.elastic.snapshot_shard import (
     PieceKey,
@@ -192,46 +198,134 @@ def test_one_piece_round_trips_exactly() -> None:
 # ---- the job's glue (sharded_snapshot.py) ------------------------------------------------
 
 
-class _Echo:
-    """allgather_bytes of a fixed set of members' payloads (this one's is replaced)."""
+class _Hub:
+    """The epoch's two collectives among ``world`` members on threads of this process."""
 
-    def __init__(self, others: list[bytes]) -> None:
-        self.others = others
-        self.sent: list[bytes] = []
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=20)
+        self.slots: list[Any] = [None] * world
+        self.bytes_moved = 0
+
+    def member(self, rank: int) -> _Member:
+        return _Member(self, rank)
+
+
+class _Member:
+    def __init__(self, hub: _Hub, rank: int) -> None:
+        self.hub, self.rank = hub, rank
+
+    def _round(self, mine: Any) -> list[Any]:
+        self.hub.slots[self.rank] = mine
+        self.hub.barrier.wait()
+        out = list(self.hub.slots)
+        self.hub.barrier.wait()
+        return out
 
     def allgather_bytes(
         self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]:
-        assert all(len(p) <= max_bytes for p in [payload, *self.others])
-        self.sent.append(payload)
-        return [payload, *self.others]
+        assert len(payload) <= max_bytes
+        return self._round(payload)
+
+    def alltoall_bytes(
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
+    ) -> list[bytes]:
+        assert len(payloads) == self.hub.world and all(len(p) <= max_bytes for p in payloads)
+        rows = self._round(list(payloads))
+        return [rows[src][self.rank] for src in range(self.hub.world)]
 
 
-def test_the_job_keeps_pieces_and_joins_them_after_a_loss_or_refuses() -> None:
+def _enter(raws: list[bytes], needs: list[list[Range]], sizes: list[int], shapes: Any) -> list[Any]:
+    """fetch_and_join on every member at once: each one's Fetched, or the error it raised."""
+    hub = _Hub(len(raws))
+    keys = ELEMENTWISE[torch.optim.Adam]
+    out: list[Any] = [None] * len(raws)
+
+    def run(rank: int) -> None:
+        try:
+            out[rank] = fetch_and_join(
+                hub.member(rank), raws[rank], needs[rank], sizes, keys, shapes, timedelta(5)
+            )
+        except StateShapeError as err:
+            out[rank] = err
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(raws))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return out
+
+
+def test_the_job_keeps_pieces_and_fetches_what_it_lacks_after_a_loss_or_refuses() -> None:
     params, opt = _trained_adam()
     sizes = [p.numel() for p in params]
     shapes = [p.shape for p in params]
     keys = ELEMENTWISE[torch.optim.Adam]
     full = opt.state_dict()
     members = ["m0", "m1", "m2", "m3"]  # local names: each member is a node of its own
-    holds = snapshot_holdings(sizes, members)
+    holds = epoch_shards(sizes, members).held
     raw = {m: pieces_tensor(full, sizes, keys, holds[m]).numpy().tobytes() for m in members}
-    # m2 is lost: m0 joins its own pieces with m1's and m3's.
-    echo = _Echo([raw["m1"], raw["m3"]])
-    state = exchange_and_join(echo, raw["m0"], sizes, keys, shapes, timedelta(seconds=5))
-    assert state is not None
-    rebuilt = {"state": state, "param_groups": full["param_groups"]}
-    assert optimizer_sha256(rebuilt) == optimizer_sha256(full)
+    # m2 is lost: each survivor fetches the part of its new chunks that it lacks.
+    survivors = ["m0", "m1", "m3"]
+    after = epoch_shards(sizes, survivors)
+    needs = [list(after.owned[m]) for m in survivors]
+    got = _enter([raw[m] for m in survivors], needs, sizes, shapes)
+    offsets = [0, *itertools.accumulate(sizes)]
+    for fetched, need in zip(got, needs, strict=True):
+        assert fetched.state is not None
+        for r in need:  # every needed element has the full state's bits
+            for t, a, b in pieces_of(offsets, r.start, r.stop):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    mine = fetched.state[t][key].reshape(-1)[a:b]
+                    assert torch.equal(mine, full["state"][t][key].reshape(-1)[a:b])
+                assert torch.equal(fetched.state[t]["step"], full["state"][t]["step"])
+    # Only what the new owners lacked moved: far less than the pieces everyone holds
+    # (here nothing: each lost chunk's new owner kept its replica).
+    held = sum(len(raw[m]) for m in survivors)
+    assert sum(f.received_bytes for f in got) < held / 4
+    # A joiner holds nothing: it receives its whole share, and only it receives anything.
+    grown = [*members, "m4"]
+    bigger = epoch_shards(sizes, grown)
+    joined = _enter(
+        [*(raw[m] for m in members), b""], [list(bigger.owned[m]) for m in grown], sizes, shapes
+    )
+    assert all(f.state is not None for f in joined)
+    assert joined[-1].received_bytes > 0
+    share = sum(r.size for r in bigger.owned["m4"]) * 2 * 4  # two float32 moments
+    assert share <= joined[-1].received_bytes < share + 4096 + len(raw["m0"]) // 4
     # Nobody held pieces (every snapshot was a full one): nothing to join.
-    assert exchange_and_join(_Echo([b"", b""]), b"", sizes, keys, shapes, timedelta(1)) is None
-    # m1 and m2 lost: some chunk had its owner and its replica on them.
-    with pytest.raises(StateShapeError, match="have no copy"):
-        exchange_and_join(_Echo([raw["m3"]]), raw["m0"], sizes, keys, shapes, timedelta(1))
+    none = _enter([b"", b""], [needs[0], needs[1]], sizes, shapes)
+    assert [f.state for f in none] == [None, None]
+    # m1 and m2 lost: some chunk had its owner and its replica on them; both refuse.
+    pair = ["m0", "m3"]
+    two = epoch_shards(sizes, pair)
+    refused = _enter([raw[m] for m in pair], [list(two.owned[m]) for m in pair], sizes, shapes)
+    assert all(isinstance(e, StateShapeError) and "no live copy" in str(e) for e in refused)
 
 
-def test_holdings_for_one_node_keep_everything_on_each_member() -> None:
-    sizes = [300, 1, 5000]
-    alone = snapshot_holdings(sizes, ["m0"])
-    assert alone == {"m0": (Range(0, 5301),)}
-    same_node = snapshot_holdings(sizes, ["n0/0", "n0/1"])  # no other node for a replica
-    assert sum(r.size for rs in same_node.values() for r in rs) == 5301
+def test_epoch_shards_own_tensor_aligned_pieces_and_keep_replicas_elsewhere() -> None:
+    sizes = [300, 1, 5000, 0, 129]
+    total = sum(sizes)
+    offsets = [0, *itertools.accumulate(sizes)]
+    alone = epoch_shards(sizes, ["m0"])
+    assert alone.owned == alone.held == {"m0": (Range(0, total),)}
+    same_node = epoch_shards(sizes, ["n0/0", "n0/1"])  # no other node for a replica
+    assert same_node.held == same_node.owned
+    members = [f"n{n}/{i}" for n in range(3) for i in range(2)]
+    shards = epoch_shards(sizes, members)
+    own = shards.ownership(members)  # every element owned exactly once (checked there)
+    assert sum(own.owned(r) for r in range(len(members))) == total
+    for m in members:
+        for r in shards.owned[m]:
+            for t, a, _b in pieces_of(offsets, r.start, r.stop):
+                assert a % ALIGN == 0, (m, r, t, a)  # a window starts where its piece does
+        assert set(shards.owned[m]) <= set(shards.held[m]) or all(
+            any(h.start <= r.start and r.stop <= h.stop for h in shards.held[m])
+            for r in shards.owned[m]
+        )
+    # Any one node lost: every element is still held by a member of another node.
+    for node in range(3):
+        live = [m for m in members if not m.startswith(f"n{node}/")]
+        assert uncovered(shards.held, live, total) == ()

@@ -126,6 +126,19 @@ def test_a_lost_member_leaves_the_numbers_of_the_fault_free_run(
     assert hashes(result, tmp_path) == reference
     by_step = {int(k): v for k, v in result.results["m0"]["world_size_by_step"].items()}
     assert by_step[0] == 4 and by_step[STEPS - 1] == 3
+    # Entering, each survivor fetched only what it lacked, by rank-to-rank transfers:
+    # in all at most the lost member's share of the two Adam moments (plus headers).
+    entered = {
+        (m, r["epoch"]): r
+        for m in ("m0", "m1", "m2")
+        for r in result.results[m]["reconfigurations"]
+    }
+    total = sum(entered[m, 1]["stepped_elements"] for m in ("m0", "m1", "m2"))
+    lost = total - sum(entered[m, 0]["stepped_elements"] for m in ("m0", "m1", "m2"))
+    moved = sum(entered[m, 1]["reshard_bytes"] for m in ("m0", "m1", "m2"))
+    assert 0 < lost < total / 2
+    assert 0 <= moved <= 1.1 * lost * 2 * 4 + 3 * 4096
+    print(f"m3's {lost} of {total} elements lost; survivors received {moved} bytes")
 
 
 def test_a_member_lost_inside_the_sharded_step_fails_the_step_not_the_numbers(

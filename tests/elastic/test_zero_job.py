@@ -4,6 +4,7 @@ the epoch's ownership. The multi-process runs are in test_shard_zero1.py."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from datetime import timedelta
 
@@ -17,9 +18,9 @@ import keepstep
 from keepstep.elastic import ConfigError, JobConfig
 from keepstep.elastic.config import Shard
 from keepstep.elastic.errors import BadMessage, KeepstepError, PeerLost
-from keepstep.elastic.shard.layout import layout_order
+from keepstep.elastic.shard.layout import pieces_of
 from keepstep.elastic.sharded import CommGather, optimizer_sha256, ownership_for
-from keepstep.elastic.zero import ZeroOptimizer
+from keepstep.elastic.zero import ALIGN, ZeroOptimizer
 
 _TIMEOUT = timedelta(seconds=20)
 
@@ -264,15 +265,25 @@ def test_comm_gather_keeps_shape_and_dtype_and_refuses_a_short_slot() -> None:
 # ---- the epoch's ownership -------------------------------------------------------------
 
 
-def test_ownership_interleaves_nodes_for_agent_members_and_is_balanced_otherwise() -> None:
-    sizes = [1000, 3, 2000]
-    members = sorted(["n0/0", "n0/1", "n1/0", "n1/1"])
+def test_ownership_is_chunked_balanced_and_keeps_survivors_chunks() -> None:
+    sizes = [100_000, 3, 200_000, 77]
+    members = sorted(f"n{n}/{i}" for n in range(4) for i in range(2))
     own = ownership_for(sizes, members)
-    # Along the state the owners follow the interleaved layout order: n0/0 n1/0 n0/1 n1/1.
-    first = sorted(range(len(members)), key=lambda r: own.ranges[r][0].start)
-    assert tuple(members[r] for r in first) == layout_order(members)
-    plain = ownership_for(sizes, ["m0", "m1", "m2"])
-    starts = [plain.ranges[r][0].start for r in range(3)]
-    assert starts == sorted(starts)  # rank order
-    counts = [plain.owned(r) for r in range(3)]
-    assert max(counts) - min(counts) <= 128
+    counts = [own.owned(r) for r in range(len(members))]
+    assert sum(counts) == sum(sizes)
+    assert max(counts) <= 1.15 * sum(sizes) / len(members)  # within the layout's bound
+    offsets = [0, *itertools.accumulate(sizes)]
+    for rs in own.ranges:  # every piece starts on a window boundary of its tensor
+        assert all(a % ALIGN == 0 for r in rs for _t, a, _b in pieces_of(offsets, *r))
+    # A node lost: the survivors keep (nearly) all they owned; the rest is the lost share.
+    survivors = [m for m in members if not m.startswith("n2/")]
+    after = ownership_for(sizes, survivors)
+    kept = 0
+    for m in survivors:
+        before = {x for r in own.ranges[members.index(m)] for x in range(r.start, r.stop)}
+        now = {x for r in after.ranges[survivors.index(m)] for x in range(r.start, r.stop)}
+        kept += len(before & now)
+    lost = sum(counts[members.index(m)] for m in members if m not in survivors)
+    assert kept >= sum(sizes) - lost - 0.1 * lost
+    plain = ownership_for(sizes, ["m0", "m1", "m2"])  # local names: a node each
+    assert sum(plain.owned(r) for r in range(3)) == sum(sizes)

@@ -279,6 +279,7 @@ _SUMMARY_FIELDS = (
     "reason",
     "timeout_scale",
     "reshard_s",  # of restore_s: a sharded optimizer state moved into the epoch's shards
+    "reshard_bytes",  # that state's bytes the members received from peers
 )
 
 

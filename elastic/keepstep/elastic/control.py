@@ -56,7 +56,8 @@ class Reconfiguration:
     threw away; `received_state` says whether the state came from a peer over the network.
     `stepped_elements`: with sharded optimizer state, how many of its elements this member
     steps and holds in the epoch (None: full replicas, all of them); `reshard_s`: the part
-    of `restore_s` spent moving and cutting that state into the epoch's shards.
+    of `restore_s` spent moving and cutting that state into the epoch's shards;
+    `reshard_bytes`: the bytes of it this member received from peers.
     """
 
     epoch: int
@@ -69,6 +70,7 @@ class Reconfiguration:
     received_state: bool
     stepped_elements: int | None = None
     reshard_s: float = 0.0
+    reshard_bytes: int = 0
 
 
 @dataclass(frozen=True)

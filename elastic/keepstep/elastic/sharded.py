@@ -7,23 +7,31 @@ owns, keeps optimizer state for those only, and the parameters are all-gathered 
 epoch's ``Communicator`` (``CommGather``), so a lost peer raises ``PeerLost`` like any
 other collective of the step and the step is not committed.
 
-    epoch entered -> restore the snapshot -> members exchange and join their pieces
-      -> ownership_for(sizes, members) -> ZeroOptimizer(..., CommGather(comm))
+    epoch entered -> restore the snapshot -> epoch_shards(sizes, members)
+      -> ZeroOptimizer(..., ownership of its chunks, CommGather(comm))
+      -> each member fetches the pieces its windows need (fetch_and_join)
     each commit   -> zero.step() -> gather the full state -> keep this member's pieces
+
+Layout
+    Every epoch cuts the state into the same chunks and owns them by the chunked layout
+    (shard_epoch.py, shard/chunks.py): after a node is lost, the owner of each lost chunk
+    is (mostly) the member that kept its replica, so recovery moves little more than the
+    lost chunks' replicas that their new owners lack (``tests/elastic/test_shard_fetch.py``
+    bounds it by the lost elements).
 
 Snapshots
     A commit gathers the full optimizer state (one all-gather), and the snapshot keeps
     this member's pieces of it: its own chunks and one replica of another node's, about
     2/W of the state (sharded_snapshot.py). Entering an epoch (a loss, a drain, a join,
-    a rollback) every member restores its snapshot, the members exchange their pieces and
-    join the full state, and the new ownership is cut from it: any single-node loss
-    leaves a live copy of every element; a double fault is reported (StateShapeError).
+    a rollback) every member restores its snapshot, announces what it holds and what its
+    windows need, and receives only what it lacks, each element from one holder, by one
+    ``alltoall`` (``received_bytes`` counts it): any single-node loss leaves a live copy
+    of every element; a double fault is reported (StateShapeError) on every member.
     Between steps a member holds only its shard's optimizer state (about 1/W, plus window
-    scratch); the full state exists while a commit gathers it and while an epoch is
-    entered. Not yet: stepping and snapshotting without the gather, recovery by the
-    disjoint transfers of the plan (shard/copies.py), durable checkpoints of a sharded
-    job that resume (a checkpoint holds one member's pieces: a resume is refused as a
-    state with no copy, never silently wrong).
+    scratch); the full state exists while a commit gathers it. Not yet: stepping and
+    snapshotting without the gather, durable checkpoints of a sharded job that resume (a
+    checkpoint holds one member's pieces: a resume is refused as a state with no copy,
+    never silently wrong).
 """
 
 from __future__ import annotations
@@ -32,25 +40,27 @@ import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
+from itertools import accumulate
 from typing import Any, Protocol, TypedDict
 
 import torch
 
 from keepstep.elastic.config import Shard
 from keepstep.elastic.errors import BadMessage, ConfigError, KeepstepError
-from keepstep.elastic.shard.layout import Range, make_layout
+from keepstep.elastic.shard.layout import Range
+from keepstep.elastic.shard_epoch import epoch_shards
 from keepstep.elastic.sharded_snapshot import (
     PIECES,
-    exchange_and_join,
+    fetch_and_join,
     pieces_tensor,
-    snapshot_holdings,
 )
-from keepstep.elastic.zero import ALIGN, Ownership, ZeroOptimizer
+from keepstep.elastic.zero import Ownership, ZeroOptimizer
 from keepstep.elastic.zero.optimizers import check_supported
 
 __all__ = [
     "BytesCollective",
     "CommGather",
+    "PieceCollective",
     "ShardFigures",
     "ShardedOptimizer",
     "optimizer_sha256",
@@ -69,6 +79,14 @@ class BytesCollective(Protocol):
 
     def allgather_bytes(
         self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
+    ) -> list[bytes]: ...
+
+
+class PieceCollective(BytesCollective, Protocol):
+    """What entering an epoch needs of the ``Communicator``: the gather and ``alltoall``."""
+
+    def alltoall_bytes(
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]: ...
 
 
@@ -110,13 +128,9 @@ class CommGather:
 
 def ownership_for(sizes: Sequence[int], members: Sequence[str]) -> Ownership:
     """Who owns which elements in the epoch of ``members`` (sorted: the communicator's rank
-    order), a pure function of the sizes and the member set. Members named "node/local"
-    (the agent's) get the interleaved layout of shard/layout.py, so neighbours along the
-    state sit on different nodes; other names (local runs) balanced slices in rank order.
-    Boundaries fall on multiples of ``ALIGN`` so windows stay as narrow as the pieces."""
-    if all("/" in m for m in members):
-        return Ownership.from_layout(make_layout(sizes, members, align=ALIGN), members)
-    return Ownership.balanced(sizes, len(members), align=ALIGN)
+    order): the chunks of ``epoch_shards``, many ranges per member, each starting on an
+    ``ALIGN`` boundary of its tensor so windows are the pieces themselves."""
+    return epoch_shards(sizes, members).ownership(members)
 
 
 class ShardedOptimizer:
@@ -137,11 +151,13 @@ class ShardedOptimizer:
         mine = [p for g in optimizer.param_groups for p in g["params"]]
         self._sizes = [p.numel() for p in mine]
         self._shapes = [p.shape for p in mine]
+        self._same_order = [id(p) for p in mine] == [id(p) for p in self.params]
         self.zero: ZeroOptimizer | None = None
         self._full: dict[str, Any] | None = None  # gathered at a commit, until its snapshot
         self._holds: tuple[Range, ...] = ()  # what this member's snapshots keep
         self._restored = b""  # the pieces of the snapshot just restored
         self.enter_s = 0.0  # how long the last `enter` took (the recovery's reshard phase)
+        self.received_bytes = 0  # optimizer-state bytes the last `enter` fetched from peers
 
     def from_snapshot(self, extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Take this member's pieces out of a restored snapshot's ``extra`` tensors (the
@@ -150,23 +166,34 @@ class ShardedOptimizer:
         self._restored = b"" if raw is None else raw.numpy().tobytes()
         return extra
 
-    def enter(self, comm: BytesCollective, members: Sequence[str], timeout: timedelta) -> None:
+    def enter(self, comm: PieceCollective, members: Sequence[str], timeout: timedelta) -> None:
         """Build the epoch's shards. The job restored the snapshot just before: a full one
         (step 0) left the state in the script's optimizer, which the ZeroOptimizer cuts
-        from and clears; one of pieces left them here, and the members join them (a
-        collective: ``StateShapeError`` if an element has no live copy)."""
+        from and clears; one of pieces left them here, and each member fetches the pieces
+        its windows need from their holders (a collective: ``StateShapeError`` if an
+        element has no live copy)."""
         self.leave()
         started = time.perf_counter()
-        ownership = ownership_for([p.numel() for p in self.params], members)
+        shards = epoch_shards([p.numel() for p in self.params], members)
         self.zero = ZeroOptimizer(
-            self.params, self.optimizer, ownership, CommGather(comm), timeout=timeout
+            self.params,
+            self.optimizer,
+            shards.ownership(members),
+            CommGather(comm),
+            timeout=timeout,
         )
-        self._holds = snapshot_holdings(self._sizes, members)[members[comm.rank]]
+        # Snapshots cut pieces in the optimizer's parameter order: the same shards when
+        # that is the job's order (the usual case), so a member keeps its own chunks.
+        keeping = shards if self._same_order else epoch_shards(self._sizes, members)
+        self._holds = keeping.held[members[comm.rank]]
+        offsets = [0, *accumulate(self._sizes)]
+        need = [Range(offsets[i] + a, offsets[i] + b) for i, a, b in self.zero.needed()]
         mine, self._restored = self._restored, b""
-        state = exchange_and_join(comm, mine, self._sizes, self.keys, self._shapes, timeout)
-        if state is not None:
+        got = fetch_and_join(comm, mine, need, self._sizes, self.keys, self._shapes, timeout)
+        if got.state is not None:
             groups = self.optimizer.state_dict()["param_groups"]
-            self.zero.load_full_state_dict({"state": state, "param_groups": groups})
+            self.zero.load_full_state_dict({"state": got.state, "param_groups": groups})
+        self.received_bytes = got.received_bytes
         self.enter_s = time.perf_counter() - started
 
     def stepped_elements(self) -> int | None:
@@ -232,13 +259,18 @@ class ShardFigures(TypedDict):
 
     stepped_elements: int | None
     reshard_s: float
+    reshard_bytes: int
 
 
 def shard_figures(sharded: ShardedOptimizer | None) -> ShardFigures:
     """The epoch's figures of ``sharded`` (None: full replicas)."""
     if sharded is None:
-        return {"stepped_elements": None, "reshard_s": 0.0}
-    return {"stepped_elements": sharded.stepped_elements(), "reshard_s": sharded.enter_s}
+        return {"stepped_elements": None, "reshard_s": 0.0, "reshard_bytes": 0}
+    return {
+        "stepped_elements": sharded.stepped_elements(),
+        "reshard_s": sharded.enter_s,
+        "reshard_bytes": sharded.received_bytes,
+    }
 
 
 def optimizer_sha256(state: Mapping[str, Any]) -> str:

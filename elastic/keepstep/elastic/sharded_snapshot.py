@@ -1,54 +1,64 @@
 """A sharded job's snapshots: its own shard and the replicas it keeps, and the rejoin.
 
 Where it sits: between sharded.py (the job's ZeRO-1) and the snapshot store. At a commit
-the gathered full optimizer state is cut to what this member keeps by the chunked layout
-(``snapshot_holdings``: its own chunks and one replica of another node's) and goes into
+the gathered full optimizer state is cut to what this member keeps by the epoch's chunked
+layout (shard_epoch.py: its own chunks and one replica of another node's) and goes into
 the snapshot as one uint8 tensor (``extra/shard_pieces``) in the checked wire format of
 snapshot_pieces.py; the snapshot's optimizer part holds the param groups only. On
-entering an epoch every member sends the pieces its restored snapshot holds to all the
-others (``allgather_bytes``) and each joins the full state from them, from which the
-epoch's shards are cut. After the loss of one node every element still has a live copy
+entering an epoch the members announce what their restored snapshots hold and what
+their new windows need, every member computes the same disjoint plan from that
+(``shard.fetch``), and the pieces move rank to rank in one ``alltoall``
+(``fetch_and_join``): a member receives only what it needs and lacks, from one holder
+each. After the loss of one node every element still has a live copy
 (tests/elastic/test_shard_snapshot.py); a double fault that takes an element's owner and
-replica raises ``StateShapeError`` naming it, never a silently wrong state.
-
-Still to come: the exchange sends every piece to every member; the disjoint
-rank-to-rank transfers of the plan (shard/copies.py) would move only the lost ones.
+replica raises ``StateShapeError`` naming it on every member together, never a silently
+wrong state.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from itertools import accumulate
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from keepstep.elastic.shard import make_chunk_layout, node_of, place_replicas
-from keepstep.elastic.shard.layout import Range
+from keepstep.elastic.errors import BadMessage, StateShapeError
+from keepstep.elastic.shard.fetch import Announcement, BadAnnouncement, decode, encode, plan_fetches
+from keepstep.elastic.shard.fetch import limit as announcement_limit
+from keepstep.elastic.shard.layout import Range, pieces_of
 from keepstep.elastic.snapshot_pieces import pack_pieces, unpack_pieces
-from keepstep.elastic.snapshot_shard import cut_state, join_states, snapshot_ranges
-from keepstep.elastic.zero import ALIGN
+from keepstep.elastic.snapshot_shard import (
+    PieceKey,
+    cut_state,
+    join_states,
+    merge,
+)
 
-__all__ = ["PIECES", "exchange_and_join", "pieces_tensor", "snapshot_holdings"]
+__all__ = [
+    "PIECES",
+    "Fetched",
+    "cut_pieces",
+    "fetch_and_join",
+    "pieces_tensor",
+]
 
 PIECES = "shard_pieces"  # the snapshot's extra/ tensor holding this member's pieces
 
 
-class BytesExchange(Protocol):
+class PieceExchange(Protocol):
+    """What ``fetch_and_join`` needs of the epoch's ``Communicator``."""
+
+    rank: int
+
     def allgather_bytes(
         self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]: ...
 
-
-def snapshot_holdings(sizes: Sequence[int], members: Sequence[str]) -> dict[str, tuple[Range, ...]]:
-    """What each member's snapshot keeps: its own chunks and one replica on another node
-    (none when all members share one node). A member named without a node ("m0", local
-    runs) counts as a node of its own."""
-    as_node = {m: m if "/" in m else f"{m}/0" for m in members}
-    layout = make_chunk_layout(sizes, as_node.values(), align=ALIGN)
-    nodes = {node_of(n) for n in as_node.values()}
-    holds = snapshot_ranges(place_replicas(layout, replicas=1 if len(nodes) > 1 else 0))
-    return {m: holds.get(as_node[m], ()) for m in members}
+    def alltoall_bytes(
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
+    ) -> list[bytes]: ...
 
 
 def pieces_tensor(
@@ -59,21 +69,81 @@ def pieces_tensor(
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
 
-def exchange_and_join(
-    comm: BytesExchange,
+class Fetched(NamedTuple):
+    """What entering an epoch joined: the state this member needs (None: no member's
+    snapshot held pieces, a full snapshot of step 0) and the bytes it received."""
+
+    state: dict[int, dict[str, Any]] | None
+    received_bytes: int
+
+
+def fetch_and_join(
+    comm: PieceExchange,
     mine: bytes,
+    need: Sequence[Range],
     sizes: Sequence[int],
     keys: frozenset[str],
     shapes: Sequence[torch.Size],
     timeout: timedelta,
-) -> dict[int, dict[str, Any]] | None:
-    """Every member's snapshot pieces to all, joined into the full per-parameter state;
-    None when no member's snapshot held pieces (a snapshot of the full state: step 0).
-    A collective: every member of the epoch calls it, with ``b""`` if it holds none."""
-    values = (sum(sizes) + len(sizes)) * (len(keys) + 2)
+) -> Fetched:
+    """The per-parameter state covering ``need`` (ranges of the flattened state, in the
+    optimizer's parameter order), joined from this member's snapshot pieces ``mine`` and
+    the pieces it lacks, fetched by the disjoint plan. A collective: every member of the
+    epoch calls it, with ``b""`` if its snapshot holds none. ``StateShapeError`` (on every
+    member) when some member needs an element that no member holds."""
+    total = sum(sizes)
+    offsets = (0, *accumulate(sizes))
+    parts = unpack_pieces(mine, sizes, keys) if mine else {}
+    held = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in parts if b > a)
+    mine_said = Announcement(held, merge(need))
+    said = comm.allgather_bytes(encode(mine_said), announcement_limit(total), timeout)
+    announced = []
+    for rank, raw in enumerate(said):
+        try:
+            announced.append(decode(raw, total))
+        except BadAnnouncement as err:
+            raise BadMessage(f"rank {rank}'s announcement of its pieces: {err}") from None
+    if not any(a.held for a in announced) and not parts:
+        return Fetched(None, 0)  # every snapshot was a full one (step 0)
+    plan = plan_fetches(announced)
+    if plan.lost:
+        raise StateShapeError(
+            f"elements {[tuple(r) for r in plan.lost[:4]]} of the optimizer state have no "
+            "live copy (a double fault took an owner and its replica)"
+        )
+    payloads = [
+        pack_pieces(cut_pieces(parts, offsets, keys, ranges)) if ranges else b""
+        for ranges in plan.sends[comm.rank]
+    ]
+    values = (total + len(sizes)) * (len(keys) + 2)
     limit = 16 * values + (1 << 24)  # 8 bytes a value, twice over; headers well inside
-    slots = comm.allgather_bytes(mine, limit, timeout)
-    parts = [unpack_pieces(raw, sizes, keys) for raw in slots if raw]
-    if not parts:
-        return None
-    return join_states(parts, sizes, keys, shapes)
+    got = comm.alltoall_bytes(payloads, limit, timeout)
+    joined = [parts, *(unpack_pieces(raw, sizes, keys) for raw in got if raw)]
+    state = join_states(joined, sizes, keys, shapes, required=need)
+    return Fetched(state, sum(len(raw) for raw in got))
+
+
+def cut_pieces(
+    parts: Mapping[PieceKey, Mapping[str, Any]],
+    offsets: Sequence[int],
+    keys: frozenset[str],
+    ranges: Sequence[Range],
+) -> dict[PieceKey, dict[str, Any]]:
+    """The elements ``ranges`` (of the flattened state) out of the pieces ``parts``
+    holds, which must cover them: per-element values sliced, per-tensor ones as they are."""
+    by_param: dict[int, list[PieceKey]] = {}
+    for key in sorted(parts):
+        by_param.setdefault(key.param, []).append(key)
+    out: dict[PieceKey, dict[str, Any]] = {}
+    for r in ranges:
+        for t, a, b in pieces_of(offsets, r.start, r.stop):
+            for key in by_param.get(t, ()):
+                lo, hi = max(a, key.start), min(b, key.stop)
+                if lo >= hi:
+                    continue
+                piece = parts[key]
+                out[PieceKey(t, lo, hi)] = {
+                    k: v[lo - key.start : hi - key.start] if k in keys else v
+                    for k, v in piece.items()
+                }
+    return out

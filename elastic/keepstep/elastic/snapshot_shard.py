@@ -106,14 +106,17 @@ def join_states(
     sizes: Sequence[int],
     keys: frozenset[str],
     shapes: Sequence[torch.Size] | None = None,
+    required: Sequence[Range] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """The full per-parameter state (``state_dict()["state"]``) from members' pieces.
 
     Pieces may overlap (an owner and a replica); overlapping pieces must agree on
     per-tensor values. ``StateShapeError`` names a (non-empty) parameter some of whose
     elements no piece delivered: a double fault is reported, never filled with zeros.
-    ``shapes`` (the parameters' shapes) reshapes the per-element values; without it they
-    stay flat.
+    With ``required`` (ranges of the flattened state) only those elements must be
+    delivered: a member joining what its own shard needs gets tensors of full shape whose
+    other elements are zeros it never reads. ``shapes`` (the parameters' shapes)
+    reshapes the per-element values; without it they stay flat.
     """
     flat: dict[int, dict[str, torch.Tensor]] = {}
     scalars: dict[int, dict[str, Any]] = {}
@@ -139,8 +142,17 @@ def join_states(
                     )
                 target[a:b] = value.reshape(-1)
     out: dict[int, dict[str, Any]] = {}
+    offsets = (0, *accumulate(sizes))
+    wanted: dict[int, list[Range]] | None = None
+    if required is not None:
+        wanted = {}
+        for r in required:
+            for t, a, b in pieces_of(offsets, r.start, r.stop):
+                wanted.setdefault(t, []).append(Range(a, b))
     for t, n in enumerate(sizes):
         gaps = uncovered({"all": covered.get(t, ())}, {"all"}, n)
+        if wanted is not None:
+            gaps = tuple(g for g in gaps for w in wanted.get(t, ()) if _overlap(g, w))
         if gaps:
             raise StateShapeError(f"parameter {t}: elements {list(gaps)[:4]} have no copy")
         if t not in scalars and t not in flat:
@@ -150,6 +162,10 @@ def join_states(
             state[key] = value if shapes is None else value.view(shapes[t])
         out[t] = state
     return out
+
+
+def _overlap(a: Range, b: Range) -> bool:
+    return a.start < b.stop and b.start < a.stop
 
 
 def _own(value: Any) -> Any:

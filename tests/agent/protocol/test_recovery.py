@@ -241,19 +241,24 @@ def test_a_record_carries_the_epoch_and_the_slowest_member() -> None:
     assert (r.communicator_s, r.restore_s, r.replan_s) == (0.05, 0.03, 0.001)
     assert r.members == ("n0/0", "n1/0") and r.reason == "lost n2/0" and not r.planned
     assert (r.start_t, r.end_t) == (5.0, 5.6)
-    assert r.reshard_s == 0.0  # full replicas: nothing resharded
+    assert r.reshard_s == 0.0 and r.reshard_bytes == 0  # full replicas: nothing resharded
 
 
-def test_a_sharded_recovery_carries_its_slowest_reshard() -> None:
+def test_a_sharded_recovery_carries_its_slowest_reshard_and_all_bytes_moved() -> None:
     events, faults, _ = CASES["kill: timed from the fault, phases from the slowest member"]
     sharded = [
-        {**e, "reshard_s": 0.02 if e.get("member") == "n0/0" else 0.025}
+        {
+            **e,
+            "reshard_s": 0.02 if e.get("member") == "n0/0" else 0.025,
+            "reshard_bytes": 1000 if e.get("member") == "n0/0" else 24,
+        }
         if e["kind"] == "reconfigured"
         else e
         for e in events
     ]
     (r,) = recoveries([*START, *sharded], faults)
     assert r.reshard_s == 0.025 and r.restore_s == 0.03
+    assert r.reshard_bytes == 1024 and r.reshard_bytes >= 0
 
 
 def test_phases_tile_the_recovery_from_start_to_end() -> None:

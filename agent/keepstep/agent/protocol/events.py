@@ -61,7 +61,8 @@ class EventKind(enum.StrEnum):
     A worker, relayed by its agent with `member` added:
         reconfigured         epoch, members, communicator_s, restore_s, replan_s,
                              resume_step, rolled_back_steps, received_state,
-                             reshard_s (`keepstep.elastic.control.Reconfiguration`)
+                             reshard_s, reshard_bytes
+                             (`keepstep.elastic.control.Reconfiguration`)
         commit               step, epoch, world_size, micro_batches, samples, step_s,
                              assignment, snapshot_s, skipped, metrics, compute_s,
                              new_weights (`keepstep.elastic.control.CommitRecord`)

@@ -172,6 +172,7 @@ class Reconfigured:
     rolled_back_steps: int
     received_state: bool
     reshard_s: float = 0.0  # of restore_s: moving the sharded optimizer state into shards
+    reshard_bytes: int = 0  # of that state, the bytes this worker received from peers
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ No single event is a recovery; one is spread over:
     fault-detected   who noticed a failure, when, and of which epoch
     epoch-agreed     the new membership; `planned` for a step-boundary change
     reconfigured     per worker: communicator_s, restore_s (reshard_s of it, when the
-                     optimizer state is sharded), replan_s, resume_step, rolled_back_steps
+                     optimizer state is sharded, and reshard_bytes received), replan_s,
+                     resume_step, rolled_back_steps
     commit           the first commit in the new epoch (or a later one) ends it
 
 Each epoch after the first is one recovery. Its times:
@@ -104,6 +105,7 @@ class RecoveryRecord:
     fault: int | None = None
     timeout_scale: float = 1.0  # the new epoch's timeouts x their defaults (> 1: raised)
     reshard_s: float = 0.0  # of restore_s: the sharded optimizer state moved into shards
+    reshard_bytes: int = 0  # that state's bytes the members received from peers, summed
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,7 @@ def _record(
         fault=index,
         timeout_scale=float(a.get("timeout_scale", 1.0)),
         reshard_s=max((float(r.get("reshard_s", 0.0)) for r in recon), default=0.0),
+        reshard_bytes=sum(int(r.get("reshard_bytes", 0)) for r in recon),
     )
 
 

@@ -179,6 +179,7 @@ class AgentController:
                 rolled_back_steps=record.rolled_back_steps,
                 received_state=record.received_state,
                 reshard_s=record.reshard_s,
+                reshard_bytes=record.reshard_bytes,
             )
         )
 

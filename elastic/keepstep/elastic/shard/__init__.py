@@ -17,6 +17,7 @@ communicator) builds on it. Torch-free: tools and the agent may import it too.
     assign.py    the bounded stable assignment, built or derived after a loss
     blocks.py    per-chunk columns that derived layouts share until they differ
     copies.py    replicas on the next nodes of each ranking; the chunked transfer plan
+    fetch.py     entering an epoch: who sends which held elements to whom (disjoint)
 
     layout = make_layout(sizes, members)
     copies = place_replicas(layout, replicas=1)

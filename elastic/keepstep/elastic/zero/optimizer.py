@@ -273,6 +273,12 @@ class ZeroOptimizer:
         """Bytes of optimizer state this rank holds (its windows, scratch lanes included)."""
         return state_bytes(self.inner)
 
+    def needed(self) -> list[tuple[int, int, int]]:
+        """``(index, start, stop)`` for every window: the elements of the script's
+        optimizer's parameter ``index`` (its state_dict order) whose state this rank
+        loads (owned pieces and their scratch lanes)."""
+        return [(self._opt_index[w.tensor], w.start, w.stop) for w in self.windows]
+
     def owned_elements(self) -> int:
         return sum(r.size for w in self.windows for r in w.owned)
 

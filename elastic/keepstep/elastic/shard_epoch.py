@@ -1,0 +1,91 @@
+"""Who owns and who keeps which optimizer elements in one epoch of a sharded job.
+
+Where it sits: between the pure chunked layout (shard/chunks.py, shard/copies.py) and
+the job's ZeRO-1 (sharded.py, sharded_snapshot.py). One pure function of the parameter
+sizes and the member set gives both the elements each member steps (``owned``) and the
+elements its snapshot keeps (``held``: its own chunks and one replica of another node's).
+
+Chunks for the life of a job
+    Every epoch cuts the same ``JOB_CHUNKS`` chunks, whatever its membership, so the
+    chunked layout's promise holds across epochs: after a node is lost, the new owner of
+    each lost chunk is (mostly) the member that kept its replica, and recovery moves
+    little more than that (tests/elastic/test_shard_fetch.py). 1,024 keeps the pieces a
+    member steps few (about 1,024 / W) and its load within ~10% of an even share.
+
+Tensor-aligned chunks
+    The layout cuts a flattening in which every parameter starts on a multiple of
+    ``ALIGN`` (each one padded to whole units), and the pieces are mapped back to the
+    real offsets. So every piece a member owns starts on an ``ALIGN`` boundary of its
+    own tensor, and the windows it steps (zero/ownership.py) are the pieces themselves,
+    with no scratch lanes beside them, however many pieces there are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate
+
+from keepstep.elastic.shard import make_chunk_layout, place_replicas
+from keepstep.elastic.shard.layout import Range
+from keepstep.elastic.snapshot_shard import merge, snapshot_ranges
+from keepstep.elastic.zero import ALIGN, Ownership
+
+__all__ = ["JOB_CHUNKS", "EpochShards", "as_node", "epoch_shards"]
+
+JOB_CHUNKS = 1024
+
+
+def as_node(member: str) -> str:
+    """A member's name in the layout: "node/local" as the agents name it; a name without
+    a node ("m0", local runs) counts as a node of its own."""
+    return member if "/" in member else f"{member}/0"
+
+
+@dataclass(frozen=True)
+class EpochShards:
+    """Per member (by the name it was given): the element ranges of the flattened
+    ``sizes`` it owns and those its snapshot keeps, sorted and merged."""
+
+    sizes: tuple[int, ...]
+    owned: dict[str, tuple[Range, ...]]
+    held: dict[str, tuple[Range, ...]]
+
+    def ownership(self, ranks: Sequence[str]) -> Ownership:
+        """The owned ranges in rank order (``ranks``: the communicator's members)."""
+        return Ownership(self.sizes, tuple(self.owned[m] for m in ranks))
+
+
+def epoch_shards(sizes: Sequence[int], members: Sequence[str]) -> EpochShards:
+    """The shards of the epoch of ``members``; see the module docstring."""
+    real = (0, *accumulate(sizes))
+    padded_sizes = [-(-n // ALIGN) * ALIGN for n in sizes]
+    padded = (0, *accumulate(padded_sizes))
+    units = padded[-1] // ALIGN
+    chunk = ALIGN * max(1, -(-units // JOB_CHUNKS))
+    names = {m: as_node(m) for m in members}
+    layout = make_chunk_layout(padded_sizes, names.values(), align=ALIGN, chunk=chunk)
+    replicas = 1 if len(layout.node_members) > 1 else 0
+    keeps = snapshot_ranges(place_replicas(layout, replicas=replicas))
+
+    def unpad(ranges: Sequence[Range]) -> tuple[Range, ...]:
+        out: list[Range] = []
+        t = 0
+        for r in ranges:
+            while t < len(sizes) and padded[t + 1] <= r.start:
+                t += 1
+            u = t
+            while u < len(sizes) and padded[u] < r.stop:
+                lo = max(r.start, padded[u]) - padded[u]
+                hi = min(r.stop, padded[u + 1]) - padded[u]
+                hi = min(hi, sizes[u])
+                if hi > lo:
+                    out.append(Range(real[u] + lo, real[u] + hi))
+                u += 1
+        return merge(out)
+
+    return EpochShards(
+        sizes=tuple(sizes),
+        owned={m: unpad(layout.ranges(n)) for m, n in names.items()},
+        held={m: unpad(keeps.get(n, ())) for m, n in names.items()},
+    )
