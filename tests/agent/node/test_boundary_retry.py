@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from keepstep.agent import protocol
-from keepstep.agent.kv import KVTimeout, Lease
+from keepstep.agent.kv import KVTimeout, KVUnavailable, Lease
 from keepstep.agent.kv.memory import MemoryKV
 from keepstep.agent.node.agent import NodeAgent
 from keepstep.agent.node.config import AgentConfig
@@ -29,7 +29,8 @@ T = 10.0
 
 class ElectingKV:
     """The agent's KV, whose first `create` gets no answer and whose second is applied but
-    its answer lost (both raise KVTimeout, as etcd does while it elects a leader)."""
+    its answer lost (KVTimeout, then KVUnavailable: etcd answers both while it elects a
+    leader)."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.creates = inner, 0
@@ -41,7 +42,7 @@ class ElectingKV:
         created = self.inner.create(key, value, timeout, lease)
         if self.creates == 2:
             assert created
-            raise KVTimeout(f"create {key!r}: etcd did not answer within {timeout} s")
+            raise KVUnavailable(f"create {key!r}: etcd answered UNAVAILABLE: request timed out")
         return bool(created)
 
     def __getattr__(self, name: str) -> Any:
@@ -175,7 +176,8 @@ def test_a_worker_is_admitted_through_an_etcd_election(
 
 class ElectingCasKV:
     """The agent's KV, whose first compare-and-set gets no answer and whose second is
-    applied but its answer lost (etcd electing a leader); later ones answer."""
+    applied but its answer lost (etcd electing a leader: KVTimeout, then KVUnavailable);
+    later ones answer."""
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.cas = inner, 0
@@ -187,7 +189,7 @@ class ElectingCasKV:
         done = self.inner.compare_and_put(key, value, revision, timeout)
         if self.cas == 2:
             assert done
-            raise KVTimeout(f"compare-and-put {key!r}: etcd did not answer within {timeout} s")
+            raise KVUnavailable(f"compare-and-put {key!r}: etcd answered UNAVAILABLE: no leader")
         return bool(done)
 
     def __getattr__(self, name: str) -> Any:

@@ -30,6 +30,11 @@ class KVTimeout(KVError):
     """The store did not answer within the call's timeout."""
 
 
+class KVUnavailable(KVError):
+    """The store could not serve the call now (no leader while it elects one, the member
+    reached is gone); like a timeout, the call may have been applied."""
+
+
 class LeaseLost(KVError):
     """The lease has expired or was revoked: the keys put with it are gone."""
 

@@ -24,7 +24,7 @@ import grpc
 from pyetcd import etcdrpc
 from pyetcd.etcdrpc import kv_pb2
 
-from keepstep.agent.kv import KVDenied, KVError, KVTimeout, LeaseLost, WatchEvent
+from keepstep.agent.kv import KVDenied, KVError, KVTimeout, KVUnavailable, LeaseLost, WatchEvent
 
 __all__ = ["EtcdWatch", "rpc_error"]
 
@@ -43,6 +43,8 @@ def rpc_error(what: str, err: grpc.RpcError, timeout: float) -> KVError:
         return KVTimeout(f"{what}: etcd did not answer within {timeout} s")
     if code == grpc.StatusCode.NOT_FOUND and "lease not found" in (details or ""):
         return LeaseLost(f"{what}: the lease has expired or was revoked")
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return KVUnavailable(f"{what}: etcd answered UNAVAILABLE: {details}")
     if code == grpc.StatusCode.PERMISSION_DENIED:
         return KVDenied(f"{what}: etcd refused it: {details} (these credentials do not cover it)")
     return KVError(f"{what}: etcd answered {code.name}: {details}")

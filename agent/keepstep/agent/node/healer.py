@@ -31,7 +31,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from keepstep.agent import protocol
-from keepstep.agent.kv import KVStore, KVTimeout
+from keepstep.agent.kv import KVStore, KVTimeout, KVUnavailable
 from keepstep.agent.node import agreement
 from keepstep.agent.node.config import BOUNDARY_RETRY_OPS, MINORITY_WAIT_LEASES, AgentConfig
 from keepstep.agent.node.probe import ProbeResult, probe_all
@@ -113,14 +113,15 @@ class Healer:
 
     def _patiently(self, what: str, call: Callable[[], T]) -> T:
         """`call`, asked again while etcd does not answer, for at most BOUNDARY_RETRY_OPS op
-        timeouts in all: etcd electing a leader (its leader lost) answers nothing for
-        seconds, and a worker told to give up then would restart from its snapshot. Only
-        for calls that may be asked twice (puts, deletes, the boundary's decision)."""
+        timeouts in all: etcd electing a leader (its leader lost) answers nothing, or
+        UNAVAILABLE, for seconds, and a worker told to give up then would restart from its
+        snapshot. Only for calls that may be asked twice (puts, deletes, the boundary's
+        decision)."""
         deadline = time.monotonic() + BOUNDARY_RETRY_OPS * self.cfg.op_timeout
         while True:
             try:
                 return call()
-            except KVTimeout as error:
+            except (KVTimeout, KVUnavailable) as error:
                 if time.monotonic() >= deadline:
                     raise
                 log.warning("%s: %s; asking again", what, error)
