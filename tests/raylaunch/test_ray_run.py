@@ -4,8 +4,8 @@ this machine, each raylet standing for a node (its own `keepstep-node` resource)
 One cluster serves the module (starting one takes tens of seconds). Each run must end
 with the parameters of the fault-free local run, every sample seen exactly once and the
 global batch unchanged; the faults go through Ray: an agent's actor killed, a Ray node
-removed (its raylet and every process on it). The cluster is stopped at the end and no
-process of it, or of any run, is left.
+removed (its raylet and every process on it), a raylet added that the job grows onto. The
+cluster is stopped at the end and no process of it, or of any run, is left.
 """
 
 from __future__ import annotations
@@ -121,11 +121,12 @@ def ray_run(
     local_ray: LocalRay,
     *faults: RayFault,
     sleep: float = 0.0,
+    nodes: int = 3,
 ) -> dict[str, Any]:
     cfg = RunConfig(
         script=MLP,
         script_args=("--sleep", str(sleep)),
-        nodes=3,
+        nodes=nodes,
         min_nodes=2,
         global_batch=GB,
         micro_batch=MB,
@@ -136,7 +137,7 @@ def ray_run(
         timeout=200,
     )
     ray_cfg = RayConfig(bundle={NODE: 1}, faults=faults)
-    return run(cfg, ray_cfg, io.StringIO(), remove_node=local_ray.remove)
+    return run(cfg, ray_cfg, io.StringIO(), remove_node=local_ray.remove, add_node=local_ray.add)
 
 
 def check(summary: dict[str, Any], reference: str, tmp: Path) -> None:
@@ -195,3 +196,30 @@ def test_removed_ray_node_is_survived(
     # Its bundle was placed again on the spare raylet, and a new actor asked for there.
     assert nodes["n3"]["bundle"] == nodes["n2"]["bundle"]
     assert nodes["n3"]["ray_node"] not in ("", lost)
+
+
+def test_an_added_raylet_grows_the_job(
+    local_ray: LocalRay, etcd_binary: str, reference: str, tmp_path: Path
+) -> None:
+    """Room for four nodes (--nnodes 2:4) on three raylets: the job starts on three; a
+    raylet added at step 2 gets a fourth agent, admitted at a step boundary."""
+    local_ray.remove(next(iter(local_ray.nodes)))
+    local_ray.cluster.wait_for_nodes()
+    before = set(local_ray.nodes)
+    add = RayFault(RayFaultKind.ADD_NODE, None, 2)
+    try:
+        summary = ray_run(tmp_path, etcd_binary, local_ray, add, sleep=0.25, nodes=4)
+    finally:
+        while len(local_ray.nodes) < RAYLETS:
+            local_ray.add()
+    check(summary, reference, tmp_path)
+    world = summary["world_size_by_step"]
+    # Three raylets: never more than three members before the fourth was added (fewer
+    # when the machine is slow to start them), four at the end.
+    assert max(world[:3]) <= 3 and world[-1] == 4, world
+    join = [r for r in summary["recoveries"] if r["cause"] == "join-node"]
+    assert [(r["node"], r["rolled_back_steps"]) for r in join] == [("n3", 0)], summary["recoveries"]
+    nodes = summary["ray"]["nodes"]
+    assert nodes["n3"]["ray_node"] not in before  # on the raylet added mid-run
+    assert summary["agent_exit_codes"] == {f"n{i}": 0 for i in range(4)}
+    assert summary["faults"][0]["node"] == "n3"

@@ -5,7 +5,10 @@ directories (after the invariants changed), without running anything.
 
 Where it sits: `keepstep.cli.build_parser` calls `register(sub)`; the command loads
 the scenario (a mistake is reported with its line), runs it on the local target
-(`runner.run_scenario`) and writes the report (`report.write`). Cluster mode
+(`runner.run_scenario`) and writes the report (`report.write`). `--target ray` runs it
+with `keepstep run --backend ray` on a local Ray cluster that it starts and stops
+(`keepstep.raylaunch.chaos_target`, imported only then: this package never imports ray),
+the reference on the local target. Cluster mode
 (`python -m keepstep.e2e.chaos`) reuses `add_run_arguments` and `run_and_report` with
 its own target. Exit status: 0 when every
 invariant held in every run (or the scenario was skipped, with its reason printed),
@@ -15,6 +18,7 @@ invariant held in every run (or the scenario was skipped, with its reason printe
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -41,9 +45,11 @@ def register(sub: Any) -> None:
     add_run_arguments(run)
     run.add_argument(
         "--target",
-        choices=["local"],
+        choices=["local", "ray"],
         default="local",
-        help="where the runs go: local (keepstep run on this machine) [local]",
+        help="where the runs go: local (keepstep run on this machine) or ray (keepstep run "
+        "--backend ray on a local Ray cluster of one raylet per node, started and stopped "
+        "here; needs keepstep[ray]) [local]",
     )
     run.set_defaults(func=_cmd_run)
     again = verbs.add_parser("check", help="judge the runs of a report again (nothing is run)")
@@ -75,7 +81,25 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from keepstep.chaos.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
+    if args.target == "ray":
+        return _run_on_ray(scenario, args, LocalTarget())
     return run_and_report(scenario, args, LocalTarget())
+
+
+def _run_on_ray(scenario: Scenario, args: argparse.Namespace, local: Target) -> int:
+    """The scenario on a local Ray cluster, compared with the local target's fault-free
+    run; the cluster is stopped at the end, and a process of it left fails the command."""
+    from keepstep.launch.etcd_server import find_etcd
+    from keepstep.raylaunch.chaos_target import RayTarget  # imports ray
+
+    target = RayTarget(etcd_binary=find_etcd(dict(os.environ)))
+    try:
+        code = run_and_report(scenario, args, target, reference_target=local)
+    finally:
+        left = target.close()
+    for line in left:
+        print(f"  left behind by the Ray cluster: {line}")
+    return 1 if left else code
 
 
 def run_and_report(

@@ -80,6 +80,9 @@ _RECOVERING = frozenset(_LAUNCHER) | {FaultKind.CORRUPT_SNAPSHOT, FaultKind.PART
 KIND_NAMES = ", ".join(k.value for k in FaultKind)
 SLOW_METHODS = ("auto", "cgroup", "signal")
 HANG_METHODS = ("signal", "freezer")
+# kill-node by removing the Ray node (its raylet and every process on it): the Ray target's
+# way; elsewhere the same as a plain kill-node (every process of the node dies by SIGKILL).
+KILL_METHODS = ("ray-node",)
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,8 @@ class Trigger:
 @dataclass(frozen=True)
 class Fault:
     """One fault. `duration` bounds slow-node, partition-node and a hang that resumes;
-    `cpu` is the share a slowed node keeps; `restart_after` brings a killed etcd back."""
+    `cpu` is the share a slowed node keeps; `restart_after` brings a killed etcd back;
+    `method` is how a slow-node, hang-node or kill-node is done (KILL_METHODS)."""
 
     kind: FaultKind
     at: Trigger
@@ -146,7 +150,11 @@ class Fault:
                 raise ConfigError(f"cpu {self.cpu} must be in [0.05, 1): the share the node keeps")
         if self.kind is FaultKind.PARTITION_NODE and self.duration is None:
             raise ConfigError("partition-node needs a duration (seconds)")
-        allowed = {FaultKind.SLOW_NODE: SLOW_METHODS, FaultKind.HANG_NODE: HANG_METHODS}
+        allowed = {
+            FaultKind.SLOW_NODE: SLOW_METHODS,
+            FaultKind.HANG_NODE: HANG_METHODS,
+            FaultKind.KILL_NODE: KILL_METHODS,
+        }
         if self.method is not None and self.method not in allowed.get(self.kind, ()):
             options = ", ".join(allowed.get(self.kind, ())) or "none"
             raise ConfigError(f"method {self.method!r} for {k}; allowed: {options}")

@@ -10,7 +10,9 @@ actor      `NodeActor`: one per Ray node, starts that node's agent through a kee
 nodes      the launcher's record of each node, and the replacement and growth decisions
 nodeconfig the agent configuration of a node, as `keepstep run` writes it
 placement  connecting to Ray, the STRICT_SPREAD placement group, creating actors
-faults     step-gated faults through Ray: kill an actor, remove a Ray node
-launcher   `RayLauncher`: etcd, the actors, replacements, progress, summary
+faults     step-gated faults through Ray: kill an actor or a worker, remove or add a Ray node
+launcher   `RayLauncher`: etcd, the actors, replacements, growth, progress, summary
 cli        the `--backend ray` flags and `run(config, ray_config)`, the entry point
+localcluster  a Ray cluster on this machine: a head and one raylet per node
+chaos_target  `RayTarget`: `keepstep chaos run --target ray`, each run on a local cluster
 """

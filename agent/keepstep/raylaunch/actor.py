@@ -101,6 +101,19 @@ class NodeActor:
             self._watch_w = None
         return code if code is not None else -signal.SIGKILL
 
+    def kill_worker(self, pid: int) -> bool:
+        """SIGKILL `pid` if it is a live process of this node's group (a worker its agent
+        published; a fault); its agent restarts it. Returns whether it was sent."""
+        if self._group is None:
+            return False
+        try:
+            if os.getpgid(pid) != self._group:
+                return False  # not this node's: the pid was reused, or the record is old
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+
     def crash(self) -> None:
         """Die at once by SIGKILL, as a crashed or OOM-killed actor does (a fault): the
         keeper sees the pipe close and ends the node's processes. Never returns."""

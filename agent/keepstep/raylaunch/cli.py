@@ -5,7 +5,8 @@ for the local backend; with `--backend ray` it calls `add_arguments` on its pars
 (once, at registration) and, for a run, `ray_config(args)` and `run(cfg, ray_cfg)`
 instead of the local `Launcher`. This module imports ray only inside `run`, so a bad
 flag is refused before ray is imported. `run` maps `--fault kill-node:N@step=K` to
-killing node N's actor; the other fault kinds act on local processes and are refused.
+killing node N's actor and `kill-worker:N@step=K` to that actor killing the node's first
+worker; the other fault kinds act on local processes and are refused.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from keepstep.raylaunch.config import RayConfig, RayFault, RayFaultKind, parse_r
 
 if TYPE_CHECKING:
     from keepstep.launch.run_config import RunConfig
-    from keepstep.raylaunch.faults import RemoveNode
+    from keepstep.raylaunch.faults import AddNode, RemoveNode
 
 BACKENDS = ("local", "ray")
 
@@ -84,15 +85,21 @@ def ray_config(args: argparse.Namespace, faults: tuple[RayFault, ...] = ()) -> R
 
 
 def ray_faults(cfg: RunConfig) -> tuple[RayFault, ...]:
-    """`--fault kill-node:N@step=K` as Ray faults; other kinds are refused."""
+    """`--fault kill-node:N@step=K` and `kill-worker:N@step=K` as Ray faults; other kinds
+    are refused."""
+    kinds = {
+        FaultKind.KILL_NODE: RayFaultKind.KILL_ACTOR,
+        FaultKind.KILL_WORKER: RayFaultKind.KILL_WORKER,
+    }
     out = []
     for fault in cfg.faults:
-        if fault.kind is not FaultKind.KILL_NODE or fault.node is None:
+        kind = kinds.get(fault.kind)
+        if kind is None or fault.node is None:
             raise ConfigError(
                 f"--fault {fault}: with --backend ray only kill-node:N@step=K (the node's actor "
-                "is killed)"
+                "is killed) and kill-worker:N@step=K (its actor kills the worker)"
             )
-        out.append(RayFault(RayFaultKind.KILL_ACTOR, fault.node, fault.step))
+        out.append(RayFault(kind, fault.node, fault.step))
     return tuple(out)
 
 
@@ -101,9 +108,12 @@ def run(
     ray_cfg: RayConfig,
     out: TextIO = sys.stderr,
     remove_node: RemoveNode | None = None,
+    add_node: AddNode | None = None,
 ) -> dict[str, Any]:
     """Run the job on Ray; returns the run summary (also in the run directory). A
-    `RunConfig` with `--fault kill-node` faults has them injected through Ray."""
+    `RunConfig` with `--fault kill-node` faults has them injected through Ray.
+    `remove_node` and `add_node`: how the Ray faults that remove or add a Ray node do it
+    (a local cluster's raylets; without them those faults are skipped, with a note)."""
     from dataclasses import replace
 
     from keepstep.raylaunch.launcher import RayLauncher
@@ -111,4 +121,4 @@ def run(
     if cfg.faults:
         ray_cfg = replace(ray_cfg, faults=ray_cfg.faults + ray_faults(cfg))
         cfg = replace(cfg, faults=())
-    return RayLauncher(cfg, ray_cfg, out, remove_node).run()
+    return RayLauncher(cfg, ray_cfg, out, remove_node, add_node).run()

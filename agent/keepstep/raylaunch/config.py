@@ -6,9 +6,10 @@ Where it sits: `cli` builds a `RayConfig` from `--address`, `--ray-resource` and
 flags before ray is imported.
 
 `RayFault` is a fault scheduled at a step, injected through Ray with the job held at that
-step boundary (the same step gates as `keepstep run --fault`): kill a node's actor, or
-remove the Ray node it runs on (the caller supplies how: a test's local cluster can remove
-a raylet, a real cluster cannot from the driver).
+step boundary (the same step gates as `keepstep run --fault`): kill a node's actor, kill
+its first worker (through its actor, on its Ray node), remove the Ray node it runs on, or
+add a Ray node for the job to grow onto (the caller supplies how to remove and add: a local
+cluster can remove and start a raylet, a real cluster cannot from the driver).
 """
 
 from __future__ import annotations
@@ -28,25 +29,35 @@ DEFAULT_BUNDLE: Mapping[str, float] = {"CPU": 1.0}
 class RayFaultKind(enum.Enum):
     KILL_ACTOR = "kill-actor"  # the node's actor process dies (SIGKILL): agent and workers too
     REMOVE_NODE = "remove-node"  # the Ray node the agent runs on goes away, every process
+    KILL_WORKER = "kill-worker"  # the node's first worker dies (SIGKILL); its agent restarts it
+    ADD_NODE = "add-node"  # a Ray node joins the cluster: the job grows onto it (--nnodes MAX)
+
+    @property
+    def needs_node(self) -> bool:
+        return self is not RayFaultKind.ADD_NODE
 
 
 @dataclass(frozen=True)
 class RayFault:
     kind: RayFaultKind
-    node: int  # the job's node index: n<node>
+    node: int | None  # the job's node index: n<node> (None: add-node, which names none)
     step: int  # injected with exactly this many steps committed
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, RayFaultKind):
             allowed = ", ".join(k.value for k in RayFaultKind)
             raise ConfigError(f"ray fault kind {self.kind!r}; allowed: {allowed}")
-        if not (isinstance(self.node, int) and self.node >= 0):
+        if not self.kind.needs_node:
+            if self.node is not None:
+                raise ConfigError(f"ray fault {self.kind.value} takes no node")
+        elif not (isinstance(self.node, int) and self.node >= 0):
             raise ConfigError(f"ray fault node {self.node!r} must be an integer >= 0")
         if not (isinstance(self.step, int) and self.step >= 1):
             raise ConfigError(f"ray fault step {self.step!r} must be an integer >= 1")
 
     def __str__(self) -> str:
-        return f"{self.kind.value}:{self.node}@step={self.step}"
+        target = "" if self.node is None else f":{self.node}"
+        return f"{self.kind.value}{target}@step={self.step}"
 
 
 @dataclass(frozen=True)
@@ -91,8 +102,8 @@ class RayConfig:
         ):
             if not _positive(value):
                 raise ConfigError(f"{name} {value!r} must be a number of seconds > 0")
-        steps = [f.step for f in self.faults]
-        if len(set(zip(steps, (f.node for f in self.faults), strict=True))) != len(steps):
+        on_nodes = [(f.step, f.node) for f in self.faults if f.node is not None]
+        if len(set(on_nodes)) != len(on_nodes):
             raise ConfigError(f"ray faults {[str(f) for f in self.faults]}: one per node and step")
 
 

@@ -43,7 +43,7 @@ from keepstep.launch.summary import build_summary, run_failures
 from keepstep.raylaunch import placement
 from keepstep.raylaunch.actor import node_address
 from keepstep.raylaunch.config import RayConfig
-from keepstep.raylaunch.faults import RayFaultInjector, RemoveNode
+from keepstep.raylaunch.faults import AddNode, RayFaultInjector, RemoveNode
 from keepstep.raylaunch.nodeconfig import agent_config, config_json
 from keepstep.raylaunch.nodes import NodeSlot, SlotState, growth, replacements
 
@@ -60,6 +60,7 @@ class RayLauncher:
         ray_cfg: RayConfig,
         out: TextIO,
         remove_node: RemoveNode | None = None,
+        add_node: AddNode | None = None,
     ) -> None:
         if cfg.faults:
             raise ConfigError(
@@ -72,7 +73,9 @@ class RayLauncher:
         self.slots: dict[str, NodeSlot] = {}
         self.group: PlacementGroup | None = None  # the job's first group
         self.groups: list[PlacementGroup] = []  # every group, for the end
-        self.faults = RayFaultInjector(ray_cfg.faults, self.slots, remove_node, self._note)
+        self.faults = RayFaultInjector(
+            ray_cfg.faults, self.slots, remove_node, self._note, add_node
+        )
         self.notes: list[str] = []
         self.shown_at = -SHOW_EVERY_S
         self.resume_step = 0
@@ -285,6 +288,7 @@ class RayLauncher:
             group = placement.place_one(self.ray_cfg.bundle)
             self.groups.append(group)
             new = self._add_slot(group, 0)
+            self.faults.grown(new.name)
             self._note(f"growing ({reason}): {new.name} asked of Ray")
 
     def _read_progress(self, kv: EtcdKV, step: int) -> int:
@@ -333,7 +337,7 @@ class RayLauncher:
             micro_batch=cfg.micro_batch,
             start_step=self.resume_step,
         )
-        injected = {str(f["node"]) for f in self.faults.log}
+        injected = self.faults.killed()
         codes: dict[str, int | None] = {}
         for slot in self.slots.values():
             if slot.state is SlotState.ENDED:
