@@ -44,9 +44,12 @@ def test_selfcheck_shard_matches_the_unsharded_run() -> None:
     assert len({r["params_sha256"] for r in report["runs"]}) == 1
     assert len({tuple(r["loss"]) for r in report["runs"]}) == 1
     # Each member stepped its own share of the optimizer's elements, together all of them.
+    # The selfcheck's model is tiny (a few chunks of 128 elements, most tensors far smaller
+    # than one), so the chunked layout balances it only roughly: no member steps them all.
     shares = [r["stepped_share"] for r in report["runs"]]
     assert shares[0] == [] and len(shares[1]) == 3
-    assert max(shares[1]) < 0.5 and sum(shares[1]) == pytest.approx(1.0, abs=1e-3)
+    assert min(shares[1]) > 0.05 and max(shares[1]) < 0.75
+    assert sum(shares[1]) == pytest.approx(1.0, abs=1e-3)
 
 
 def test_selfcheck_refuses_an_unknown_shard() -> None:
