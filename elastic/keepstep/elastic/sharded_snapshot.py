@@ -103,7 +103,7 @@ def fetch_and_join(
             announced.append(decode(raw, total))
         except BadAnnouncement as err:
             raise BadMessage(f"rank {rank}'s announcement of its pieces: {err}") from None
-    if not any(a.held for a in announced) and not parts:
+    if not any(a.held for a in announced):  # decided from what all members see alike
         return Fetched(None, 0)  # every snapshot was a full one (step 0)
     plan = plan_fetches(announced)
     if plan.lost:
