@@ -14,27 +14,13 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
-from torch._C._distributed_c10d import HashStore, Store
+from test_comm import _create_on_threads  # the two-rank tests' builder, on threads
+from torch._C._distributed_c10d import HashStore
 
 from keepstep.elastic.comm import Communicator
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
 
 MEMBERS = ["a", "b", "c"]
-
-
-def _create(store: Store, epoch: int, members: Sequence[str]) -> list[Communicator]:
-    comms: dict[str, Communicator] = {}
-
-    def build(me: str) -> None:
-        comms[me] = Communicator.create(store, epoch, members, me, timeout=timedelta(seconds=10))
-
-    threads = [threading.Thread(target=build, args=(me,)) for me in members]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=20)
-    assert sorted(comms) == list(members)
-    return [comms[me] for me in members]
 
 
 def _on_threads(
@@ -57,7 +43,7 @@ def _on_threads(
 
 
 def test_each_payload_reaches_its_destination_only() -> None:
-    comms = _create(HashStore(), 0, MEMBERS)
+    comms = _create_on_threads(HashStore(), 0, MEMBERS)
 
     def payloads(src: int) -> list[bytes]:
         # Rank 1 sends nothing to rank 2; every other pair a payload naming both ends.
@@ -85,7 +71,7 @@ def test_each_payload_reaches_its_destination_only() -> None:
 
 
 def test_an_oversized_payload_is_refused_by_its_receiver_and_the_others_give_up() -> None:
-    comms = _create(HashStore(), 0, MEMBERS)
+    comms = _create_on_threads(HashStore(), 0, MEMBERS)
 
     def send(rank: int, comm: Communicator) -> list[bytes]:
         out = [b"ok"] * 3
@@ -104,7 +90,7 @@ def test_an_oversized_payload_is_refused_by_its_receiver_and_the_others_give_up(
 
 
 def test_a_receiver_refuses_what_a_peer_announces_beyond_the_limit() -> None:
-    comms = _create(HashStore(), 1, MEMBERS)
+    comms = _create_on_threads(HashStore(), 1, MEMBERS)
 
     def send(rank: int, comm: Communicator) -> list[bytes]:
         limit = 64 if rank == 0 else 16  # rank 0 believes larger payloads are allowed
@@ -120,7 +106,7 @@ def test_a_receiver_refuses_what_a_peer_announces_beyond_the_limit() -> None:
 
 
 def test_one_member_and_bad_arguments() -> None:
-    (solo,) = _create(HashStore(), 2, ["solo"])
+    (solo,) = _create_on_threads(HashStore(), 2, ["solo"])
     assert solo.alltoall_bytes([b"self"], 8) == [b"self"]
     with pytest.raises(BadMessage, match=re.escape("rank 0 sent 9 bytes; allowed are 0 to 8")):
         solo.alltoall_bytes([b"x" * 9], 8)
