@@ -168,6 +168,31 @@ CASES: dict[str, tuple[list[Event], list[InjectedFault], list[tuple[Any, ...]]]]
             ("lease-expired", "n1", 2, None, 0.0, 0.2, 0.4, 0, None),
         ],
     ),
+    "a fault on a node out of the job takes no later recovery": (
+        [
+            detected(10.1, 0, "snapshot-corrupt", "n2"),
+            agreed(10.3, 1, ["n0/0", "n1/0"], **LOST_N2),
+            commit(10.6, 1, 5),
+            # n2 hung while out of the job: nobody lost, no recovery; then n1 is killed
+            detected(40.2, 1, "worker-exit", "n1"),
+            agreed(40.4, 2, ["n0/0"], planned=False, reason="lost n1/0", removed=["n1/0"]),
+            commit(40.7, 2, 20),
+            detected(60.3, 2, "worker-exit", "n0"),
+            agreed(60.5, 3, ["n0/0"], planned=False, reason="lost n0/0", removed=["n0/0"]),
+            commit(60.8, 3, 30),
+        ],
+        [
+            fault("corrupt-snapshot", 10.0, "n2"),
+            fault("hang-node", 20.0, "n2"),
+            fault("kill-node", 40.0, "n1"),
+            fault("kill-worker", 60.0, "n0"),
+        ],
+        [
+            ("corrupt-snapshot", "n2", 1, None, 0.1, 0.2, 0.6, 0, 0),
+            ("kill-node", "n1", 2, None, 0.2, 0.2, 0.7, 0, 2),
+            ("kill-worker", "n0", 3, None, 0.3, 0.2, 0.8, 0, 3),
+        ],
+    ),
     "old logs: no admitted/removed (the reason names them), detections without epoch": (
         [
             {"t": 5.0, "kind": "fault-detected", "cause": "worker-exit", "node": "n1"},

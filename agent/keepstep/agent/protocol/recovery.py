@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,11 +140,15 @@ def recoveries(
     order = sorted(range(len(faults)), key=lambda i: faults[i].t)
     used: set[int] = set()
     known: set[str] = set()  # members of the epochs agreed so far
+    in_job = {
+        float(e["t"]): frozenset(node_of(str(m)) for m in e.get("members", ()))
+        for e in agreed.values()
+    }
     out = []
     for epoch in sorted(agreed):
         a = agreed[epoch]
         if epoch > 0:
-            fault = _matching_fault(a, faults, order, used)
+            fault = _matching_fault(a, faults, order, used, in_job)
             ends = [t for e, t in first_commit.items() if e >= epoch]
             out.append(
                 _record(
@@ -262,28 +266,65 @@ def _changed(a: Event, field: str, word: str) -> list[str]:
 
 
 def _matching_fault(
-    a: Event, faults: Sequence[InjectedFault], order: Sequence[int], used: set[int]
+    a: Event,
+    faults: Sequence[InjectedFault],
+    order: Sequence[int],
+    used: set[int],
+    in_job: Mapping[float, frozenset[str]],
 ) -> int | None:
-    """The earliest unused fault, injected before this epoch was agreed, of an effect that
-    explains it: a failure for an epoch agreed after one; for a planned epoch, a join
-    admitted with it (its own node, not a restarted worker coming back) or a drain."""
+    """The unused fault, injected before this epoch was agreed, of an effect that explains
+    it. For a planned epoch: the earliest join admitted with it (its own node, not a
+    restarted worker coming back) or drain. For an epoch agreed after a failure, the
+    earliest failure in the first of these that has one: faults on a node the epoch
+    removed that was in the job when hit; faults on a node in the job then (or on no
+    node); any. A fault on a node out of the job at the time (a hang while it rejoins)
+    loses nobody, so it does not take the next recovery that node has. `in_job` maps
+    each agreed epoch's time to its members' nodes."""
     planned = bool(a.get("planned"))
+    if not planned:
+        removed = {node_of(m) for m in _changed(a, "removed", "lost")}
+        failures = [
+            i
+            for i in order
+            if i not in used and faults[i].effect is Effect.FAILURE and faults[i].t <= float(a["t"])
+        ]
+
+        def present(i: int) -> bool:
+            node = faults[i].node
+            return node is None or node in _nodes_at(in_job, faults[i].t)
+
+        tiers: tuple[Callable[[int], bool], ...] = (
+            lambda i: faults[i].node in removed and present(i),
+            present,
+            lambda i: True,
+        )
+        for tier in tiers:
+            index = next((i for i in failures if tier(i)), None)
+            if index is not None:
+                used.add(index)
+                return index
+        return None
     admitted = {node_of(m) for m in _changed(a, "admitted", "admit")}
-    drains = planned and "drain" in str(a.get("reason", ""))
+    drains = "drain" in str(a.get("reason", ""))
     for index in order:
         fault = faults[index]
         if index in used or fault.t > float(a["t"]):
             continue
-        if fault.effect is Effect.FAILURE:
-            fits = not planned
-        elif fault.effect is Effect.JOIN:
-            fits = planned and (fault.node in admitted if fault.node else bool(admitted))
+        if fault.effect is Effect.JOIN:
+            fits = fault.node in admitted if fault.node else bool(admitted)
         else:
-            fits = drains
+            fits = fault.effect is Effect.DRAIN and drains
         if fits:
             used.add(index)
             return index
     return None
+
+
+def _nodes_at(in_job: Mapping[float, frozenset[str]], t: float) -> frozenset[str]:
+    """The nodes of the epoch in force at `t`: the last agreed at or before it (none
+    before the first)."""
+    agreed_by = [at for at in in_job if at <= t]
+    return in_job[max(agreed_by)] if agreed_by else frozenset()
 
 
 def phases(record: RecoveryRecord) -> tuple[Phase, ...]:
