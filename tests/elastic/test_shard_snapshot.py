@@ -39,6 +39,7 @@ from keepstep.elastic.snapshot_shard import (
     uncovered,
 )
 from keepstep.elastic.zero import ALIGN, ELEMENTWISE
+from shard_states import trained_adam as _trained_adam
 
 FAST = settings(max_examples=40, deadline=None)
 sizes_st = st.lists(st.integers(0, 5000), min_size=1, max_size=12).filter(lambda s: sum(s) > 0)
@@ -87,18 +88,6 @@ def test_merge_and_uncovered_tables() -> None:
 
 
 # ---- the optimizer state --------------------------------------------------------------
-
-
-def _trained_adam() -> tuple[list[torch.nn.Parameter], torch.optim.Optimizer]:
-    g = torch.Generator().manual_seed(7)
-    shapes: list[tuple[int, ...]] = [(37, 5), (300,), (0,), (700, 3), ()]
-    params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
-    opt = torch.optim.Adam(params, lr=1e-2, amsgrad=True)
-    for _ in range(3):
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g)
-        opt.step()
-    return params, opt
 
 
 def test_survivors_pieces_give_back_the_full_state_and_a_double_fault_is_detected() -> None:

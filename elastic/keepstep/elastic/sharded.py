@@ -29,9 +29,12 @@ Snapshots
     of every element; a double fault is reported (StateShapeError) on every member.
     Between steps a member holds only its shard's optimizer state (about 1/W, plus window
     scratch); the full state exists while a commit gathers it. Not yet: stepping and
-    snapshotting without the gather, durable checkpoints of a sharded job that resume (a
-    checkpoint holds one member's pieces: a resume is refused as a state with no copy,
-    never silently wrong).
+    snapshotting without the gather.
+
+Durable checkpoints
+    Every member's snapshot of a step goes to storage as one part, in parallel (the
+    agent's durable/parts.py); a resume joins the parts into one snapshot
+    (sharded_checkpoint.py) that seeds every member of a job of any size.
 """
 
 from __future__ import annotations

@@ -9,10 +9,12 @@ knows (index, element range, known dtype, sizes that add up) before a byte is us
 
     raw = pack_pieces(cut_state(full, sizes, keys, ranges))
     pieces = unpack_pieces(raw, sizes, keys)            # BadMessage if anything is off
+    raw = concat_pieces([raw_a, raw_b])                 # both members' pieces, each once
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -23,7 +25,7 @@ import torch
 from keepstep.elastic.errors import BadMessage, StateShapeError
 from keepstep.elastic.snapshot_shard import PieceKey
 
-__all__ = ["pack_pieces", "unpack_pieces"]
+__all__ = ["concat_pieces", "pack_pieces", "unpack_pieces"]
 
 _HEAD = 8  # bytes of the little-endian header length that starts the payload
 _DTYPES = {
@@ -116,6 +118,89 @@ def unpack_pieces(
     if offset != len(body):
         raise BadMessage(f"{len(body) - offset} bytes left over after the pieces")
     return out
+
+
+def concat_pieces(raws: Sequence[bytes]) -> bytes:
+    """One payload holding the pieces of ``raws`` (``pack_pieces`` payloads) but those
+    whose elements the pieces taken before hold all of: what a sharded checkpoint's
+    members kept, for one snapshot. Longer pieces are taken first, so a replica that
+    spans several owners' chunks leaves their pieces out, or the other way round (about
+    every element once). The tensors' bytes are not read, only counted; ``BadMessage``
+    when a payload's header does not account for its bytes (``unpack_pieces`` checks the
+    rest where the parameters are known)."""
+    found: list[tuple[list[Any], memoryview]] = []
+    for i, raw in enumerate(raws):
+        found.extend(_pieces_of(memoryview(raw), i))
+    found.sort(key=lambda piece: piece[0][1] - piece[0][2])  # stable: longest first
+    entries: list[Any] = []
+    chunks: list[memoryview] = []
+    seen: set[tuple[int, int, int]] = set()
+    held: dict[int, list[tuple[int, int]]] = {}  # per parameter: the ranges taken, sorted
+    for entry, chunk in found:
+        t, a, b = entry[:3]
+        if not _held(held.setdefault(t, []), a, b, (t, a, b) in seen):
+            seen.add((t, a, b))
+            bisect.insort(held[t], (a, b))
+            entries.append(entry)
+            chunks.append(chunk)
+    header = json.dumps(entries).encode()
+    return len(header).to_bytes(_HEAD, "little") + header + b"".join(chunks)
+
+
+def _pieces_of(view: memoryview, i: int) -> list[tuple[list[Any], memoryview]]:
+    """Each piece's header entry and bytes in payload ``i``, its sizes accounted for."""
+    n = int.from_bytes(view[:_HEAD], "little") if len(view) >= _HEAD else -1
+    if not 0 <= n <= len(view) - _HEAD:
+        raise BadMessage(f"payload {i} of {len(view)} bytes has no whole header")
+    try:
+        header = json.loads(bytes(view[_HEAD : _HEAD + n]))
+    except (UnicodeDecodeError, ValueError) as err:
+        raise BadMessage(f"payload {i}: header is not JSON: {err}") from None
+    if not isinstance(header, list):
+        raise BadMessage(f"payload {i}: header must be a list of pieces")
+    at = _HEAD + n
+    out = []
+    for entry in header:
+        if (
+            not isinstance(entry, list)
+            or len(entry) != 4
+            or not all(type(x) is int for x in entry[:3])
+            or not isinstance(entry[3], list)
+        ):
+            raise BadMessage(f"payload {i}: bad piece {entry!r}"[:200])
+        size = sum(_nbytes(value, i) for value in entry[3])
+        if at + size > len(view):
+            raise BadMessage(f"payload {i}: ends inside piece {entry[:3]!r}")
+        out.append((entry, view[at : at + size]))
+        at += size
+    if at != len(view):
+        raise BadMessage(f"payload {i}: {len(view) - at} bytes left over after the pieces")
+    return out
+
+
+def _held(ranges: list[tuple[int, int]], a: int, b: int, same: bool) -> bool:
+    """Whether ``ranges`` (sorted) hold every element of a..b; an empty piece (a
+    parameter without elements, whose piece carries its per-tensor values) only when one
+    of the same key was taken."""
+    if a == b:
+        return same
+    for lo, hi in ranges:
+        if lo > a:
+            return False
+        a = max(a, hi)
+        if a >= b:
+            return True
+    return False
+
+
+def _nbytes(value: Any, i: int) -> int:
+    """The bytes a header value's tensor takes in the body (0 for a plain value)."""
+    if not isinstance(value, list) or len(value) < 2 or value[1] != "tensor":
+        return 0
+    dtype = _DTYPES.get(value[2]) if len(value) == 4 else None
+    if dtype is None or not _shape(value[3]):
+        raise BadMessage(f"payload {i}: bad value {value!r}"[:200])
+    return math.prod(value[3]) * torch.empty((), dtype=dtype).element_size()
 
 
 def _entry(entry: Any, sizes: Sequence[int]) -> tuple[int, int, int, list[Any]]:

@@ -1,0 +1,101 @@
+"""A sharded job's durable checkpoint as one snapshot: its members' parts joined.
+
+Where it sits: between the agent's durable checkpoints (durable/ writes every member's
+snapshot of a step as one part and reads the parts back) and the snapshot format. A
+sharded job's snapshot holds the full parameters and only this member's pieces of the
+optimizer state (sharded_snapshot.py), so no one member's snapshot is a checkpoint.
+``join_parts`` makes one snapshot of all of them, every piece once; it seeds each member
+of the resumed job, whatever the job's size. Entering its first epoch each member finds
+all it needs held locally (``fetch_and_join`` moves nothing) and its first commit keeps
+only its new shard's pieces.
+
+    blobs = [store.export(step) for each member]       # written in parallel, one part each
+    seed = join_parts(blobs)                           # SnapshotCorrupt if they do not fit
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotCorrupt
+from keepstep.elastic.sharded_snapshot import PIECES
+from keepstep.elastic.snapshot_buffer import MemoryBuffer
+from keepstep.elastic.snapshot_format import decode_payload, read_index
+from keepstep.elastic.snapshot_layout import exported_payload
+from keepstep.elastic.snapshot_pieces import concat_pieces
+from keepstep.elastic.snapshot_store import SnapshotStore
+
+__all__ = ["holds_pieces", "join_parts"]
+
+_KEY = f"extra/{PIECES}"  # the snapshot tensor that holds a member's pieces
+
+
+def holds_pieces(blob: bytes) -> bool:
+    """Whether an exported snapshot (``SnapshotStore.export``) is a sharded member's: it
+    holds pieces of the optimizer state, not all of it. Reads the header and index only."""
+    step, payload, _ = exported_payload(blob, "snapshot")
+    entries, _meta = read_index(step, payload)
+    return any(e.name == _KEY for e in entries)
+
+
+def join_parts(blobs: Sequence[bytes]) -> bytes:
+    """One exported snapshot from every member's of one step: the first one's parameters,
+    optimizer groups, data position and metadata, with the pieces of all of them.
+
+    The parts must be of one step and hold the same tensors with bit-identical model
+    parameters (the members of one job at one step do); otherwise ``SnapshotCorrupt``
+    names the part that does not fit. Parts without pieces (an unsharded job's) are
+    refused: their checkpoint is any one of them."""
+    if not blobs:
+        raise ConfigError("blobs: a sharded checkpoint needs at least one part")
+    decoded: list[tuple[int, dict[str, torch.Tensor], bytes]] = []
+    for i, blob in enumerate(blobs):
+        step, payload, _ = exported_payload(blob, f"part {i} of the checkpoint")
+        tensors, meta = decode_payload(step, memoryview(bytearray(payload)))
+        if _KEY not in tensors:
+            raise SnapshotCorrupt(f"part {i} of the checkpoint holds no pieces of the state")
+        decoded.append((step, tensors, meta))
+    step, first, meta = decoded[0]
+    for i, (other_step, tensors, _) in enumerate(decoded[1:], start=1):
+        _check_fits(i, other_step, tensors, step, first)
+    try:
+        raw = concat_pieces([_bytes(tensors[_KEY]) for _, tensors, _ in decoded])
+    except BadMessage as err:
+        raise SnapshotCorrupt(f"the checkpoint's pieces of the state: {err}") from None
+    joined = {**first, _KEY: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+    store = SnapshotStore(MemoryBuffer(), background=False)
+    try:
+        store.commit(step, joined, meta)
+        store.wait()
+        return store.export(step)
+    finally:
+        store.close()
+
+
+def _check_fits(
+    i: int, step: int, tensors: dict[str, torch.Tensor], at: int, first: dict[str, torch.Tensor]
+) -> None:
+    if step != at:
+        raise SnapshotCorrupt(f"part {i} of the checkpoint is of step {step}, part 0 of {at}")
+    if set(tensors) != set(first):
+        odd = sorted(set(tensors) ^ set(first))[:4]
+        raise SnapshotCorrupt(f"part {i} of the checkpoint holds other tensors than part 0: {odd}")
+    for name, value in first.items():
+        if not name.startswith("model/"):
+            continue
+        other = tensors[name]
+        if (
+            other.dtype != value.dtype
+            or other.shape != value.shape
+            or _bytes(other) != _bytes(value)
+        ):
+            raise SnapshotCorrupt(
+                f"part {i} of the checkpoint has other parameters than part 0 ({name}): "
+                "not the same job at the same step"
+            )
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
