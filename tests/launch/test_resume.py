@@ -44,14 +44,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
     return agreed_sha(run_local(run, tmp_path_factory.mktemp("ref")))
 
 
-def run(run_dir: Path, steps: int, env: dict[str, str], *args: str) -> dict[str, object]:
+def run(
+    run_dir: Path, steps: int, env: dict[str, str], *args: str, nodes: int = 2
+) -> dict[str, object]:
     cmd = [
         sys.executable,
         "-m",
         "keepstep",
         "run",
         "--nodes",
-        "2",
+        str(nodes),
         "--global-batch",
         str(GB),
         "--micro-batch",
@@ -104,6 +106,38 @@ def test_resume_from_a_durable_checkpoint(
     assert isinstance(samples, dict)
     assert samples["lost"] == 0 and samples["duplicated"] == 0
     assert samples["expected"] == (TOTAL - FIRST) * GB
+
+
+def test_a_sharded_job_resumes_on_another_world_size(reference: str, tmp_path: Path) -> None:
+    """ZeRO-1 on three nodes writes each member's part every 6 steps; two nodes resume from
+    the parts joined and end with the numbers of the unsharded job that never stopped."""
+    url = f"file://{tmp_path}/ckpt"
+    env = dict(os.environ)
+    shard = ("--shard", "zero1")
+    first = run(tmp_path / "a", FIRST, env, *shard, "--checkpoint", url, "--checkpoint-every", "6",
+                nodes=3)  # fmt: skip
+    assert first["steps"] == FIRST
+    (latest,) = [c for c in list_checkpoints(url, 30.0) if c.step == FIRST]
+    assert latest.parts == 3
+    parts = sorted(p.name for p in (tmp_path / "ckpt").glob(f"step-{FIRST:08d}.*.part-*.ckpt"))
+    assert [p.rsplit(".part-", 1)[1] for p in parts] == [f"000{i}-of-0003.ckpt" for i in range(3)]
+    # `keepstep checkpoint` reads the parts joined; the optimizer state it cannot export.
+    tool = [sys.executable, "-m", "keepstep", "checkpoint"]
+    listed = subprocess.run([*tool, "ls", "--json", url], capture_output=True, text=True,
+                            timeout=60, check=True)  # fmt: skip
+    steps = {s["step"]: s for s in json.loads(listed.stdout)["steps"]}
+    assert steps[FIRST]["status"] == "intact"
+    assert steps[FIRST]["params_sha256"] == first["params_sha256"]
+    out = tmp_path / "state.pt"
+    refused = subprocess.run([*tool, "export", url, str(out)], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert refused.returncode == 2 and "sharded job's checkpoint (3 parts)" in refused.stderr
+    second = run(tmp_path / "b", TOTAL, env, *shard, "--resume", url, nodes=2)
+    assert second["params_sha256"] == reference
+    assert second["start_step"] == FIRST
+    samples = second["samples"]
+    assert isinstance(samples, dict)
+    assert samples["lost"] == 0 and samples["duplicated"] == 0
 
 
 def test_resume_from_an_empty_location_is_refused(tmp_path: Path) -> None:

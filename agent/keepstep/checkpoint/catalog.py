@@ -16,6 +16,7 @@ import enum
 import hashlib
 from dataclasses import dataclass, field
 
+from keepstep.agent.durable.parts import read_parts
 from keepstep.agent.durable.storage import (
     LATEST,
     CheckpointInfo,
@@ -110,7 +111,8 @@ def scan(loc: Location, timeout: float) -> Catalog:
 
 def read_blob(loc: Location, step: Step, timeout: float) -> bytes:
     """The blob of a published step, checked against its record: SnapshotMissing when it is
-    gone, SnapshotCorrupt when its size or sha256 differ."""
+    gone, SnapshotCorrupt when its size or sha256 differ. A sharded job's step is its
+    members' parts, each checked, as one bundle (``contents.decode`` joins them)."""
     info = step.info
     if info is None or step.status not in (Status.PUBLISHED, Status.INTACT):
         raise Unusable(f"{loc.url} step {step.step} is {step.status.value}: {step.reason}")
@@ -128,7 +130,16 @@ def read_blob(loc: Location, step: Step, timeout: float) -> bytes:
             f"{info.url}: {len(blob)} B with sha256 {digest}, "
             f"its record says {info.nbytes} B with sha256 {info.sha256}"
         )
-    return blob
+    if not info.parts:
+        return blob
+
+    def joined() -> bytes:  # a sharded job's: the blob is the manifest of its parts
+        try:
+            return read_parts(Store(loc), info, blob)
+        except FileNotFoundError as e:
+            raise SnapshotMissing(f"{info.url}: part {e} gone") from None
+
+    return bounded(joined, timeout, f"reading the {info.parts} parts of {info.url}")
 
 
 def intact(step: Step, params_sha256: str, state_sha256: dict[str, str]) -> Step:

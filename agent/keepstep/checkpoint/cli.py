@@ -137,6 +137,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
         hint = f"; other steps there (--step N): {', '.join(others)}" if others else ""
         raise type(e)(f"{e}{hint}") from None
     assert step.info is not None  # read_blob refuses a step without a record
+    if contents.sharded and args.format == "torch":
+        raise ConfigError(
+            f"{step.info.url}: step {step.step} is a sharded job's checkpoint "
+            f"({step.info.parts} parts), whose optimizer state is in pieces: "
+            "--format safetensors exports its model; keepstep run --resume continues it"
+        )
     nbytes = write(contents, step.info.url, out, Format(args.format), force=args.force)
     what = f"model ({len(contents.model)} tensors)"
     if args.format == "torch":

@@ -23,8 +23,11 @@ from typing import Any
 
 import torch
 
+from keepstep.agent.durable.parts import unbundle
 from keepstep.elastic import train_state
 from keepstep.elastic.errors import SnapshotCorrupt
+from keepstep.elastic.sharded_checkpoint import join_parts
+from keepstep.elastic.sharded_snapshot import PIECES
 from keepstep.elastic.snapshot_format import TensorEntry, read_index
 from keepstep.elastic.snapshot_layout import exported_payload
 from keepstep.elastic.tracked import TrackedState
@@ -39,10 +42,16 @@ class Contents:
     state: dict[str, Any]  # tracked name -> that object's state_dict(), in registration order
     params_sha256: str  # what the job reported for this state (``params_sha256`` below)
     state_sha256: dict[str, str]  # tracked name -> its hash (``Job.state_sha256(name)``)
+    sharded: bool = False  # a sharded job's: the per-parameter optimizer state is in pieces
 
 
 def decode(step: int, blob: bytes) -> Contents:
-    """The state in a blob of ``step``; SnapshotCorrupt naming what does not check out."""
+    """The state in a blob of ``step``; SnapshotCorrupt naming what does not check out. A
+    sharded job's blob (its members' parts) is joined first; its optimizer state is in
+    pieces, which ``Contents.sharded`` says and ``optimizer`` leaves out."""
+    parts = unbundle(blob)
+    if parts is not None:
+        blob = join_parts(parts)
     saved_step, payload, _ = exported_payload(blob, f"checkpoint of step {step}")
     if saved_step != step:
         raise SnapshotCorrupt(f"checkpoint of step {step} holds the snapshot of step {saved_step}")
@@ -66,6 +75,7 @@ def decode(step: int, blob: bytes) -> Contents:
         states,
         params_sha256(model, tracked),
         {name: tracked.sha256(name) for name in tracked.names},
+        sharded=f"extra/{PIECES}" in tensors,
     )
 
 

@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from keepstep.agent.durable.parts import read_parts
 from keepstep.agent.durable.storage import (
     LATEST,
     CheckpointInfo,
@@ -40,7 +41,10 @@ log = logging.getLogger("keepstep.agent.durable.writer")
 def latest_checkpoint(
     url: str, timeout: float, storage_options: Mapping[str, Any] | None = None
 ) -> tuple[CheckpointInfo, bytes] | None:
-    """The newest published checkpoint whose blob matches its sha256, and the blob.
+    """The newest published checkpoint whose blob matches its sha256, and the blob. For a
+    sharded job's checkpoint (``info.parts`` > 0) the blob is its members' parts, each
+    verified, as one bundle (parts.py): the agent joins them into one snapshot that seeds
+    every member of a job of any size.
 
     None when latest.json does not exist (no checkpoint was ever completed). A damaged or
     missing newest checkpoint is skipped with a warning; if every published one is damaged or
@@ -69,30 +73,31 @@ def _read_latest(store: Store) -> tuple[CheckpointInfo, bytes] | None:
     missing = False
     for step in sorted(scan.candidates, reverse=True):
         try:
-            info = scan.info(step)
-            blob = store.get(blob_name(step))
+            return _verified(store, scan, step)
         except FileNotFoundError as e:
             log.warning("skipping checkpoint of step %d under %s: %s missing", step, store.url, e)
             missing = True
-            continue
         except SnapshotCorrupt as e:
             log.warning("skipping damaged checkpoint of step %d: %s", step, e)
             errors.append(str(e))
-            continue
-        digest = hashlib.sha256(blob).hexdigest()
-        if len(blob) != info.nbytes or digest != info.sha256:
-            why = (
-                f"{info.url}: {len(blob)} B with sha256 {digest}, "
-                f"record says {info.nbytes} B with sha256 {info.sha256}"
-            )
-            log.warning("skipping damaged checkpoint of step %d: %s", step, why)
-            errors.append(why)
-            continue
-        return info, blob
     if errors:
         raise SnapshotCorrupt(f"no intact checkpoint under {store.url}: " + "; ".join(errors))
     detail = " (files missing)" if missing else ""
     raise SnapshotMissing(f"{store.url}/{LATEST} exists but no checkpoint is left{detail}")
+
+
+def _verified(store: Store, scan: _Scan, step: int) -> tuple[CheckpointInfo, bytes]:
+    """The record and blob of ``step``, the blob checked against the record's sha256 (a
+    sharded job's: its parts, each checked, bundled)."""
+    info = scan.info(step)
+    blob = store.get(blob_name(step))
+    digest = hashlib.sha256(blob).hexdigest()
+    if len(blob) != info.nbytes or digest != info.sha256:
+        raise SnapshotCorrupt(
+            f"{info.url}: {len(blob)} B with sha256 {digest}, "
+            f"record says {info.nbytes} B with sha256 {info.sha256}"
+        )
+    return info, read_parts(store, info, blob) if info.parts else blob
 
 
 def _read_list(store: Store) -> list[CheckpointInfo]:

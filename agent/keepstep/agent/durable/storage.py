@@ -9,6 +9,12 @@ prefix in an object store)::
     step-00000042.json   its CheckpointInfo, with the blob's sha256
     latest.json          the CheckpointInfo of the newest complete checkpoint, written last
 
+A sharded job's checkpoint (parts.py) has one part per member, written in parallel, and
+its blob is the manifest that lists them (the record's ``parts`` > 0)::
+
+    step-00000042.e0003.part-0001-of-0004.ckpt   member 1's snapshot, of epoch 3's four
+    step-00000042.e0003.part-0001-of-0004.json   its CheckpointInfo
+
 Object stores publish each object whole; on a local filesystem each file goes to a temporary
 name, is fsynced and renamed. fsspec calls take no timeout, so callers that must not hang run
 them through ``bounded``. The command lines check a ``--checkpoint``/``--resume`` URL here
@@ -46,14 +52,17 @@ __all__ = [
     "check_int",
     "check_timeout",
     "info_name",
+    "part_name",
     "step_files",
 ]
 
 LATEST = "latest.json"
-_FORMAT = 1
-_STEP_FILE = re.compile(r"step-(\d{8,})\.(ckpt|json)")
+_FORMAT = 1  # a record of a whole snapshot
+_FORMAT_PARTS = 2  # a record with parts: older builds refuse it by its format
+_PART = r"(?:\.e\d{4,}\.part-\d{4,}-of-\d{4,})?"
+_STEP_FILE = re.compile(rf"step-(\d{{8,}}){_PART}\.(ckpt|json)")
 _TMP = ".tmp-"
-TMP_FILE = re.compile(r"(step-\d{8,}\.(ckpt|json)|latest\.json)\.tmp-\d+")
+TMP_FILE = re.compile(rf"(step-\d{{8,}}{_PART}\.(ckpt|json)|latest\.json)\.tmp-\d+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _T = TypeVar("_T")
 
@@ -64,6 +73,11 @@ def blob_name(step: int) -> str:
 
 def info_name(step: int) -> str:
     return f"step-{step:08d}.json"
+
+
+def part_name(step: int, epoch: int, index: int, count: int, ext: str = "ckpt") -> str:
+    """The file of member ``index`` of ``count``'s part (``ext`` "json": its record)."""
+    return f"step-{step:08d}.e{epoch:04d}.part-{index:04d}-of-{count:04d}.{ext}"
 
 
 def step_files(names: list[str]) -> dict[int, set[str]]:
@@ -83,6 +97,7 @@ class CheckpointInfo:
     nbytes: int
     sha256: str
     written_at: float  # time.time() when the blob was in storage
+    parts: int = 0  # 0: the blob is a snapshot; n: the manifest of n members' parts
 
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not self.url:
@@ -94,18 +109,32 @@ class CheckpointInfo:
         w = self.written_at
         if isinstance(w, bool) or not isinstance(w, int | float) or not math.isfinite(w) or w < 0:
             raise ConfigError(f"written_at={w!r}: must be a finite time in seconds >= 0")
+        check_int("parts", self.parts, 0)
 
     def to_json(self) -> bytes:
-        return json.dumps({"format": _FORMAT, **dataclasses.asdict(self)}, indent=1).encode()
+        record = dataclasses.asdict(self)
+        if not self.parts:
+            del record["parts"]  # as builds before parts wrote it, so they read it
+        form = _FORMAT_PARTS if self.parts else _FORMAT
+        return json.dumps({"format": form, **record}, indent=1).encode()
 
     @classmethod
     def from_json(cls, raw: bytes, where: str) -> CheckpointInfo:
         """Parse a record; anything malformed is SnapshotCorrupt naming ``where``."""
         try:
             record = json.loads(raw)
-            if record["format"] != _FORMAT:
-                raise ValueError(f"format {record['format']!r}, this build reads {_FORMAT}")
-            return cls(**{f.name: record[f.name] for f in dataclasses.fields(cls)})
+            if record["format"] not in (_FORMAT, _FORMAT_PARTS):
+                raise ValueError(
+                    f"format {record['format']!r}, this build reads {_FORMAT} and {_FORMAT_PARTS}"
+                )
+            fields = dataclasses.fields(cls)
+            return cls(
+                **{
+                    f.name: record[f.name]
+                    for f in fields
+                    if f.name in record or f.default is dataclasses.MISSING
+                }
+            )
         except (ValueError, KeyError, TypeError) as e:
             raise SnapshotCorrupt(f"{where}: not a checkpoint record ({e})") from None
 

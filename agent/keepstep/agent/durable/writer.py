@@ -35,6 +35,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from keepstep.agent.durable.parts import Part, publish_parts, write_part
 from keepstep.agent.durable.reader import latest_checkpoint, list_checkpoints
 from keepstep.agent.durable.storage import (
     LATEST,
@@ -55,6 +56,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointWriter",
+    "Part",
     "blob_name",
     "info_name",
     "latest_checkpoint",
@@ -72,7 +74,9 @@ class CheckpointWriter:
     """Writes submitted blobs on one background thread; a newer pending blob replaces an older.
 
     ``after_step`` is the step the job starts or resumes from: it and every step below it are
-    never due, so a resumed job does not write its starting checkpoint again.
+    never due, so a resumed job does not write its starting checkpoint again. A sharded
+    job's members each submit their snapshot as a ``Part`` (parts.py), one writer each; the
+    publishing one waits up to ``parts_timeout`` s for the other parts.
     """
 
     def __init__(
@@ -83,17 +87,20 @@ class CheckpointWriter:
         keep: int = 2,
         storage_options: Mapping[str, Any] | None = None,
         after_step: int = 0,
+        parts_timeout: float = 300.0,
     ) -> None:
         self._loc = Location.parse(url, storage_options)
         check_int("every_steps", every_steps, 1)
         check_int("keep", keep, 1)
         check_int("after_step", after_step, 0)
+        check_timeout(parts_timeout)
+        self.parts_timeout = parts_timeout
         self.url = self._loc.url
         self.every_steps = every_steps
         self.keep = keep
         self._cond = threading.Condition()
         self._last = after_step  # newest step written, being written or pending
-        self._pending: tuple[int, bytes] | None = None
+        self._pending: tuple[int, bytes, Part | None] | None = None
         self._busy: int | None = None  # the step being written
         self._error: CheckpointError | None = None  # the newest write failed
         self._written: list[CheckpointInfo] = []
@@ -108,8 +115,9 @@ class CheckpointWriter:
         with self._cond:
             return not self._closed and step % self.every_steps == 0 and step > self._last
 
-    def submit(self, step: int, blob: bytes) -> None:
-        """Queue ``blob`` (the raw bytes of ``step``) and return at once."""
+    def submit(self, step: int, blob: bytes, part: Part | None = None) -> None:
+        """Queue ``blob`` (the raw bytes of ``step``; with ``part``, one member's part of
+        it) and return at once."""
         check_int("step", step, 0)
         if not isinstance(blob, bytes):
             # A mutable buffer could change while the background thread writes it.
@@ -123,7 +131,7 @@ class CheckpointWriter:
                     "already written or queued"
                 )
             replaced, busy = self._pending, self._busy
-            self._pending = (step, blob)
+            self._pending = (step, blob, part)
             self._last = step
             self._cond.notify_all()
         if replaced is not None:  # storage is slower than the cadence; say so, outside the lock
@@ -178,12 +186,14 @@ class CheckpointWriter:
                     self._cond.wait()
                 if self._pending is None:
                     return
-                (step, blob), self._pending = self._pending, None
+                (step, blob, part), self._pending = self._pending, None
                 self._busy = step
             info: CheckpointInfo | None = None
             error: CheckpointError | None = None
             try:
-                info = self._write(step, blob)
+                info = (
+                    self._write(step, blob) if part is None else self._write_part(step, blob, part)
+                )
             except Exception as e:
                 log.error("checkpoint of step %d to %s failed: %r", step, self.url, e)
                 error = CheckpointError(f"checkpoint of step {step} to {self.url} failed: {e!r}")
@@ -221,18 +231,44 @@ class CheckpointWriter:
         )
         return info
 
+    def _write_part(self, step: int, blob: bytes, part: Part) -> CheckpointInfo:
+        started = time.monotonic()
+        store = Store(self._loc)
+        info = write_part(store, step, part, blob)
+        log.info(
+            "checkpoint of step %d: part %d of %d, %d B to %s in %.2f s",
+            step,
+            part.index,
+            part.count,
+            len(blob),
+            info.url,
+            time.monotonic() - started,
+        )
+        if not part.publish:
+            return info
+        info = publish_parts(store, step, part, self.parts_timeout)
+        log.info("checkpoint of step %d: %d parts published", step, part.count)
+        try:
+            self._prune(store, step)
+        except Exception as e:
+            log.warning("could not delete old checkpoints under %s: %r", self.url, e)
+        return info
+
     def _prune(self, store: Store, step: int) -> None:
         names = store.names()
         by_step = step_files(names)
         older = sorted(s for s in by_step if s <= step)
-        newer = [s for s in by_step if s > step]
+        # Parts of later steps without their record are being written now, not another run's.
+        newer = [s for s in by_step if s > step and info_name(s) in by_step[s]]
         if newer:
             # Another run's history (a job started on a used URL); latest.json no longer names
             # them, so no reader returns them, and deleting another run's data is not ours.
             log.warning("%s holds checkpoints of later steps %s; left in place", self.url, newer)
         for old in older[: -self.keep]:
-            # The record goes first: a listing never shows a record whose blob is gone.
-            for name in sorted(by_step[old], reverse=True):
+            # The record goes first, then the blob (a manifest), then the parts it lists: a
+            # listing never shows a record whose blob or parts are gone.
+            rank = {info_name(old): 0, blob_name(old): 1}
+            for name in sorted(by_step[old], key=lambda n: (rank.get(n, 2), n)):
                 store.remove(name)
         for name in names:
             if TMP_FILE.fullmatch(name):  # left by a writer that died mid-file

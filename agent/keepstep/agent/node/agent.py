@@ -118,8 +118,8 @@ class NodeAgent:
         )
         self.durable = (
             DurableCheckpoints(
-                CheckpointWriter(
-                    cfg.checkpoint_url,
+                lambda: CheckpointWriter(
+                    cfg.checkpoint_url or "",
                     cfg.checkpoint_every or max(cfg.steps, 1),
                     storage_options=cfg.storage_options,
                     after_step=cfg.resume_step,

@@ -10,18 +10,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from keepstep.agent.durable.writer import CheckpointWriter
+from keepstep.agent.durable.parts import unbundle
+from keepstep.agent.durable.writer import CheckpointWriter, Part
+from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.events import EventKind, EventLog
-from keepstep.elastic.errors import SnapshotCorrupt, SnapshotMissing
+from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, SnapshotMissing
+from keepstep.elastic.sharded_checkpoint import holds_pieces, join_parts
 from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
 
 log = logging.getLogger(__name__)
 
 
 def seed_snapshot(path: Path, blob: bytes, events: EventLog, member: str) -> None:
-    """Put a checkpoint into a worker's (new) snapshot file: the worker resumes from it."""
+    """Put a checkpoint into a worker's (new) snapshot file: the worker resumes from it. A
+    sharded job's checkpoint is its members' parts: joined, they hold every piece of the
+    optimizer state, and the worker keeps its new shard's pieces at its first commit."""
+    parts = unbundle(blob)
+    if parts is not None:
+        blob = join_parts(parts)
     path.unlink(missing_ok=True)
     buffer = FileBuffer.create(path)
     try:
@@ -45,26 +54,76 @@ def export_step(path: Path, step: int, attempts: int = 40) -> bytes | None:
 
 
 class DurableCheckpoints:
-    def __init__(self, writer: CheckpointWriter, events: EventLog, steps: int) -> None:
-        self.writer, self.events, self.steps = writer, events, steps
+    """This node's side of the job's durable checkpoints. An unsharded job's checkpoint is
+    one member's snapshot: the epoch's first member's node writes it. A sharded member's
+    snapshot holds only its pieces of the optimizer state, so every member writes its own
+    as a part, in parallel, and the first member's writer publishes the step once all
+    parts are in (durable/parts.py). Which job this is, the snapshot says: it is read from
+    the first one exported and then known for the job's life."""
+
+    def __init__(
+        self, make_writer: Callable[[], CheckpointWriter], events: EventLog, steps: int
+    ) -> None:
+        self.events, self.steps = events, steps
+        self._make_writer = make_writer
+        self.writer = make_writer()  # the whole snapshot's (and, sharded, a part's)
+        self._part_writers: dict[str, CheckpointWriter] = {}
+        self._sharded: bool | None = None  # unknown until a snapshot was exported
+        self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
 
-    def after_commit(self, snapshot: Path, done: int) -> None:
-        """Checkpoint step `done` if it is due (every K steps, and the last step)."""
-        if self.writer.due(done) or done == self.steps:
-            thread = threading.Thread(target=self._write, args=(snapshot, done), daemon=True)
+    def after_commit(self, snapshot: Path, done: int, member: str, epoch: EpochRecord) -> None:
+        """Checkpoint step `done` if it is due (every K steps, and the last step): the
+        member's snapshot as the whole checkpoint (the epoch's first member) or as its part
+        (any member of a sharded job). `epoch` is the one the step committed in."""
+        first = epoch.members[0] == member
+        if self._sharded is False and not first:
+            return
+        writer = self._writer(member, first)
+        if writer.due(done) or done == self.steps:
+            args = (writer, snapshot, done, member, epoch)
+            thread = threading.Thread(target=self._write, args=args, daemon=True)
             self._threads.append(thread)
             thread.start()
 
-    def _write(self, snapshot: Path, done: int) -> None:
+    def _writer(self, member: str, first: bool) -> CheckpointWriter:
+        if first:
+            return self.writer
+        with self._lock:
+            if member not in self._part_writers:
+                self._part_writers[member] = self._make_writer()
+            return self._part_writers[member]
+
+    def _write(
+        self, writer: CheckpointWriter, snapshot: Path, done: int, member: str, epoch: EpochRecord
+    ) -> None:
         blob = export_step(snapshot, done)
         if blob is None:
             log.warning("no verified snapshot of step %d to checkpoint", done)
             return
-        self.writer.submit(done, blob)
-        self.events.write(EventKind.CHECKPOINT_SUBMITTED, step=done, url=self.writer.url)
+        if self._sharded is None:
+            self._sharded = holds_pieces(blob)
+        first = epoch.members[0] == member
+        part = None
+        if self._sharded:
+            index = epoch.members.index(member)
+            part = Part(epoch.epoch, index, len(epoch.members), publish=first)
+        elif not first:
+            return
+        try:
+            writer.submit(done, blob, part)
+        except ConfigError as e:  # written already: a step committed again after a rollback
+            log.info("checkpoint of step %d not submitted: %s", done, e)
+            return
+        fields = {} if part is None else {"part": part.index, "parts": part.count}
+        self.events.write(
+            EventKind.CHECKPOINT_SUBMITTED, step=done, url=writer.url, member=member, **fields
+        )
 
     def close(self, timeout: float) -> None:
         for thread in self._threads:
             thread.join(timeout=5.0)
-        self.writer.close(timeout=timeout)
+        with self._lock:
+            writers = [self.writer, *self._part_writers.values()]
+        for writer in writers:
+            writer.close(timeout=timeout)

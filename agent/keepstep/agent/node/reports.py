@@ -85,9 +85,10 @@ class Reports:
         entered = state.entered
         if mttr is not None and entered is not None and entered.epoch == report.epoch:
             self._publish_recovery(report.member, {**record_fields(entered), "mttr_s": mttr})
-        # One writer per job: the first worker of the epoch's first node.
-        if self.durable is not None and first == report.member:
-            self.durable.after_commit(snapshot_path(self.cfg, report.member), report.step + 1)
+        # The epoch's first member writes the checkpoint (a sharded job: its members' parts).
+        if self.durable is not None and cur is not None and cur.epoch == report.epoch:
+            path = snapshot_path(self.cfg, report.member)
+            self.durable.after_commit(path, report.step + 1, report.member, cur)
 
     def _snapshot_bytes(self) -> int:
         """What this node's snapshot files take (one stat per local member)."""
