@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,8 +156,11 @@ def check(summary: dict[str, Any], reference: str, tmp: Path) -> None:
 def test_fault_free_ray_run_matches_one_process(
     local_ray: LocalRay, etcd_binary: str, reference: str, tmp_path: Path
 ) -> None:
+    keepers = set(Path(tempfile.gettempdir()).glob("keepstep-ray-*"))
     summary = ray_run(tmp_path, etcd_binary, local_ray)
     check(summary, reference, tmp_path)
+    # Each actor removed its keeper's folder (status and pid files) when it stopped.
+    assert set(Path(tempfile.gettempdir()).glob("keepstep-ray-*")) <= keepers
     assert summary["world_size_by_step"] == [3] * STEPS
     assert summary["agent_exit_codes"] == {"n0": 0, "n1": 0, "n2": 0}
     placed = {n["ray_node"] for n in summary["ray"]["nodes"].values()}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ class NodeActor:
         self._status: Path | None = None  # where the keeper writes the agent's status
         self._watch_w: int | None = None
         self._shm_prefix = ""
+        self._ended: int | None = None  # the agent's status, once stop() cleaned up after it
 
     def where(self) -> tuple[str, str]:
         """(the Ray node id, its address) of the node this actor runs on."""
@@ -70,15 +72,24 @@ class NodeActor:
 
     def poll(self) -> int | None:
         """The agent's exit status (negative: the signal), or None while it runs."""
+        if self._ended is not None:
+            return self._ended
         if self._group is None:
             return None
         if self._status is not None and self._status.exists():
-            return int(self._status.read_text())
+            return self._end(int(self._status.read_text()))
         if _group_alive(self._group):
             return None
         if self._status is not None and self._status.exists():  # written as the group ended
-            return int(self._status.read_text())
-        return -signal.SIGKILL  # the group is gone and no status was written: killed whole
+            return self._end(int(self._status.read_text()))
+        return self._end(-signal.SIGKILL)  # the group is gone and no status was written
+
+    def _end(self, code: int) -> int:
+        """Keep the agent's status and remove the keeper's folder (its status, pid files)."""
+        self._ended = code
+        if self._status is not None:
+            shutil.rmtree(self._status.parent, ignore_errors=True)
+        return code
 
     def stop(self) -> int | None:
         """End the node: SIGTERM to the agent (through its keeper), SIGKILL to what is left
@@ -99,7 +110,7 @@ class NodeActor:
         if self._watch_w is not None:
             os.close(self._watch_w)
             self._watch_w = None
-        return code if code is not None else -signal.SIGKILL
+        return self._end(code if code is not None else -signal.SIGKILL)
 
     def kill_worker(self, pid: int) -> bool:
         """SIGKILL `pid` if it is a live process of this node's group (a worker its agent
