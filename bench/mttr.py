@@ -1,7 +1,7 @@
 """Time to recover, per fault kind: keepstep's MTTR and its phases, with the numbers checked.
 
     scripts/env python bench/mttr.py [--faults-per-kind 20]
-        [--kinds kill-worker,kill-node,hang-node,drain-node] [--json PATH]
+        [--kinds kill-worker,kill-node,hang-node,drain-node] [--shard zero1] [--json PATH]
 
 For each kind it runs `keepstep run` (4 nodes, examples/mlp.py with a small --sleep so a
 step takes ~0.1 s) with several faults of that kind per run, until at least N were
@@ -18,6 +18,8 @@ Each run is checked against a fault-free run of the same job (same nodes, batch 
 steps, seed; run once, without --sleep, which only waits and never touches the numbers):
 the final params_sha256 must be equal and no sample may be lost or duplicated. Prints, per
 kind, the count, MTTR p50/p95 and the p50 of each phase and of the rolled-back steps.
+With --shard every run (the fault-free one too) shards its optimizer state
+(`keepstep run --shard`): the same table, to set beside a run without it.
 bench/torchrun_baseline.py calls `measure` for its keepstep figure.
 """
 
@@ -67,6 +69,7 @@ class Settings:
     faults_per_run: int = 11  # node losses per run (each brings a join)
     tail_steps: int = 20
     run_timeout: float = 300.0
+    shard: str | None = None  # `keepstep run --shard`: None keeps full replicas
 
     def __post_init__(self) -> None:
         n_micro, rest = divmod(self.global_batch, self.micro_batch)
@@ -134,6 +137,8 @@ def run_keepstep(
         "--steps", str(steps), "--seed", str(s.seed), "--run-dir", str(run_dir),
         "--timeout", str(s.run_timeout),
     ]  # fmt: skip
+    if s.shard:
+        argv += ["--shard", s.shard]
     for spec in faults:
         argv += ["--fault", spec]
     argv += [str(REPO / "examples" / "mlp.py"), "--sleep", str(s.sleep if sleep is None else sleep)]
@@ -323,6 +328,7 @@ def add_settings_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-spacing", type=int, default=d.worker_spacing, help="steps")
     parser.add_argument("--join-after", type=int, default=d.join_after, help="steps")
     parser.add_argument("--workdir", help="keep run directories here (default: a temp dir)")
+    parser.add_argument("--shard", choices=["zero1"], help="shard the optimizer state")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -335,6 +341,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         node_spacing=args.node_spacing,
         worker_spacing=args.worker_spacing,
         join_after=args.join_after,
+        shard=args.shard,
     )
 
 
