@@ -133,13 +133,13 @@ def read_blob(loc: Location, step: Step, timeout: float) -> bytes:
     if not info.parts:
         return blob
 
-    def joined() -> bytes:  # a sharded job's: the blob is the manifest of its parts
+    def parts() -> bytes:  # a sharded job's: the blob is the manifest of its parts
         try:
             return read_parts(Store(loc), info, blob)
         except FileNotFoundError as e:
             raise SnapshotMissing(f"{info.url}: part {e} gone") from None
 
-    return bounded(joined, timeout, f"reading the {info.parts} parts of {info.url}")
+    return bounded(parts, timeout, f"reading the {info.parts} parts of {info.url}")
 
 
 def intact(step: Step, params_sha256: str, state_sha256: dict[str, str]) -> Step:

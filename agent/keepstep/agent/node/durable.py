@@ -77,25 +77,20 @@ class DurableCheckpoints:
         member's snapshot as the whole checkpoint (the epoch's first member) or as its part
         (any member of a sharded job). `epoch` is the one the step committed in."""
         first = epoch.members[0] == member
-        if self._sharded is False and not first:
+        if not first and self._sharded is False:
             return
-        writer = self._writer(member, first)
-        if writer.due(done) or done == self.steps:
-            args = (writer, snapshot, done, member, epoch)
+        # A member's writer knows what it wrote already; a part writer is made only once
+        # a snapshot showed the job sharded, and until then the cadence decides.
+        writer = self.writer if first else self._part_writers.get(member)
+        due = writer.due(done) if writer is not None else done % self.writer.every_steps == 0
+        if due or done == self.steps:
+            args = (snapshot, done, member, epoch, first)
             thread = threading.Thread(target=self._write, args=args, daemon=True)
             self._threads.append(thread)
             thread.start()
 
-    def _writer(self, member: str, first: bool) -> CheckpointWriter:
-        if first:
-            return self.writer
-        with self._lock:
-            if member not in self._part_writers:
-                self._part_writers[member] = self._make_writer()
-            return self._part_writers[member]
-
     def _write(
-        self, writer: CheckpointWriter, snapshot: Path, done: int, member: str, epoch: EpochRecord
+        self, snapshot: Path, done: int, member: str, epoch: EpochRecord, first: bool
     ) -> None:
         blob = export_step(snapshot, done)
         if blob is None:
@@ -103,13 +98,12 @@ class DurableCheckpoints:
             return
         if self._sharded is None:
             self._sharded = holds_pieces(blob)
-        first = epoch.members[0] == member
+        if not self._sharded and not first:
+            return
         part = None
         if self._sharded:
-            index = epoch.members.index(member)
-            part = Part(epoch.epoch, index, len(epoch.members), publish=first)
-        elif not first:
-            return
+            part = Part(epoch.epoch, epoch.members.index(member), len(epoch.members), publish=first)
+        writer = self.writer if first else self._part_writer(member)
         try:
             writer.submit(done, blob, part)
         except ConfigError as e:  # written already: a step committed again after a rollback
@@ -119,6 +113,12 @@ class DurableCheckpoints:
         self.events.write(
             EventKind.CHECKPOINT_SUBMITTED, step=done, url=writer.url, member=member, **fields
         )
+
+    def _part_writer(self, member: str) -> CheckpointWriter:
+        with self._lock:
+            if member not in self._part_writers:
+                self._part_writers[member] = self._make_writer()
+            return self._part_writers[member]
 
     def close(self, timeout: float) -> None:
         for thread in self._threads:
