@@ -174,6 +174,44 @@ class Communicator:
             raise ConfigError(f"src must be a rank in [0, {self.size}), got {src!r}")
         self._collective("broadcast", lambda k, t: k.broadcast(tensor, src, t), timeout)
 
+    def allgather(
+        self, tensor: torch.Tensor, timeout: timedelta | None = None
+    ) -> list[torch.Tensor]:
+        """Every member's ``tensor`` in rank order; all members pass the same shape and
+        dtype (``allgather_bytes`` for payloads whose lengths differ)."""
+        self._transport.check_tensor(tensor, "allgather")
+        if self.size == 1:
+            self._collective("allgather", None, timeout)
+            return [tensor.clone()]
+        deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
+        return self._allgather("allgather", tensor, deadline)
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, timeout: timedelta | None = None
+    ) -> torch.Tensor:
+        """SUM over members of ``tensor`` (1-D, cut into ``size`` equal slices in rank
+        order): returns this rank's slice summed over every member's tensor.
+
+        One ``alltoall`` (each member sends each peer that peer's slice: the bytes of a
+        ring reduce-scatter), then the slices are added here. Exact for the exact mode's
+        integers held in float64, where any order of additions gives the same bits."""
+        self._transport.check_tensor(tensor, "reduce_scatter")
+        if tensor.dim() != 1 or tensor.numel() % self.size:
+            raise ConfigError(
+                f"reduce_scatter needs a 1-D tensor of a multiple of {self.size} elements, "
+                f"got shape {tuple(tensor.shape)}"
+            )
+        n = tensor.numel() // self.size
+        if self.size == 1:
+            self._collective("reduce_scatter", None, timeout)
+            return tensor.clone()
+        got = torch.empty_like(tensor)
+        splits = [n] * self.size
+        self._collective(
+            "reduce_scatter", lambda k, t: k.alltoall(got, tensor, splits, splits, t), timeout
+        )
+        return got.view(self.size, n).sum(0)
+
     def allgather_bytes(
         self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]:

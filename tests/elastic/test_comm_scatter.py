@@ -1,0 +1,68 @@
+"""``Communicator.reduce_scatter`` and ``Communicator.allgather`` over gloo.
+
+Three ranks on threads of this process over a HashStore. ``reduce_scatter`` is ZeRO-2's
+half of the exact sum: each rank receives the sum over members of its slice, and for the
+exact mode's integers held in float64 the bits do not depend on the order of additions.
+``allgather`` is ZeRO's parameter gather: every rank's tensor, bytes as they were sent.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+import torch
+from test_comm import _create_on_threads  # the two-rank tests' builder, on threads
+from test_comm_alltoall import _on_threads
+from torch._C._distributed_c10d import HashStore
+
+from keepstep.elastic.errors import ConfigError, PeerLost
+
+MEMBERS = ["a", "b", "c"]
+_T = timedelta(seconds=10)
+
+
+def _integers(rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(-(2**50), 2**50, (n,), generator=g).to(torch.float64)
+
+
+def test_each_rank_receives_the_exact_sum_of_its_slice() -> None:
+    comms = _create_on_threads(HashStore(), 0, MEMBERS)
+    n = 1000  # per rank
+    sent = [_integers(r, 3 * n) for r in range(3)]
+    got = _on_threads(comms, lambda r, c: c.reduce_scatter(sent[r], _T))
+    total = sum(t.to(torch.int64) for t in sent)  # the integers' exact sum
+    assert isinstance(total, torch.Tensor)
+    for r in range(3):
+        assert got[r].dtype == torch.float64
+        assert torch.equal(got[r].to(torch.int64), total[r * n : (r + 1) * n])
+    # A second round on the same epoch, of another length.
+    got = _on_threads(comms, lambda r, c: c.reduce_scatter(torch.full((3,), r + 1.0), _T))
+    assert [g.tolist() for g in got] == [[6.0]] * 3
+
+
+def test_allgather_returns_every_ranks_bytes_in_rank_order() -> None:
+    comms = _create_on_threads(HashStore(), 0, MEMBERS)
+    mine = [torch.arange(5, dtype=torch.uint8) + 10 * r for r in range(3)]
+    got = _on_threads(comms, lambda r, c: c.allgather(mine[r], _T))
+    for r in range(3):
+        assert [g.tolist() for g in got[r]] == [m.tolist() for m in mine]
+
+
+def test_one_member_bad_arguments_and_a_lost_peer() -> None:
+    (one,) = _create_on_threads(HashStore(), 0, ["a"])
+    x = torch.arange(4, dtype=torch.float64)
+    assert torch.equal(one.reduce_scatter(x, _T), x)
+    assert [g.tolist() for g in one.allgather(x, _T)] == [x.tolist()]
+    comms = _create_on_threads(HashStore(), 0, MEMBERS)
+    with pytest.raises(ConfigError, match=r"multiple of 3 elements, got shape \(4,\)"):
+        comms[0].reduce_scatter(x, _T)
+    with pytest.raises(ConfigError, match=r"got shape \(3, 3\)"):
+        comms[0].reduce_scatter(torch.zeros(3, 3), _T)
+    # Rank 2 never comes: the others give up at the deadline, as for any collective.
+    short = timedelta(seconds=1)
+    got = _on_threads(comms[:2], lambda r, c: c.reduce_scatter(torch.zeros(3), short))
+    assert all(isinstance(g, PeerLost) for g in got), got
+    for c in comms:
+        c.close()
