@@ -20,6 +20,7 @@ from typing import Protocol
 import torch
 
 from keepstep.elastic.errors import ConfigError, StateShapeError
+from keepstep.elastic import reduce_kernels
 
 MAX_N_MICRO = 2**24
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -58,6 +59,16 @@ class ReduceNonFinite:
 
 
 ReduceOutcome = ReduceDone | ReduceOverflow | ReduceNonFinite
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A step whose sum is good (the exact reducer's ``settle``): per tensor, the divisor
+    that turns its summed integers into the averaged gradient, and how many micro-batches
+    gave it one (0: its ``.grad`` stays None)."""
+
+    divisors: tuple[float, ...]
+    given: tuple[int, ...]
 
 
 class Reducer(Protocol):
@@ -227,3 +238,35 @@ class ParamLayout:
             p.grad = None
         for i, g in zip(live, grads, strict=True):
             params[i].grad = g
+
+
+def check_exact_paths(
+    device: torch.device, device_ops: object, kernels: bool | None, compile: bool | None
+) -> None:
+    if device_ops is not None and not isinstance(device_ops, bool):
+        raise ConfigError(f"device_ops={device_ops!r} must be a bool or None")
+    use_dev = device.type != "cpu" if device_ops is None else device_ops
+    if (use_dev and kernels) or (compile is not None and not use_dev):
+        raise ConfigError(
+            f"device_ops={device_ops!r} with kernels={kernels!r}, compile={compile!r}: "
+            "kernels need device_ops off; compile needs it on"
+        )
+    if kernels and not (device.type == "cpu" and reduce_kernels.available()):
+        raise ConfigError(
+            f"kernels=True needs CPU parameters (these are on {device}) and the "
+            "numba package (pip install numba)"
+        )
+
+
+def check_exact_range(
+    limit_bits: int, n_micro: int, headroom_bits: object, initial_max: object
+) -> None:
+    if isinstance(headroom_bits, bool) or not isinstance(headroom_bits, int):
+        raise ConfigError(f"headroom_bits={headroom_bits!r} must be an int")
+    if not 0 <= headroom_bits <= limit_bits - 24:
+        raise ConfigError(
+            f"headroom_bits={headroom_bits} must be in [0, {limit_bits - 24}] so that "
+            f"{limit_bits}-bit fixed point (n_micro={n_micro}) keeps >= 24 bits"
+        )
+    if not isinstance(initial_max, int | float) or not 0 < initial_max < math.inf:
+        raise ConfigError(f"initial_max={initial_max!r} must be a finite number > 0")

@@ -72,8 +72,11 @@ from keepstep.elastic.reduce_base import (
     ReduceNonFinite,
     ReduceOutcome,
     ReduceOverflow,
+    Settled,
     abs_max,
     check_caller_slots,
+    check_exact_paths,
+    check_exact_range,
     check_exact_state,
     nonfinite_reason,
 )
@@ -114,29 +117,10 @@ class ExactReducer:
         layout = ParamLayout(params, n_micro)
         on_cpu = layout.device.type == "cpu"
         self._fused = not on_cpu if fused is None else fused
-        if device_ops is not None and not isinstance(device_ops, bool):
-            raise ConfigError(f"device_ops={device_ops!r} must be a bool or None")
         use_dev = not on_cpu if device_ops is None else device_ops
-        if (use_dev and kernels) or (compile is not None and not use_dev):
-            raise ConfigError(
-                f"device_ops={device_ops!r} with kernels={kernels!r}, compile={compile!r}: "
-                "kernels need device_ops off; compile needs it on"
-            )
-        if kernels and not (on_cpu and reduce_kernels.available()):
-            raise ConfigError(
-                f"kernels=True needs CPU parameters (these are on {layout.device}) and the "
-                "numba package (pip install numba)"
-            )
+        check_exact_paths(layout.device, device_ops, kernels, compile)
         self.limit_bits = 53 - (n_micro - 1).bit_length()
-        if isinstance(headroom_bits, bool) or not isinstance(headroom_bits, int):
-            raise ConfigError(f"headroom_bits={headroom_bits!r} must be an int")
-        if not 0 <= headroom_bits <= self.limit_bits - 24:
-            raise ConfigError(
-                f"headroom_bits={headroom_bits} must be in [0, {self.limit_bits - 24}] so that "
-                f"{self.limit_bits}-bit fixed point (n_micro={n_micro}) keeps >= 24 bits"
-            )
-        if not isinstance(initial_max, int | float) or not 0 < initial_max < math.inf:
-            raise ConfigError(f"initial_max={initial_max!r} must be a finite number > 0")
+        check_exact_range(self.limit_bits, n_micro, headroom_bits, initial_max)
         self.mode = ReduceMode.EXACT
         self._layout, self._headroom = layout, headroom_bits
         self._limit = float(2**self.limit_bits)
@@ -333,30 +317,45 @@ class ExactReducer:
     def finish(
         self, reduced: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
     ) -> ReduceOutcome:
-        n, n_t = self._n, self._n_t
         self._layout.check_finish(reduced, self._acc, n_micro, params)
-        tail = [int(c) for c in reduced[n : self._end].tolist()]  # counts: exact integers
-        if tail[1] > 0:
-            bad = [c > 0 for c in tail[2 : 2 + n_t]]
-            reason = nonfinite_reason(f"{tail[1]} of {n_micro} micro-batches have", bad)
-            return ReduceNonFinite(reason)
-        if tail[0] > 0:
-            return ReduceOverflow(micro_batches=tail[0])
-        # n_micro * 2**k is exact, and dividing by it equals (sum / n_micro) * 2**-k exactly.
-        divisors = [n_micro * s for s in self._scales]
-        given = tail[2 + 2 * n_t :]
+        settled = self.settle(reduced[self._n : self._end], n_micro)
+        if not isinstance(settled, Settled):
+            return settled
+        divisors, given = settled.divisors, settled.given
         if self._kernels is not None:
             self._kernels.set_grads(reduced, divisors, params, given)
         elif self._device is not None:
             self._device.set_grads(reduced, divisors, params, given)
         else:
-            self._wide.copy_(reduced[:n])
-            torch._foreach_div_(self._oviews, divisors)
+            self._wide.copy_(reduced[: self._n])
+            torch._foreach_div_(self._oviews, list(divisors))
             self._layout.set_grads(params, self._oviews, given)
-        qpeak = tail[2 + n_t : 2 + 2 * n_t]
+        return ReduceDone()
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Where each tensor's integers start in the buffer; then where its data ends."""
+        return (*self._lo, self._n)
+
+    def settle(self, tail: torch.Tensor, n_micro: int) -> ReduceOutcome | Settled:
+        """The outcome of a step's summed tail (the buffer after its data, summed over
+        members): overflow, non-finite, or the divisors (``grad = sum / divisor`` in
+        float64, rounded to the parameter's dtype) and the exponents move on."""
+        n_t = self._n_t
+        counts = [int(c) for c in tail[: self._end - self._n].tolist()]  # exact integers
+        if counts[1] > 0:
+            bad = [c > 0 for c in counts[2 : 2 + n_t]]
+            reason = nonfinite_reason(f"{counts[1]} of {n_micro} micro-batches have", bad)
+            return ReduceNonFinite(reason)
+        if counts[0] > 0:
+            return ReduceOverflow(micro_batches=counts[0])
+        # n_micro * 2**k is exact, and dividing by it equals (sum / n_micro) * 2**-k exactly.
+        divisors = tuple(n_micro * s for s in self._scales)
+        given = tuple(counts[2 + 2 * n_t :])
+        qpeak = counts[2 + n_t : 2 + 2 * n_t]
         self._peak = [q / (n_micro * s) for q, s in zip(qpeak, self._scales, strict=True)]
         self._set_exponents([self._next_exponent(i, p) for i, p in enumerate(self._peak)])
-        return ReduceDone()
+        return Settled(divisors, given)
 
     def _next_exponent(self, i: int, peak: float) -> int:
         if peak <= 0.0:  # no signal (all zero): fall back to the initial range
