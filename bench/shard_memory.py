@@ -17,8 +17,8 @@ full replicas and once with ``shard="zero1"``, and reads off each member:
 The ideal for the optimizer is 1/W of the full state; for the snapshot's optimizer part
 2/W (its own chunks and one replica). The issue's target: optimizer memory per member
 within 10% of 1/W plus the replicas. Figures are bytes, not times: a loaded machine gives
-the same ones. The memory a commit needs while it gathers the full state (not yet avoided)
-is not counted here.
+the same ones. A commit holds no more than the snapshot's pieces: each owner sends the
+holders of its replicas their part, and nothing gathers the full state.
 """
 
 from __future__ import annotations

@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--shard",
-        choices=["zero1"],
+        choices=["zero1", "zero2"],
         default=None,
         help="shard the optimizer state in every run, and compare with an unsharded run too",
     )

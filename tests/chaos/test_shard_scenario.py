@@ -16,17 +16,19 @@ from keepstep.chaos.scenario import load_scenario
 from keepstep.chaos.target import RunOutcome
 from keepstep.errors import ConfigError
 
-SCENARIO = Path(__file__).resolve().parents[2] / "e2e" / "scenarios" / "shard-zero1.yaml"
+SCENARIOS = Path(__file__).resolve().parents[2] / "e2e" / "scenarios"
+SCENARIO = SCENARIOS / "shard-zero1.yaml"
 
 
-def test_the_sharded_scenario_runs_keepstep_run_with_shard(tmp_path: Path) -> None:
-    scenario = load_scenario(SCENARIO)
-    assert scenario.job.shard == "zero1" and scenario.job.nodes == 4
+@pytest.mark.parametrize("shard", ["zero1", "zero2"])
+def test_the_sharded_scenario_runs_keepstep_run_with_shard(tmp_path: Path, shard: str) -> None:
+    scenario = load_scenario(SCENARIOS / f"shard-{shard}.yaml")
+    assert scenario.job.shard == shard and scenario.job.nodes == 4
     argv = LocalTarget().command(scenario.job, None, tmp_path)
-    assert argv[argv.index("--shard") + 1] == "zero1"
+    assert argv[argv.index("--shard") + 1] == shard
     plain = LocalTarget().command(replace(scenario.job, shard=None), None, tmp_path)
     assert "--shard" not in plain
-    with pytest.raises(ConfigError, match="shard 'zero3'; allowed: zero1"):
+    with pytest.raises(ConfigError, match="shard 'zero3'; allowed: zero1, zero2"):
         Job("examples/mlp.py", 3, 48, 4, 10, shard="zero3")
 
 

@@ -34,12 +34,13 @@ def test_selfcheck_reports_identical_parameters_across_rank_counts() -> None:
 
 
 @pytest.mark.slow
-def test_selfcheck_shard_matches_the_unsharded_run() -> None:
-    proc = keepstep("selfcheck", "--shard", "zero1", "--ranks", "3", "--steps", "4", "--json")
+@pytest.mark.parametrize("shard", ["zero1", "zero2"])
+def test_selfcheck_shard_matches_the_unsharded_run(shard: str) -> None:
+    proc = keepstep("selfcheck", "--shard", shard, "--ranks", "3", "--steps", "4", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     # The unsharded one-rank run first, then the sharded runs it is compared with.
-    assert [(r["ranks"], r["shard"]) for r in report["runs"]] == [(1, None), (3, "zero1")]
+    assert [(r["ranks"], r["shard"]) for r in report["runs"]] == [(1, None), (3, shard)]
     assert report["identical"] is True
     assert len({r["params_sha256"] for r in report["runs"]}) == 1
     assert len({tuple(r["loss"]) for r in report["runs"]}) == 1

@@ -1,4 +1,4 @@
-"""The job test_shard_zero1.py launches: a small MLP with dropout trained with AdamW, its
+"""The job test_shard_zero_job.py launches: a small MLP with dropout trained with AdamW, its
 optimizer state sharded when ``--shard zero1`` is given. Beside the launcher's result file
 each finishing member writes ``<result>.optim``: the full optimizer state's sha256, and
 with ``--shard`` the elements its shard owns and the bytes of optimizer state it steps.

@@ -1,6 +1,7 @@
-"""ZeRO-1 in the job with real processes on gloo: the numbers of the unsharded run.
+"""ZeRO-1 and ZeRO-2 in the job with real processes on gloo: the numbers of the unsharded run.
 
-Members train shard_zero_job.py with ``shard="zero1"``: each steps the optimizer state of
+Members train shard_zero_job.py with ``shard="zero1"`` (ZeRO-2: ``"zero2"``, the reduced
+gradient reduce-scattered to the owners too): each steps the optimizer state of
 its own shard, the parameters are all-gathered over the epoch's communicator, and its
 snapshots keep its own chunks of the state and a replica of another member's. Every
 run must end with the parameters (``params_sha256``) and the gathered optimizer state of
@@ -109,8 +110,12 @@ def test_four_full_members_match_one(reference: tuple[str, str], tmp_path: Path)
     assert hashes(launch(tmp_path, [members(4)]), tmp_path) == reference
 
 
+SHARDS = pytest.mark.parametrize("shard", ["zero1", "zero2"])
+
+
+@SHARDS
 def test_a_lost_member_leaves_the_numbers_of_the_fault_free_run(
-    reference: tuple[str, str], tmp_path: Path
+    reference: tuple[str, str], tmp_path: Path, shard: str
 ) -> None:
     # m3 is killed after committing step 5; the three survivors enter the next epoch,
     # join the full state from the pieces their snapshots keep (m3's chunks from their
@@ -119,7 +124,7 @@ def test_a_lost_member_leaves_the_numbers_of_the_fault_free_run(
         tmp_path,
         [members(4), members(3)],
         "--shard",
-        "zero1",
+        shard,
         at_step=[0, None],
         crash={"m3": 5},
     )
@@ -141,8 +146,9 @@ def test_a_lost_member_leaves_the_numbers_of_the_fault_free_run(
     print(f"m3's {lost} of {total} elements lost; survivors received {moved} bytes")
 
 
+@SHARDS
 def test_a_member_lost_inside_the_sharded_step_fails_the_step_not_the_numbers(
-    reference: tuple[str, str], tmp_path: Path
+    reference: tuple[str, str], tmp_path: Path, shard: str
 ) -> None:
     # m1 dies in step 7's parameter all-gather: the others have stepped their shards and
     # wait in it. They get PeerLost there, do not commit step 7, restore the snapshot of
@@ -151,7 +157,7 @@ def test_a_member_lost_inside_the_sharded_step_fails_the_step_not_the_numbers(
         tmp_path,
         [members(4), ["m0", "m2", "m3"]],
         "--shard",
-        "zero1",
+        shard,
         "--die-in-gather",
         "m1:7",
         at_step=[0, None],
@@ -165,10 +171,13 @@ def test_a_member_lost_inside_the_sharded_step_fails_the_step_not_the_numbers(
     assert recovery["resume_step"] == 7
 
 
-def test_a_drain_then_a_join_keep_the_numbers(reference: tuple[str, str], tmp_path: Path) -> None:
+@SHARDS
+def test_a_drain_then_a_join_keep_the_numbers(
+    reference: tuple[str, str], tmp_path: Path, shard: str
+) -> None:
     # m3 drains at step 4; m4 joins at step 8 and gets the (full) snapshot by network.
     schedule = [members(4), members(3), [*members(3), "m4"]]
-    result = launch(tmp_path, schedule, "--shard", "zero1", at_step=[0, 4, 8])
+    result = launch(tmp_path, schedule, "--shard", shard, at_step=[0, 4, 8])
     assert hashes(result, tmp_path) == reference
     joiner = result.results["m4"]
     assert any(r["received_state"] for r in joiner["reconfigurations"])

@@ -1,6 +1,6 @@
 """ZeRO-1 inside the job (sharded.py): ``keepstep.init(..., shard="zero1")`` in one process,
 the gather adapter over the communicator's ``allgather_bytes`` with ranks on threads, and
-the epoch's ownership. The multi-process runs are in test_shard_zero1.py."""
+the epoch's ownership. The multi-process runs are in test_shard_zero_job.py."""
 
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def train(steps: int, **kw: object) -> tuple[keepstep.Job, str, str]:
 def test_shard_names_what_is_allowed() -> None:
     assert JobConfig(global_batch=8, micro_batch=4).shard is None
     assert JobConfig(global_batch=8, micro_batch=4, shard="zero1").shard is Shard.ZERO1  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"shard='zero2' is not one of: 'zero1' \(or None"):
-        JobConfig(global_batch=8, micro_batch=4, shard="zero2")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"shard='zero3' is not one of: 'zero1', 'zero2' \(or"):
+        JobConfig(global_batch=8, micro_batch=4, shard="zero3")  # type: ignore[arg-type]
 
 
 def test_shard_from_the_launcher_and_the_script_must_agree() -> None:
@@ -104,9 +104,9 @@ def test_one_member_zero1_matches_full_replicas() -> None:
     last = sharded.snapshots.load(12)
     assert "extra/shard_pieces" in last.tensors
     assert not any(name.endswith("/exp_avg_sq") for name in last.tensors)
-    # Between steps the gathered full state is gone (the snapshot took it); a second
+    # Between steps the exchanged pieces are gone (the snapshot took them); a second
     # snapshot of the same commit would have none to take, and says so.
-    with pytest.raises(KeepstepError, match="needs the state its commit gathered"):
+    with pytest.raises(KeepstepError, match="needs the pieces its commit exchanged"):
         sharded.sharded.for_snapshot({})
 
 
@@ -152,15 +152,15 @@ def test_optimizer_sha256_sees_every_value() -> None:
     assert optimizer_sha256(state) != before
 
 
-# ---- the gather over allgather_bytes ---------------------------------------------------
+# ---- the gather over allgather ---------------------------------------------------------
 
 
 class _BytesHub:
-    """Ranks on threads exchanging bytes, as Communicator.allgather_bytes does."""
+    """Ranks on threads exchanging tensors, as Communicator.allgather does."""
 
     def __init__(self, world: int) -> None:
         self.world = world
-        self.slots: list[bytes] = [b""] * world
+        self.slots: list[torch.Tensor] = [torch.empty(0)] * world
         self.barrier = threading.Barrier(world)
 
     def rank(self, rank: int) -> _BytesMember:
@@ -171,13 +171,12 @@ class _BytesMember:
     def __init__(self, hub: _BytesHub, rank: int) -> None:
         self.hub, self.rank, self.size = hub, rank, hub.world
 
-    def allgather_bytes(
-        self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
-    ) -> list[bytes]:
-        assert len(payload) <= max_bytes
+    def allgather(
+        self, tensor: torch.Tensor, timeout: timedelta | None = None
+    ) -> list[torch.Tensor]:
         wait = None if timeout is None else timeout.total_seconds()
         try:
-            self.hub.slots[self.rank] = bytes(payload)
+            self.hub.slots[self.rank] = tensor.clone()
             self.hub.barrier.wait(wait)
             out = list(self.hub.slots)
             self.hub.barrier.wait(wait)
@@ -197,7 +196,7 @@ def _grads(step: int, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) for p in params]
 
 
-def test_zero1_over_allgather_bytes_matches_the_full_step() -> None:
+def test_zero1_over_the_communicators_allgather_matches_the_full_step() -> None:
     world, steps = 3, 3
     ref = _params()
     ref_opt = torch.optim.Adam(ref, lr=1e-2, weight_decay=0.01)
@@ -244,21 +243,21 @@ def test_comm_gather_keeps_shape_and_dtype_and_refuses_a_short_slot() -> None:
     class Short:
         rank, size = 0, 2
 
-        def allgather_bytes(
-            self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
-        ) -> list[bytes]:
-            return [payload, payload[:-1]]
+        def allgather(
+            self, tensor: torch.Tensor, timeout: timedelta | None = None
+        ) -> list[torch.Tensor]:
+            return [tensor, tensor[:-1]]
 
     class Echo(Short):
-        def allgather_bytes(
-            self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
-        ) -> list[bytes]:
-            return [payload, payload]
+        def allgather(
+            self, tensor: torch.Tensor, timeout: timedelta | None = None
+        ) -> list[torch.Tensor]:
+            return [tensor.clone(), tensor.clone()]
 
     mine = torch.arange(6, dtype=torch.int64).reshape(2, 3)
     out = CommGather(Echo()).allgather(mine, _TIMEOUT)
     assert [o.dtype for o in out] == [torch.int64] * 2 and all(torch.equal(o, mine) for o in out)
-    with pytest.raises(BadMessage, match="rank 1 sent 47 bytes, 48 expected"):
+    with pytest.raises(BadMessage, match="rank 1 sent 47 uint8 values, 48 bytes expected"):
         CommGather(Short()).allgather(mine, _TIMEOUT)
 
 

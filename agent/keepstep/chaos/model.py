@@ -206,15 +206,17 @@ class Job:
     # first left the fault-free run's (the checkpoint holds the whole training state).
     checkpoint_every: int = 0
     etcd_members: int = 1  # 3: the run's etcd is a cluster that survives losing a member
-    # "zero1": the optimizer state is sharded (`keepstep run --shard`); the fault-free
+    # "zero1"/"zero2": the optimizer state is sharded (`keepstep run --shard`); the fault-free
     # reference is run with full replicas, so a run must end with their numbers.
     shard: str | None = None
 
     def __post_init__(self) -> None:
         if self.etcd_members not in (1, 3):
             raise ConfigError(f"etcd_members {self.etcd_members}; allowed: 1, 3")
-        if self.shard not in (None, "zero1"):
-            raise ConfigError(f"shard {self.shard!r}; allowed: zero1 (or none: full replicas)")
+        if self.shard not in (None, "zero1", "zero2"):
+            raise ConfigError(
+                f"shard {self.shard!r}; allowed: zero1, zero2 (or none: full replicas)"
+            )
         if self.checkpoint_every < 0:
             raise ConfigError(f"checkpoint_every {self.checkpoint_every} must be >= 0")
         for name in ("nodes", "global_batch", "micro_batch", "steps", "nproc_per_node"):

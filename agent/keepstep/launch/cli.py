@@ -134,9 +134,10 @@ def register(sub: Any) -> None:
     )
     run.add_argument(
         "--shard",
-        choices=["zero1"],
+        choices=["zero1", "zero2"],
         help="shard the optimizer state (keepstep.init(shard=...)): zero1, each member steps "
-        "and keeps its own slice; the numbers stay those of full replicas [full replicas]",
+        "and keeps its own slice; zero2, and only its slice of the reduced gradient; the "
+        "numbers stay those of full replicas [full replicas]",
     )
     run.add_argument(
         "--fault",

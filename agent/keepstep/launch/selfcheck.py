@@ -19,7 +19,7 @@ from keepstep.errors import ConfigError
 from keepstep.launch import selfcheck_job
 from keepstep.launch.local import LocalResult, LocalRun, agreed_sha, run_local
 
-SHARDS = ("zero1",)  # what `init(shard=)` accepts besides None
+SHARDS = ("zero1", "zero2")  # what `init(shard=)` accepts besides None
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ def selfcheck(
     shard: str | None = None,
 ) -> list[SelfcheckRun]:
     """One run per rank count; each run's members must agree among themselves. With
-    ``shard`` (``"zero1"``) the runs shard their optimizer state, after one unsharded run
-    on one rank that they are compared with."""
+    ``shard`` (``"zero1"``, ``"zero2"``) the runs shard their optimizer state, after one
+    unsharded run on one rank that they are compared with."""
     n_micro = global_batch // micro_batch
     for r in ranks:
         if not 1 <= r <= n_micro:

@@ -118,7 +118,9 @@ def init(
     (balance.py); the numbers stay those of an even split. Default ``"off"``.
     ``shard="zero1"``: each member steps and keeps the optimizer state of its own shard and
     the parameters are all-gathered (ZeRO-1, sharded.py), bit-identical to the full step;
-    the optimizer must be elementwise (SGD, Adam, AdamW, ...). Default None: full replicas.
+    the optimizer must be elementwise (SGD, Adam, AdamW, ...). ``shard="zero2"`` (exact
+    mode): each member also holds only its shard of the reduced gradient (a
+    reduce-scatter), with the same numbers. Default None: full replicas.
     ``drain_slow="0.25:20"`` (or ``DrainSlow(below=0.25, after=20)``): a member slower than
     0.25x the median speed for 20 committed steps in a row has its node drained at a step
     boundary, as a planned change (slow_drain.py; the node agent refuses a drain below the

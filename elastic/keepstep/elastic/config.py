@@ -28,6 +28,7 @@ class Shard(enum.StrEnum):
     """How the optimizer state is held across members (sharded.py); None: full replicas."""
 
     ZERO1 = "zero1"  # each member steps and keeps the optimizer state of its own shard
+    ZERO2 = "zero2"  # and keeps only its shard of the reduced gradient (a reduce-scatter)
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class JobConfig:
     same layout; `prefetch`: micro-batches read ahead of the training thread (data.py).
     `balance`: whether the plan follows the members' measured speed (balance.py).
     `shard`: None keeps a full optimizer on every member; ``"zero1"`` shards its state and
-    step (sharded.py), with the same numbers. `drain_slow`: a member slower than
+    step (sharded.py), ``"zero2"`` the reduced gradient too (exact mode), with the same
+    numbers. `drain_slow`: a member slower than
     ``below`` x the median speed for ``after`` steps in a row asks to be drained
     (slow_drain.py); None: never.
     """

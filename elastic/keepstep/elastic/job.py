@@ -17,9 +17,9 @@ tracked in tracked.py) is in the snapshot of the step it belongs to.
 
 Between the reduction and the optimizer step (`apply_update`) run the script's
 `before_optimizer_step` hooks and clipping by global norm: both see the same reduced
-gradient on every member, so they act identically at any world size. With a grad_scaler
-(loss scaling, for float16 autocast) the job drives it through torch's own calls, in the
-order of torch's AMP recipe: `unscale_` before the hooks and clipping, `step`, `update`.
+gradient on every member (ZeRO-2 gathers it for them), so they act identically at any
+world size. A grad_scaler (float16 autocast) is driven by torch's own calls in the order
+of its AMP recipe: `unscale_` before the hooks and clipping, `step`, `update`.
 A step whose reduced gradient is non-finite is committed without an optimizer step
 (`skip_update`), and the scale backs off, exactly as `scaler.step(); scaler.update()` do.
 """
@@ -54,7 +54,6 @@ from keepstep.elastic.step import CommitResult, Step, StepOutcome
 from keepstep.elastic.tracked import Stateful, TrackedState
 from keepstep.elastic.train_state import (
     capture,
-    check_layout,
     layout_signature,
     params_sha256,
     restore,
@@ -110,8 +109,8 @@ class Job:
         if self.grad_scaler is not None:
             self.tracked.add(SCALER_NAME, self.grad_scaler)
         self.lr_watch = LrWatch(optimizer)
-        # shard="zero1": the script's optimizer is stepped as ZeRO-1 shards (sharded.py).
-        self.sharded = sharded_optimizer(config.shard, self.params, optimizer)
+        # shard="zero1"/"zero2": the script's optimizer is stepped in shards (sharded.py).
+        self.sharded = sharded_optimizer(config.shard, self.params, optimizer, self.reducer)
         self.hooks: list[Hook] = []
         infos = snapshots.infos()
         # A restarted worker resumes from its node's snapshots; a new one starts "fresh" (it
@@ -212,9 +211,6 @@ class Job:
         return retries
 
     # -- committing -------------------------------------------------------------------
-    def check_layout(self) -> None:
-        """StateShapeError if the model's state no longer has the shapes it started with."""
-        check_layout(self.layout, self.model)
 
     def apply_update(self, index: int) -> float | None:
         """Hooks, clipping and the optimizer step on the reduced gradient (in .grad);
@@ -225,18 +221,19 @@ class Job:
         gradients only, so `unscale_` finds no inf (a non-finite one goes to `skip_update`).
         """
         self._wait_for_snapshot()
-        scaler = self.grad_scaler
+        scaler, holder = self.grad_scaler, self.optimizer
+        clip = self.config.clip_grad_norm
+        if self.sharded is not None:  # ZeRO-2: the gradient of its windows, or all of it
+            holder = self.sharded.grads_for_update(holder, bool(self.hooks) or clip is not None)
         if scaler is not None:
-            scaler.unscale_(self.optimizer)
+            scaler.unscale_(holder)
         for hook in self.hooks:
             hook(self.model, self.optimizer)
         norm = None
-        if self.config.clip_grad_norm is not None:
+        if clip is not None:
             # From the reduced gradient, which is the same on every member: so is the norm.
             # One fixed kernel path (foreach=False), whatever torch would pick by default.
-            total = torch.nn.utils.clip_grad_norm_(
-                self.params, self.config.clip_grad_norm, foreach=False
-            )
+            total = torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False)
             norm = float(total)
         self.lr_watch.check(index, self.tracked.objects())
         if self.sharded is not None:

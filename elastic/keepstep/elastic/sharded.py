@@ -1,4 +1,4 @@
-"""The job's side of sharded optimizer state (``keepstep.init(..., shard="zero1")``).
+"""The job's side of sharded optimizer state (``keepstep.init(..., shard="zero1"|"zero2")``).
 
 Where it sits: between the exact reduction and the commit, in place of the script's
 ``optimizer.step()`` (job.py ``apply_update``). Per membership epoch the job builds a
@@ -10,7 +10,16 @@ other collective of the step and the step is not committed.
     epoch entered -> restore the snapshot -> epoch_shards(sizes, members)
       -> ZeroOptimizer(..., ownership of its chunks, CommGather(comm))
       -> each member fetches the pieces its windows need (fetch_and_join)
-    each commit   -> zero.step() -> gather the full state -> keep this member's pieces
+    each commit   -> zero.step() -> each owner sends its state to the replica holders
+                  -> the snapshot keeps this member's pieces (commit_pieces)
+
+ZeRO-2
+    With ``shard="zero2"`` the step's exact sum is reduce-scattered instead of all-reduced
+    (``reduce``/``finish``, zero/grads.py): a member receives the summed integers of its
+    own elements only and turns them into its windows' gradients with the bits the full
+    reduction gives them. Clipping and the script's hooks read the whole gradient, so a
+    job with them all-gathers it first (``grads_for_update``); otherwise the shard
+    optimizer holds the gradient, where a grad scaler unscales it.
 
 Layout
     Every epoch cuts the state into the same chunks and owns them by the chunked layout
@@ -20,16 +29,17 @@ Layout
     bounds it by the lost elements).
 
 Snapshots
-    A commit gathers the full optimizer state (one all-gather), and the snapshot keeps
-    this member's pieces of it: its own chunks and one replica of another node's, about
-    2/W of the state (sharded_snapshot.py). Entering an epoch (a loss, a drain, a join,
-    a rollback) every member restores its snapshot, announces what it holds and what its
-    windows need, and receives only what it lacks, each element from one holder, by one
-    ``alltoall`` (``received_bytes`` counts it): any single-node loss leaves a live copy
-    of every element; a double fault is reported (StateShapeError) on every member.
-    Between steps a member holds only its shard's optimizer state (about 1/W, plus window
-    scratch); the full state exists while a commit gathers it. Not yet: stepping and
-    snapshotting without the gather.
+    At a commit each member sends each peer the part of its own state the peer keeps as
+    a replica (one ``alltoall``, about 1/W of the state out; no member gathers the full
+    state), and the snapshot keeps its own chunks and one replica of another node's,
+    about 2/W of the state (sharded_snapshot.py). Entering an epoch (a loss, a drain, a
+    join, a rollback) every member restores its snapshot, announces what it holds and
+    what its windows need, and receives only what it lacks, each element from one
+    holder, by one ``alltoall`` (``received_bytes`` counts it): any single-node loss
+    leaves a live copy of every element; a double fault is reported (StateShapeError)
+    on every member. A member holds its shard's optimizer state (about 1/W, plus window
+    scratch) and, at a commit, the replicas it keeps; the full state is gathered only
+    on request (``full_state``: the optimizer-state hash).
 
 Durable checkpoints
     Every member's snapshot of a step goes to storage as one part, in parallel (the
@@ -39,33 +49,34 @@ Durable checkpoints
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from itertools import accumulate
-from typing import Any, Protocol, TypedDict
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from keepstep.elastic.config import Shard
 from keepstep.elastic.errors import BadMessage, ConfigError, KeepstepError
+from keepstep.elastic.reduce_base import ReduceDone, ReduceOutcome, Settled
+from keepstep.elastic.reduce_exact import ExactReducer
 from keepstep.elastic.shard.layout import Range
 from keepstep.elastic.shard_epoch import epoch_shards
-from keepstep.elastic.sharded_snapshot import (
-    PIECES,
-    fetch_and_join,
-    pieces_tensor,
-)
+from keepstep.elastic.shard_figures import ShardFigures, optimizer_sha256, shard_figures
+from keepstep.elastic.sharded_snapshot import PIECES, commit_pieces, fetch_and_join
+from keepstep.elastic.snapshot_shard import PieceKey
 from keepstep.elastic.zero import Ownership, ZeroOptimizer
+from keepstep.elastic.zero.grads import GradShard
 from keepstep.elastic.zero.optimizers import check_supported
 
 __all__ = [
-    "BytesCollective",
     "CommGather",
     "PieceCollective",
     "ShardFigures",
     "ShardedOptimizer",
+    "TensorCollective",
     "optimizer_sha256",
     "ownership_for",
     "shard_figures",
@@ -73,33 +84,55 @@ __all__ = [
 ]
 
 
-class BytesCollective(Protocol):
+class TensorCollective(Protocol):
     """What ``CommGather`` needs of the epoch's ``Communicator`` (its public methods)."""
 
     rank: int
     size: int
     members: tuple[str, ...]
 
+    def allgather(
+        self, tensor: torch.Tensor, timeout: timedelta | None = None
+    ) -> list[torch.Tensor]: ...
+
+
+class PieceCollective(TensorCollective, Protocol):
+    """What entering an epoch needs of the ``Communicator``: the gathers and ``alltoall``."""
+
     def allgather_bytes(
         self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]: ...
-
-
-class PieceCollective(BytesCollective, Protocol):
-    """What entering an epoch needs of the ``Communicator``: the gather and ``alltoall``."""
 
     def alltoall_bytes(
         self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]: ...
 
 
+class GradCollective(Protocol):
+    """What ZeRO-2's reduction needs of the ``Communicator``."""
+
+    rank: int
+    size: int
+
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        op: dist.ReduceOp.RedOpType = ...,
+        timeout: timedelta | None = None,
+    ) -> None: ...
+
+    def reduce_scatter(
+        self, tensor: torch.Tensor, timeout: timedelta | None = None
+    ) -> torch.Tensor: ...
+
+
 class CommGather:
-    """``zero.Gather`` over ``Communicator.allgather_bytes``: the epoch's abort handling
+    """``zero.Gather`` over ``Communicator.allgather``: the epoch's abort handling
     (``PeerLost``, the abort key) covers ZeRO's all-gathers too. Tensors travel as their
     raw bytes (never converted, never pickled) and come back with the sender's shape and
     dtype, which every rank shares by the Gather contract (checked by length)."""
 
-    def __init__(self, comm: BytesCollective) -> None:
+    def __init__(self, comm: TensorCollective) -> None:
         self.comm = comm
 
     @property
@@ -118,14 +151,13 @@ class CommGather:
         if not isinstance(mine, torch.Tensor) or mine.device.type != "cpu":
             raise ConfigError("CommGather.allgather needs a CPU tensor")
         raw = mine.detach().contiguous().reshape(-1).view(torch.uint8)
-        payload = raw.numpy().tobytes()
-        slots = self.comm.allgather_bytes(payload, max(len(payload), 1), timeout)
+        slots = self.comm.allgather(raw, timeout)
         out = []
         for rank, slot in enumerate(slots):
-            if len(slot) != len(payload):
-                raise BadMessage(f"rank {rank} sent {len(slot)} bytes, {len(payload)} expected")
-            flat = torch.frombuffer(bytearray(slot), dtype=torch.uint8) if slot else raw[:0]
-            out.append(flat.clone().view(mine.dtype).reshape(mine.shape))
+            if slot.dtype != torch.uint8 or slot.shape != raw.shape:
+                got = f"{slot.numel()} {str(slot.dtype).removeprefix('torch.')}"
+                raise BadMessage(f"rank {rank} sent {got} values, {raw.numel()} bytes expected")
+            out.append(slot.view(mine.dtype).reshape(mine.shape))
         return out
 
 
@@ -145,9 +177,20 @@ class ShardedOptimizer:
     ``enter`` joins with the other members' into the epoch's shards.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        reducer: ExactReducer | None = None,
+    ) -> None:
         # A non-elementwise optimizer is refused here, at init, not at the first step.
         self.keys = check_supported(optimizer)  # its per-element state keys
+        # ZeRO-2 (a reducer given): the exact sum is reduce-scattered (zero/grads.py).
+        self.reducer = reducer
+        self.grad_shard: GradShard | None = None
+        self._sums: torch.Tensor | None = None  # this member's summed pieces, until finish
+        self._grads: list[torch.Tensor | None] | None = None  # its windows' gradients
+        self._given: tuple[int, ...] = ()
         self.params = list(params)
         self.optimizer = optimizer
         # Pieces are cut in the optimizer's parameter order (its state_dict's indices).
@@ -156,8 +199,16 @@ class ShardedOptimizer:
         self._shapes = [p.shape for p in mine]
         self._same_order = [id(p) for p in mine] == [id(p) for p in self.params]
         self.zero: ZeroOptimizer | None = None
-        self._full: dict[str, Any] | None = None  # gathered at a commit, until its snapshot
+        self._pieces: torch.Tensor | None = None  # exchanged at a commit, for its snapshot
         self._holds: tuple[Range, ...] = ()  # what this member's snapshots keep
+        # Per rank of the epoch: what it steps and what its snapshots keep (optimizer order).
+        self._owners: list[list[Range]] = []
+        self._all_holds: list[tuple[Range, ...]] = []
+        self._opt_of = {
+            t: i for i, p in enumerate(mine) for t, q in enumerate(self.params) if q is p
+        }
+        self._comm: PieceCollective | None = None
+        self._timeout = timedelta(seconds=60)
         self._restored = b""  # the pieces of the snapshot just restored
         self.enter_s = 0.0  # how long the last `enter` took (the recovery's reshard phase)
         self.received_bytes = 0  # optimizer-state bytes the last `enter` fetched from peers
@@ -185,11 +236,21 @@ class ShardedOptimizer:
             CommGather(comm),
             timeout=timeout,
         )
+        if self.reducer is not None:  # ZeRO-2: the plan of the step's reduce-scatter
+            lo = self.reducer.offsets
+            self.grad_shard = GradShard(self.zero.ownership, lo, self.zero.windows, comm.rank)
         # Snapshots cut pieces in the optimizer's parameter order: the same shards when
         # that is the job's order (the usual case), so a member keeps its own chunks.
         keeping = shards if self._same_order else epoch_shards(self._sizes, members)
         self._holds = keeping.held[members[comm.rank]]
+        self._all_holds = [keeping.held[m] for m in members]
         offsets = [0, *accumulate(self._sizes)]
+        at = {t: offsets[i] for t, i in self._opt_of.items()}
+        self._owners = [
+            [Range(at[t] + a, at[t] + b) for t, a, b in self.zero.ownership.pieces(r) if t in at]
+            for r in range(comm.size)
+        ]
+        self._comm, self._timeout = comm, timeout
         need = [Range(offsets[i] + a, offsets[i] + b) for i, a, b in self.zero.needed()]
         mine, self._restored = self._restored, b""
         got = fetch_and_join(comm, mine, need, self._sizes, self.keys, self._shapes, timeout)
@@ -206,40 +267,105 @@ class ShardedOptimizer:
 
     def leave(self) -> None:
         """Drop the epoch's shards (its communicator is closed)."""
-        self.zero = None
-        self._full = None
+        self.zero = self._comm = None
+        self._pieces = None
+        self.grad_shard, self._sums, self._grads = None, None, None
+
+    # -- ZeRO-2: the reduction ----------------------------------------------------------
+    @property
+    def scatters(self) -> bool:
+        """True for ZeRO-2: the step's sum is reduce-scattered, not all-reduced."""
+        return self.reducer is not None
+
+    def reduce(self, comm: GradCollective, buffer: torch.Tensor, timeout: timedelta) -> None:
+        """ZeRO-2's exchange of the exact reducer's ``buffer``: its tail (counts, peaks,
+        the caller's slots) all-reduced in place, its data reduce-scattered to the owners
+        (both collectives: ``PeerLost`` fails the step)."""
+        if self.grad_shard is None:
+            raise ConfigError("the sharded reduction runs only inside an epoch")
+        self._sums = self._grads = None
+        n = self.grad_shard.data_size
+        comm.allreduce(buffer[n:], dist.ReduceOp.SUM, timeout)
+        self._sums = self.grad_shard.reduce(comm, buffer[:n], timeout)
+
+    def finish(
+        self, buffer: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
+    ) -> ReduceOutcome:
+        """What ``ExactReducer.finish`` is to the all-reduced buffer, for this member's
+        pieces: the outcome, and on success its windows' averaged gradients (kept for
+        ``step``; every ``.grad`` is None)."""
+        assert self.reducer is not None and self.grad_shard is not None and self._sums is not None
+        settled = self.reducer.settle(buffer[self.grad_shard.data_size :], n_micro)
+        sums, self._sums = self._sums, None
+        if not isinstance(settled, Settled):
+            return settled
+        self._grads = self.grad_shard.window_grads(sums, settled, params)
+        self._given = settled.given
+        for p in params:
+            p.grad = None
+        return ReduceDone()
+
+    def grads_for_update(self, front: torch.optim.Optimizer, whole: bool) -> torch.optim.Optimizer:
+        """Where the step's gradient is for the update; ZeRO-1: in ``.grad``, as unsharded.
+        ZeRO-2: this member's windows' gradients go to the shard optimizer, which is
+        returned (a grad scaler unscales them there); with ``whole`` (clipping or hooks
+        read the whole gradient) they are all-gathered into ``.grad`` first (a collective:
+        ``PeerLost`` fails the step), and the step reads them as ZeRO-1's."""
+        grads, self._grads = self._grads, None
+        if self.reducer is None:
+            return front
+        assert self.zero is not None and grads is not None, "finish gives the gradient"
+        if whole:
+            self.zero.gather_grads(grads, self._given)
+            return front
+        self.zero.attach_grads(grads)
+        return self.zero.inner
 
     def step(self) -> None:
-        """The sharded step, then the full state for the snapshot (both collectives:
-        ``PeerLost`` leaves the step uncommitted, and the job restores its snapshot)."""
+        """The sharded step, then the exchange of the snapshot's replicas (both
+        collectives: ``PeerLost`` leaves the step uncommitted, and the job restores its
+        snapshot)."""
         if self.zero is None:
             raise ConfigError("the sharded optimizer steps only inside an epoch")
-        self._full = None
+        self._pieces = None
         self.zero.step()
-        self._full = self.zero.full_state_dict()
+        self._pieces = self._exchange()
 
     def skip(self) -> None:
         """A step committed without an optimizer step (the loss scale backs off): the state
-        does not change, and is gathered for the snapshot as after a step (a collective)."""
+        does not change, and its pieces are exchanged for the snapshot as after a step."""
         if self.zero is None:
             raise ConfigError("the sharded optimizer skips only inside an epoch")
-        self._full = None
-        self._full = self.zero.full_state_dict()
+        self._pieces = None
+        self._pieces = self._exchange()
+
+    def _exchange(self) -> torch.Tensor:
+        """This member's snapshot pieces: its own state, and the replicas it keeps from
+        their owners (sharded_snapshot.commit_pieces; no member gathers the full state)."""
+        assert self.zero is not None and self._comm is not None
+        sd, index = self.zero.state_dict(), self._opt_of
+        state = {
+            PieceKey(index[t], a, b): sd["state"].get(i, {})
+            for i, (t, a, b) in enumerate(sd["pieces"])
+        }
+        return commit_pieces(
+            self._comm, state, self._owners, self._all_holds, self._sizes, self.keys, self._timeout
+        )
 
     def for_snapshot(
         self, extra: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
         """The snapshot's ``extra`` tensors and optimizer state: this member's pieces of the
-        state gathered at the last commit (own chunks and replicas, ~2/W of it) and the
-        param groups; the gathered state is dropped here. Before the first epoch: the
-        script's optimizer holds the full state, and the snapshot takes it as it is."""
-        full, self._full = self._full, None
-        if full is None:
+        state exchanged at the last commit (own chunks and replicas, ~2/W of it) and the
+        param groups. Before the first epoch: the script's optimizer holds the full state,
+        and the snapshot takes it as it is."""
+        pieces, self._pieces = self._pieces, None
+        if pieces is None:
             if self.zero is not None:  # the script's optimizer holds nothing now
-                raise KeepstepError("a sharded snapshot needs the state its commit gathered")
+                raise KeepstepError("a sharded snapshot needs the pieces its commit exchanged")
             return dict(extra), None
-        pieces = pieces_tensor(full, self._sizes, self.keys, self._holds)
-        return {**extra, PIECES: pieces}, {"state": {}, "param_groups": full["param_groups"]}
+        groups = self.optimizer.state_dict()["param_groups"]
+        return {**extra, PIECES: pieces}, {"state": {}, "param_groups": groups}
 
     def full_state(self) -> dict[str, Any] | None:
         """The full optimizer state, gathered now (a collective of the epoch); None outside
@@ -248,56 +374,17 @@ class ShardedOptimizer:
 
 
 def sharded_optimizer(
-    shard: Shard | None, params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer
+    shard: Shard | None,
+    params: Sequence[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    reducer: object,
 ) -> ShardedOptimizer | None:
-    """The job's sharded optimizer for ``JobConfig.shard``; None for full replicas."""
+    """The job's sharded optimizer for ``JobConfig.shard``; None for full replicas.
+    ZeRO-2 reduce-scatters the exact mode's sum, so it needs the exact ``reducer``."""
     if shard is None:
         return None
-    assert shard is Shard.ZERO1, shard  # JobConfig allows no other
-    return ShardedOptimizer(params, optimizer)
-
-
-class ShardFigures(TypedDict):
-    """What entering an epoch measured of the sharded state (a `Reconfiguration`'s fields)."""
-
-    stepped_elements: int | None
-    reshard_s: float
-    reshard_bytes: int
-
-
-def shard_figures(sharded: ShardedOptimizer | None) -> ShardFigures:
-    """The epoch's figures of ``sharded`` (None: full replicas)."""
-    if sharded is None:
-        return {"stepped_elements": None, "reshard_s": 0.0, "reshard_bytes": 0}
-    return {
-        "stepped_elements": sharded.stepped_elements(),
-        "reshard_s": sharded.enter_s,
-        "reshard_bytes": sharded.received_bytes,
-    }
-
-
-def optimizer_sha256(state: Mapping[str, Any]) -> str:
-    """sha256 over an optimizer state dict: per parameter index in order, each key's
-    values (tensors by dtype, shape and bytes), then the param groups' hyper-parameters.
-    The same for the gathered state of a sharded job and the full optimizer's."""
-    digest = hashlib.sha256()
-    for index in sorted(state["state"]):
-        per_param = state["state"][index]
-        digest.update(f"param {index}".encode())
-        for key in sorted(per_param):
-            digest.update(key.encode())
-            _feed(digest, per_param[key])
-    for group in state["param_groups"]:
-        for key in sorted(group):
-            digest.update(key.encode())
-            _feed(digest, group[key])
-    return digest.hexdigest()
-
-
-def _feed(digest: Any, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        raw = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-        digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
-        digest.update(raw.numpy().tobytes())
-    else:
-        digest.update(repr(value).encode())
+    if shard is Shard.ZERO1:
+        return ShardedOptimizer(params, optimizer)
+    if not isinstance(reducer, ExactReducer):
+        raise ConfigError(f"shard={shard.value!r} needs mode='exact': its sum is reduce-scattered")
+    return ShardedOptimizer(params, optimizer, reducer)

@@ -1,10 +1,11 @@
 """A sharded job's snapshots: its own shard and the replicas it keeps, and the rejoin.
 
-Where it sits: between sharded.py (the job's ZeRO-1) and the snapshot store. At a commit
-the gathered full optimizer state is cut to what this member keeps by the epoch's chunked
-layout (shard_epoch.py: its own chunks and one replica of another node's) and goes into
-the snapshot as one uint8 tensor (``extra/shard_pieces``) in the checked wire format of
-snapshot_pieces.py; the snapshot's optimizer part holds the param groups only. On
+Where it sits: between sharded.py (the job's ZeRO-1/2) and the snapshot store. At a
+commit each member sends its peers the parts of its own state they keep as replicas
+(``commit_pieces``: one ``alltoall``, no full gather), and what it keeps by the epoch's
+chunked layout (shard_epoch.py: its own chunks and one replica of another node's) goes
+into the snapshot as one uint8 tensor (``extra/shard_pieces``) in the checked wire
+format of snapshot_pieces.py; the snapshot's optimizer part holds the param groups only. On
 entering an epoch the members announce what their restored snapshots hold and what
 their new windows need, every member computes the same disjoint plan from that
 (``shard.fetch``), and the pieces move rank to rank in one ``alltoall``
@@ -17,9 +18,10 @@ wrong state.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -28,7 +30,7 @@ from keepstep.elastic.errors import BadMessage, StateShapeError
 from keepstep.elastic.shard.fetch import Announcement, BadAnnouncement, decode, encode, plan_fetches
 from keepstep.elastic.shard.fetch import limit as announcement_limit
 from keepstep.elastic.shard.layout import Range, pieces_of
-from keepstep.elastic.snapshot_pieces import pack_pieces, unpack_pieces
+from keepstep.elastic.snapshot_pieces import pack_pieces, pack_tensor, unpack_pieces
 from keepstep.elastic.snapshot_shard import (
     PieceKey,
     cut_state,
@@ -39,6 +41,7 @@ from keepstep.elastic.snapshot_shard import (
 __all__ = [
     "PIECES",
     "Fetched",
+    "commit_pieces",
     "cut_pieces",
     "fetch_and_join",
     "pieces_tensor",
@@ -65,8 +68,81 @@ def pieces_tensor(
     full: Mapping[str, Any], sizes: Sequence[int], keys: frozenset[str], ranges: Sequence[Range]
 ) -> torch.Tensor:
     """The pieces of ``full`` that ``ranges`` keep, as the snapshot's uint8 tensor."""
-    raw = pack_pieces(cut_state(full, sizes, keys, ranges))
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return pack_tensor(cut_state(full, sizes, keys, ranges))
+
+
+class PieceSender(Protocol):
+    """What ``commit_pieces`` needs of the epoch's ``Communicator``."""
+
+    rank: int
+
+    def alltoall_bytes(
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
+    ) -> list[bytes]: ...
+
+
+def commit_pieces(
+    comm: PieceSender,
+    state: Mapping[PieceKey, Mapping[str, Any]],
+    owners: Sequence[Sequence[Range]],
+    holds: Sequence[Sequence[Range]],
+    sizes: Sequence[int],
+    keys: frozenset[str],
+    timeout: timedelta,
+) -> torch.Tensor:
+    """This member's snapshot pieces at a commit, without gathering the full state.
+
+    ``state``: the pieces this member steps (``ZeroOptimizer.state_dict``'s, keyed by
+    the optimizer's parameter index); per rank,
+    in rank order, ``owners[r]`` the ranges of the flattened state rank r steps and
+    ``holds[r]`` what its snapshot keeps (its own chunks and its replicas), which every
+    member computes alike from the epoch's layout. Each member sends each peer the part
+    of its own state the peer keeps, and nothing else (one ``alltoall``: about 1/W of the
+    state out, the replicas in); what arrives must be exactly the sender's share of this
+    member's holds (``BadMessage`` otherwise). Empty parameters' state goes to every
+    member, as ``cut_state`` keeps it in every snapshot. A collective; returns the
+    snapshot's uint8 tensor (``pieces_tensor``'s format)."""
+    offsets = (0, *accumulate(sizes))
+    me = comm.rank
+    empty = {k: v for k, v in state.items() if sizes[k.param] == 0}
+
+    def share(r: int, of: int) -> tuple[Range, ...]:  # rank `of`'s part of r's holds
+        return _meet(merge(holds[r]), merge(owners[of]))
+
+    payloads = [
+        b"" if r == me else pack_pieces({**cut_pieces(state, offsets, keys, share(r, me)), **empty})
+        for r in range(len(holds))
+    ]
+    values = (sum(sizes) + len(sizes)) * (len(keys) + 2)
+    got = comm.alltoall_bytes(payloads, 16 * values + (1 << 24), timeout)
+    parts = {**cut_pieces(state, offsets, keys, share(me, me)), **empty}
+    for rank, raw in enumerate(got):
+        if rank == me:
+            continue
+        theirs = unpack_pieces(raw, sizes, keys) if raw else {}
+        sent = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in theirs)
+        if sent != share(me, rank):
+            raise BadMessage(
+                f"rank {rank} sent state for {[tuple(r) for r in sent[:4]]}; its share of "
+                f"rank {me}'s replicas is {[tuple(r) for r in share(me, rank)[:4]]}"
+            )
+        parts.update(theirs)
+    return pack_tensor(parts)
+
+
+def _meet(a: Sequence[Range], b: Sequence[Range]) -> tuple[Range, ...]:
+    """The elements in both ``a`` and ``b`` (each sorted, disjoint)."""
+    out: list[Range] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i].start, b[j].start), min(a[i].stop, b[j].stop)
+        if lo < hi:
+            out.append(Range(lo, hi))
+        if a[i].stop < b[j].stop:
+            i += 1
+        else:
+            j += 1
+    return merge(out)
 
 
 class Fetched(NamedTuple):
@@ -134,10 +210,21 @@ def cut_pieces(
     by_param: dict[int, list[PieceKey]] = {}
     for key in sorted(parts):
         by_param.setdefault(key.param, []).append(key)
+    # Bisection needs the pieces' stops in order: true unless pieces overlap (a seed
+    # joined from a checkpoint's parts may hold overlapping ones).
+    stops = {
+        t: [k.stop for k in ks]
+        for t, ks in by_param.items()
+        if all(x.start >= y.stop for y, x in pairwise(ks))
+    }
     out: dict[PieceKey, dict[str, Any]] = {}
     for r in ranges:
         for t, a, b in pieces_of(offsets, r.start, r.stop):
-            for key in by_param.get(t, ()):
+            held = by_param.get(t, [])
+            first = bisect_right(stops[t], a) if t in stops else 0
+            for key in held[first:]:
+                if key.start >= b:
+                    break
                 lo, hi = max(a, key.start), min(b, key.stop)
                 if lo >= hi:
                     continue

@@ -25,7 +25,7 @@ import torch
 from keepstep.elastic.errors import BadMessage, StateShapeError
 from keepstep.elastic.snapshot_shard import PieceKey
 
-__all__ = ["concat_pieces", "pack_pieces", "unpack_pieces"]
+__all__ = ["concat_pieces", "pack_pieces", "pack_tensor", "unpack_pieces"]
 
 _HEAD = 8  # bytes of the little-endian header length that starts the payload
 _DTYPES = {
@@ -48,8 +48,14 @@ _PLAIN = {"bool": bool, "int": int, "float": float}
 
 def pack_pieces(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> bytes:
     """``pieces`` (``cut_state``'s) as one payload: header, then tensor bytes in order."""
+    return pack_tensor(pieces).numpy().tobytes()
+
+
+def pack_tensor(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> torch.Tensor:
+    """``pack_pieces``'s payload as a uint8 tensor (what a snapshot stores), each value's
+    bytes copied once into it."""
     entries: list[list[Any]] = []
-    chunks: list[bytes] = []
+    tensors: list[torch.Tensor] = []
     for (t, a, b), piece in pieces.items():
         values: list[list[Any]] = []
         for key, value in piece.items():
@@ -58,8 +64,7 @@ def pack_pieces(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> bytes:
                 if dtype not in _DTYPES:
                     raise StateShapeError(f"parameter {t}: {key!r} has dtype {dtype}, not sent")
                 values.append([key, "tensor", dtype, list(value.shape)])
-                raw = value.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
-                chunks.append(raw.numpy().tobytes())
+                tensors.append(value.detach().cpu().reshape(-1))
             elif type(value) in (bool, int, float):
                 values.append([key, type(value).__name__, value])
             else:
@@ -68,7 +73,19 @@ def pack_pieces(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> bytes:
                 )
         entries.append([t, a, b, values])
     header = json.dumps(entries).encode()
-    return len(header).to_bytes(_HEAD, "little") + header + b"".join(chunks)
+    sizes = [v.numel() * v.element_size() for v in tensors]
+    out = torch.empty(_HEAD + len(header) + sum(sizes), dtype=torch.uint8)
+    out[:_HEAD] = torch.frombuffer(
+        bytearray(len(header).to_bytes(_HEAD, "little")), dtype=torch.uint8
+    )
+    if header:
+        out[_HEAD : _HEAD + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+    at = _HEAD + len(header)
+    for value, size in zip(tensors, sizes, strict=True):
+        if size:
+            out[at : at + size].copy_(value.contiguous().view(torch.uint8))
+        at += size
+    return out
 
 
 def unpack_pieces(
@@ -107,7 +124,7 @@ def unpack_pieces(
             count = math.prod(shape)
             if key in keys and count != b - a:
                 raise BadMessage(f"parameter {t}: {key!r} has {count} values for {a}..{b}")
-            size = count * torch.empty((), dtype=dtype).element_size()
+            size = count * dtype.itemsize
             if offset + size > len(body):
                 raise BadMessage(f"parameter {t}: the payload ends before {key!r}")
             data = bytearray(body[offset : offset + size])
@@ -200,7 +217,7 @@ def _nbytes(value: Any, i: int) -> int:
     dtype = _DTYPES.get(value[2]) if len(value) == 4 else None
     if dtype is None or not _shape(value[3]):
         raise BadMessage(f"payload {i}: bad value {value!r}"[:200])
-    return math.prod(value[3]) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(value[3]) * dtype.itemsize
 
 
 def _entry(entry: Any, sizes: Sequence[int]) -> tuple[int, int, int, list[Any]]:

@@ -36,6 +36,7 @@ from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
 from keepstep.elastic.metrics import StepMetrics
 from keepstep.elastic.reduce import ReduceDone, ReduceNonFinite, ReduceOverflow
 from keepstep.elastic.rng import rng_scope
+from keepstep.elastic.train_state import check_layout
 
 if TYPE_CHECKING:
     from keepstep.elastic.job import Job
@@ -213,7 +214,7 @@ class Step:
         job = self.job
         comm = job.comm
         assert comm is not None
-        job.check_layout()
+        check_layout(job.layout, job.model)
         if len(self._done_ids) != len(self.micro_batch_ids):
             if not comm.aborted():
                 raise ConfigError(
@@ -231,8 +232,12 @@ class Step:
         slots = buffer[-1 - comm.size :]
         slots[comm.rank] = self._compute_s
         slots[-1] = 1 if job.controller.change_pending() else 0
+        sharded = job.sharded if job.sharded is not None and job.sharded.scatters else None
         try:
-            comm.allreduce(buffer, dist.ReduceOp.SUM, timeout)
+            if sharded is not None:  # ZeRO-2: each member receives the sum of its shard
+                sharded.reduce(comm, buffer, timeout)
+            else:
+                comm.allreduce(buffer, dist.ReduceOp.SUM, timeout)
         except PeerLost as error:
             return self._fail(error)
         *seconds, flag = buffer[-1 - comm.size :].tolist()
@@ -249,7 +254,10 @@ class Step:
             except PeerLost as error:
                 return self._fail(error)
             metrics = self._metrics.reduce(summed, self.index)
-        outcome = job.reducer.finish(buffer, job.config.n_micro, job.params)
+        if sharded is not None:
+            outcome = sharded.finish(buffer, job.config.n_micro, job.params)
+        else:
+            outcome = job.reducer.finish(buffer, job.config.n_micro, job.params)
         if isinstance(outcome, ReduceOverflow):
             peak = job.reducer.retry_max_buffer()
             try:

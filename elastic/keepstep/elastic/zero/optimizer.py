@@ -26,7 +26,7 @@ the shard state advanced: the step must not commit, and the job restores its sna
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -111,6 +111,7 @@ class ZeroOptimizer:
             per_group[self._group_of[w.tensor]].append(view)
         self._inner_index = {id(v): i for i, v in enumerate(v for g in per_group for v in g)}
         self.inner = rebuild(optimizer, per_group)
+        self._attached = False  # attach_grads gave the next step its gradients
         # The parameter bytes each rank contributes to the gather, in order.
         self._sends = [
             [pc for pc in ownership.pieces(r) if pc.tensor in self._group_of]
@@ -125,7 +126,10 @@ class ZeroOptimizer:
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> None:
-        """One optimizer step on the owned elements, then the all-gather of parameters."""
+        """One optimizer step on the owned elements, then the all-gather of parameters.
+
+        The gradient comes from the parameters' ``.grad`` (ZeRO-1: every member holds the
+        reduced gradient), or from ``attach_grads`` (ZeRO-2, zero/grads.py)."""
         if self.optimizer.state:
             raise ConfigError(
                 f"{type(self.optimizer).__qualname__} holds state of its own (it stepped, or "
@@ -133,15 +137,10 @@ class ZeroOptimizer:
                 "ZeroOptimizer.step, load with ZeroOptimizer.load_full_state_dict"
             )
         sync_groups(self.optimizer, self.inner)
-        flat_grads: dict[int, torch.Tensor | None] = {}
-        for w, view in zip(self.windows, self._views, strict=True):
-            if w.tensor not in flat_grads:
-                grad = self.params[w.tensor].grad
-                if grad is not None and grad.layout != torch.strided:
-                    raise ConfigError(f"tensor {w.tensor} has a {grad.layout} gradient")
-                flat_grads[w.tensor] = None if grad is None else grad.reshape(-1)
-            flat = flat_grads[w.tensor]
-            view.grad = None if flat is None else flat[w.start : w.stop]
+        if not self._attached:
+            for view, grad in zip(self._views, self._grads_from_params(), strict=True):
+                view.grad = grad
+        self._attached = False
         try:
             self.inner.step()
         finally:
@@ -152,29 +151,75 @@ class ZeroOptimizer:
         setattr(self.optimizer, "_opt_called", True)  # noqa: B010
         self.gather_params()
 
+    def _grads_from_params(self) -> list[torch.Tensor | None]:
+        """Each window's slice of its parameter's ``.grad`` (a view; None without one)."""
+        flat: dict[int, torch.Tensor | None] = {}
+        for w in self.windows:
+            if w.tensor not in flat:
+                grad = self.params[w.tensor].grad
+                if grad is not None and grad.layout != torch.strided:
+                    raise ConfigError(f"tensor {w.tensor} has a {grad.layout} gradient")
+                flat[w.tensor] = None if grad is None else grad.reshape(-1)
+        return [
+            None if (g := flat[w.tensor]) is None else g[w.start : w.stop] for w in self.windows
+        ]
+
+    def attach_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """The windows' gradients for the next ``step``, one per window (ZeRO-2's,
+        zero/grads.py), in place of the parameters' ``.grad``. ``inner`` holds them
+        until the step (a grad scaler unscales them there)."""
+        if len(grads) != len(self.windows):
+            raise ConfigError(f"{len(grads)} gradients for {len(self.windows)} windows")
+        for view, grad in zip(self._views, grads, strict=True):
+            view.grad = grad
+        self._attached = True
+
+    def gather_grads(self, grads: Sequence[torch.Tensor | None], given: Sequence[int]) -> None:
+        """Every rank's window gradients into full ``.grad`` tensors (a collective), as
+        ZeRO-1 holds them: for a job whose clipping or hooks read the whole gradient.
+        ``given[t]``: whether some micro-batch gave tensor t a gradient (else None)."""
+        if len(grads) != len(self.windows) or len(given) != len(self.params):
+            raise ConfigError(
+                f"{len(grads)} gradients for {len(self.windows)} windows, {len(given)} "
+                f"counts for {len(self.params)} tensors"
+            )
+        full = {t: torch.zeros_like(self.params[t]).view(-1) for t in self._group_of}
+        for w, grad in zip(self.windows, grads, strict=True):
+            if grad is not None:
+                for r in w.owned:
+                    full[w.tensor][r.start : r.stop] = grad[r.start - w.start : r.stop - w.start]
+        self._allgather_pieces(lambda t: full[t].view(torch.uint8))
+        for t, p in enumerate(self.params):
+            p.grad = full[t].view(p.shape) if t in full and given[t] > 0 else None
+
     def gather_params(self) -> None:
         """Every rank's owned pieces of the parameters, into every rank's parameters."""
+        self._allgather_pieces(self._bytes)
+
+    def _allgather_pieces(self, flat_bytes: Callable[[int], torch.Tensor]) -> None:
+        """Every rank's owned pieces of the tensors ``flat_bytes(t)`` (1-D bytes, one
+        per parameter, of its dtype), into every rank's."""
         world = self.ownership.world
         if world == 1:
             return
-        device = self.gather.device
-        mine = torch.zeros(max(max(self._lengths), 1), dtype=torch.uint8, device=device)
-        offset = 0
-        for t, a, b in self._sends[self.rank]:
-            size = self.params[t].element_size()
-            n = (b - a) * size
-            mine[offset : offset + n] = self._bytes(t)[a * size : b * size]
-            offset += n
-        slots = self.gather.allgather(mine, self.timeout)
-        for r, slot in enumerate(slots):
-            if r == self.rank:
-                continue
-            offset = 0
+        tensors = {t: flat_bytes(t) for t in self._group_of}
+
+        def views(r: int) -> list[torch.Tensor]:  # rank r's pieces, as bytes of the tensors
+            out = []
             for t, a, b in self._sends[r]:
                 size = self.params[t].element_size()
-                n = (b - a) * size
-                self._bytes(t)[a * size : b * size] = slot[offset : offset + n]
-                offset += n
+                out.append(tensors[t][a * size : b * size])
+            return out
+
+        mine = torch.zeros(max(max(self._lengths), 1), dtype=torch.uint8, device=self.gather.device)
+        if self._lengths[self.rank]:
+            torch.cat(views(self.rank), out=mine[: self._lengths[self.rank]])
+        slots = self.gather.allgather(mine, self.timeout)
+        for r, slot in enumerate(slots):
+            if r != self.rank and self._lengths[r]:
+                into = views(r)
+                parts = torch.split(slot[: self._lengths[r]], [v.numel() for v in into])
+                torch._foreach_copy_(into, list(parts))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
