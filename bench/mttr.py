@@ -1,7 +1,7 @@
 """Time to recover, per fault kind: keepstep's MTTR and its phases, with the numbers checked.
 
     scripts/env python bench/mttr.py [--faults-per-kind 20]
-        [--kinds kill-worker,kill-node,hang-node,drain-node] [--shard zero1] [--json PATH]
+        [--kinds kill-worker,kill-node,hang-node,drain-node] [--shard zero1|zero2] [--json PATH]
 
 For each kind it runs `keepstep run` (4 nodes, examples/mlp.py with a small --sleep so a
 step takes ~0.1 s) with several faults of that kind per run, until at least N were
@@ -328,7 +328,7 @@ def add_settings_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--worker-spacing", type=int, default=d.worker_spacing, help="steps")
     parser.add_argument("--join-after", type=int, default=d.join_after, help="steps")
     parser.add_argument("--workdir", help="keep run directories here (default: a temp dir)")
-    parser.add_argument("--shard", choices=["zero1"], help="shard the optimizer state")
+    parser.add_argument("--shard", choices=["zero1", "zero2"], help="shard the optimizer state")
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
