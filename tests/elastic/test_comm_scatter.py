@@ -1,4 +1,4 @@
-"""``Communicator.reduce_scatter`` and ``Communicator.allgather`` over gloo.
+"""``Communicator.reduce_scatter``, ``allgather`` and ``alltoall_tensors`` over gloo.
 
 Three ranks on threads of this process over a HashStore. ``reduce_scatter`` is ZeRO-2's
 half of the exact sum: each rank receives the sum over members of its slice, and for the
@@ -50,6 +50,20 @@ def test_allgather_returns_every_ranks_bytes_in_rank_order() -> None:
         assert [g.tolist() for g in got[r]] == [m.tolist() for m in mine]
 
 
+def test_alltoall_tensors_delivers_each_payload_to_its_destination() -> None:
+    comms = _create_on_threads(HashStore(), 0, MEMBERS)
+
+    def payload(src: int, dst: int) -> torch.Tensor:  # rank 2 sends rank 0 nothing
+        n = 0 if (src, dst) == (2, 0) else 3 + src + dst
+        return torch.full((n,), 16 * src + dst, dtype=torch.uint8)
+
+    got = _on_threads(
+        comms, lambda r, c: c.alltoall_tensors([payload(r, d) for d in range(3)], 64, _T)
+    )
+    for dst in range(3):
+        assert [g.tolist() for g in got[dst]] == [payload(src, dst).tolist() for src in range(3)]
+
+
 def test_one_member_bad_arguments_and_a_lost_peer() -> None:
     (one,) = _create_on_threads(HashStore(), 0, ["a"])
     x = torch.arange(4, dtype=torch.float64)
@@ -60,6 +74,8 @@ def test_one_member_bad_arguments_and_a_lost_peer() -> None:
         comms[0].reduce_scatter(x, _T)
     with pytest.raises(ConfigError, match=r"got shape \(3, 3\)"):
         comms[0].reduce_scatter(torch.zeros(3, 3), _T)
+    with pytest.raises(ConfigError, match="alltoall_tensors sends 1-D uint8 CPU tensors"):
+        comms[0].alltoall_tensors([x, x, x], 64, _T)
     # Rank 2 never comes: the others give up at the deadline, as for any collective.
     short = timedelta(seconds=1)
     got = _on_threads(comms[:2], lambda r, c: c.reduce_scatter(torch.zeros(3), short))

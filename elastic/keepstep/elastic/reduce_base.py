@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 
-from keepstep.elastic.errors import ConfigError, StateShapeError
 from keepstep.elastic import reduce_kernels
+from keepstep.elastic.errors import ConfigError, StateShapeError
 
 MAX_N_MICRO = 2**24
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)

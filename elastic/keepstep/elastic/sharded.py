@@ -107,6 +107,10 @@ class PieceCollective(TensorCollective, Protocol):
         self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]: ...
 
+    def alltoall_tensors(
+        self, payloads: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta | None = None
+    ) -> list[torch.Tensor]: ...
+
 
 class GradCollective(Protocol):
     """What ZeRO-2's reduction needs of the ``Communicator``."""

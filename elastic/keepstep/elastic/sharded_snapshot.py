@@ -76,9 +76,12 @@ class PieceSender(Protocol):
 
     rank: int
 
-    def alltoall_bytes(
-        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
-    ) -> list[bytes]: ...
+    def alltoall_tensors(
+        self, payloads: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta | None = None
+    ) -> list[torch.Tensor]: ...
+
+
+_NOTHING = torch.empty(0, dtype=torch.uint8)
 
 
 def commit_pieces(
@@ -110,16 +113,18 @@ def commit_pieces(
         return _meet(merge(holds[r]), merge(owners[of]))
 
     payloads = [
-        b"" if r == me else pack_pieces({**cut_pieces(state, offsets, keys, share(r, me)), **empty})
+        _NOTHING
+        if r == me
+        else pack_tensor({**cut_pieces(state, offsets, keys, share(r, me)), **empty})
         for r in range(len(holds))
     ]
     values = (sum(sizes) + len(sizes)) * (len(keys) + 2)
-    got = comm.alltoall_bytes(payloads, 16 * values + (1 << 24), timeout)
+    got = comm.alltoall_tensors(payloads, 16 * values + (1 << 24), timeout)
     parts = {**cut_pieces(state, offsets, keys, share(me, me)), **empty}
     for rank, raw in enumerate(got):
         if rank == me:
             continue
-        theirs = unpack_pieces(raw, sizes, keys) if raw else {}
+        theirs = unpack_pieces(raw, sizes, keys) if raw.numel() else {}
         sent = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in theirs)
         if sent != share(me, rank):
             raise BadMessage(

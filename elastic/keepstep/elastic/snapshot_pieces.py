@@ -64,7 +64,8 @@ def pack_tensor(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> torch.Tensor:
                 if dtype not in _DTYPES:
                     raise StateShapeError(f"parameter {t}: {key!r} has dtype {dtype}, not sent")
                 values.append([key, "tensor", dtype, list(value.shape)])
-                tensors.append(value.detach().cpu().reshape(-1))
+                flat = value if value.dim() == 1 else value.reshape(-1)
+                tensors.append(flat if flat.device.type == "cpu" else flat.cpu())
             elif type(value) in (bool, int, float):
                 values.append([key, type(value).__name__, value])
             else:
@@ -81,31 +82,42 @@ def pack_tensor(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> torch.Tensor:
     if header:
         out[_HEAD : _HEAD + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     at = _HEAD + len(header)
-    for value, size in zip(tensors, sizes, strict=True):
-        if size:
-            out[at : at + size].copy_(value.contiguous().view(torch.uint8))
-        at += size
+    with torch.no_grad():
+        for value, size in zip(tensors, sizes, strict=True):
+            if size:
+                out[at : at + size].copy_(value.contiguous().view(torch.uint8))
+            at += size
     return out
 
 
 def unpack_pieces(
-    raw: bytes, sizes: Sequence[int], keys: frozenset[str]
+    raw: bytes | torch.Tensor, sizes: Sequence[int], keys: frozenset[str]
 ) -> dict[PieceKey, dict[str, Any]]:
-    """The pieces of a ``pack_pieces`` payload, checked: ``BadMessage`` names what is off
-    (a parameter or range that does not exist, a per-element value of the wrong size, an
-    unknown dtype, bytes missing or left over)."""
-    if len(raw) < _HEAD:
-        raise BadMessage(f"a payload of {len(raw)} bytes has no header")
-    n = int.from_bytes(raw[:_HEAD], "little")
-    if n > len(raw) - _HEAD:
+    """The pieces of a ``pack_pieces`` payload (bytes, or ``pack_tensor``'s uint8 tensor),
+    checked: ``BadMessage`` names what is off (a parameter or range that does not exist, a
+    per-element value of the wrong size, an unknown dtype, bytes missing or left over).
+    Every value is a copy of its own."""
+    flat = (
+        raw
+        if isinstance(raw, torch.Tensor)
+        else torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        if raw
+        else torch.empty(0, dtype=torch.uint8)
+    )
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise BadMessage(f"a payload must be 1-D bytes, not {flat.dtype} {tuple(flat.shape)}")
+    if flat.numel() < _HEAD:
+        raise BadMessage(f"a payload of {flat.numel()} bytes has no header")
+    n = int.from_bytes(flat[:_HEAD].numpy().tobytes(), "little")
+    if n > flat.numel() - _HEAD:
         raise BadMessage(f"header of {n} bytes is longer than the payload")
     try:
-        entries = json.loads(raw[_HEAD : _HEAD + n])
+        entries = json.loads(flat[_HEAD : _HEAD + n].numpy().tobytes())
     except (UnicodeDecodeError, ValueError) as err:
         raise BadMessage(f"header is not JSON: {err}") from None
     if not isinstance(entries, list):
         raise BadMessage("header must be a list of pieces")
-    body = memoryview(raw)[_HEAD + n :]
+    body = flat[_HEAD + n :]
     offset = 0
     out: dict[PieceKey, dict[str, Any]] = {}
     for entry in entries:
@@ -125,15 +137,14 @@ def unpack_pieces(
             if key in keys and count != b - a:
                 raise BadMessage(f"parameter {t}: {key!r} has {count} values for {a}..{b}")
             size = count * dtype.itemsize
-            if offset + size > len(body):
+            if offset + size > body.numel():
                 raise BadMessage(f"parameter {t}: the payload ends before {key!r}")
-            data = bytearray(body[offset : offset + size])
+            data = body[offset : offset + size].clone()  # its own, aligned for its dtype
             offset += size
-            flat = torch.frombuffer(data, dtype=torch.uint8) if size else torch.empty(0)
-            piece[key] = flat.to(torch.uint8).view(dtype).reshape(shape)
+            piece[key] = data.view(dtype).reshape(shape)
         out[PieceKey(t, a, b)] = piece
-    if offset != len(body):
-        raise BadMessage(f"{len(body) - offset} bytes left over after the pieces")
+    if offset != body.numel():
+        raise BadMessage(f"{body.numel() - offset} bytes left over after the pieces")
     return out
 
 

@@ -45,6 +45,7 @@ from keepstep.elastic.comm.exit_guard import EXIT_GUARD, ExitGuard
 from keepstep.elastic.comm.gloo import GlooTransport
 from keepstep.elastic.comm.group import EpochSpec, GroupBuild, check_timeout
 from keepstep.elastic.comm.nccl import NcclTransport
+from keepstep.elastic.comm.rounds import EMPTY, PAD, check_lengths, left
 from keepstep.elastic.comm.transport import Backend, Link, Pending, Transport, select_backend
 from keepstep.elastic.comm.watch import WATCH_TIMEOUT, AbortWatch, Outcome
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
@@ -226,12 +227,12 @@ class Communicator:
             raise ConfigError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
         if self.size == 1:
             self._collective("allgather_bytes", None, timeout)
-            _check_lengths([len(payload)], max_bytes)
+            check_lengths([len(payload)], max_bytes)
             return [bytes(payload)]
         deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
         mine = torch.tensor([len(payload)], dtype=torch.int64).to(self.device)
         lengths = [int(n) for n in self._allgather("allgather_bytes (lengths)", mine, deadline)]
-        _check_lengths(lengths, max_bytes)
+        check_lengths(lengths, max_bytes)
         # At least one byte: gloo is not asked to gather empty tensors.
         padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
         if payload:
@@ -242,8 +243,18 @@ class Communicator:
     def alltoall_bytes(
         self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]:
-        """``payloads[d]`` to rank d; returns what each rank sent here, in rank order. Each
-        payload is at most ``max_bytes``; an empty one sends nothing.
+        """``payloads[d]`` to rank d; returns what each rank sent here, in rank order
+        (``alltoall_tensors`` over bytes)."""
+        mine = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else EMPTY for p in payloads]
+        got = self.alltoall_tensors(mine, max_bytes, timeout)
+        return [g.numpy().tobytes() for g in got]
+
+    def alltoall_tensors(
+        self, payloads: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta | None = None
+    ) -> list[torch.Tensor]:
+        """``payloads[d]`` (1-D uint8, CPU) to rank d; returns what each rank sent here, in
+        rank order, as views of one buffer. Each payload is at most ``max_bytes``; an
+        empty one sends nothing.
 
         Rank-to-rank transfers in one collective (a member sends only what its peers
         need, unlike ``allgather_bytes``). Two rounds under one deadline: the lengths, then
@@ -254,14 +265,16 @@ class Communicator:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ConfigError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
         if len(payloads) != self.size:
-            raise ConfigError(f"alltoall_bytes needs {self.size} payloads, got {len(payloads)}")
-        sizes = [len(p) for p in payloads]
+            raise ConfigError(f"alltoall needs {self.size} payloads, got {len(payloads)}")
+        if any(p.dtype != torch.uint8 or p.dim() != 1 or p.device.type != "cpu" for p in payloads):
+            raise ConfigError("alltoall_tensors sends 1-D uint8 CPU tensors")
+        sizes = [p.numel() for p in payloads]
         if self.size == 1:
             self._collective("alltoall_bytes", None, timeout)
-            _check_lengths(sizes, max_bytes, "alltoall_bytes")
-            return [bytes(payloads[0])]
+            check_lengths(sizes, max_bytes, "alltoall_bytes")
+            return [payloads[0].clone()]
         try:
-            _check_lengths(sizes, max_bytes, "alltoall_bytes (sent)")
+            check_lengths(sizes, max_bytes, "alltoall_bytes (sent)")
         except BadMessage as err:  # the peers hear the abort rather than wait for us
             self._watch.fire(f"rank {self.rank} ({self.me}): {err}")
             raise
@@ -272,27 +285,25 @@ class Communicator:
         self._collective(
             "alltoall_bytes (lengths)",
             lambda k, t: k.alltoall(got, sent, ones, ones, t),
-            _left(deadline),
+            left(deadline),
         )
         lengths = [int(n) for n in got.cpu()]
         try:
-            _check_lengths(lengths, max_bytes, "alltoall_bytes")
+            check_lengths(lengths, max_bytes, "alltoall_bytes")
         except BadMessage as err:
             self._watch.fire(f"rank {self.rank} ({self.me}): {err}")
             raise
         # One byte of padding after each payload: gloo is not asked to move empty slices.
         in_splits, out_splits = [n + 1 for n in sizes], [n + 1 for n in lengths]
-        wire = b"".join(p + b"\0" for p in payloads)
-        mine = torch.frombuffer(bytearray(wire), dtype=torch.uint8).to(self.device)
+        mine = torch.cat([t for p in payloads for t in (p, PAD)]).to(self.device)
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
         self._collective(
             "alltoall_bytes",
             lambda k, t: k.alltoall(out, mine, out_splits, in_splits, t),
-            _left(deadline),
+            left(deadline),
         )
-        raw = out.cpu().numpy().tobytes()
         starts = [0, *itertools.accumulate(out_splits)]
-        return [raw[a : b - 1] for a, b in itertools.pairwise(starts)]
+        return [out[a : b - 1].cpu() for a, b in itertools.pairwise(starts)]
 
     def barrier(self, timeout: timedelta | None = None) -> None:
         """Return once every member entered the barrier."""
@@ -336,7 +347,7 @@ class Communicator:
 
     def _allgather(self, what: str, mine: torch.Tensor, deadline: float) -> list[torch.Tensor]:
         slots = [torch.empty_like(mine) for _ in range(self.size)]
-        self._collective(what, lambda k, t: k.allgather(slots, mine, t), _left(deadline))
+        self._collective(what, lambda k, t: k.allgather(slots, mine, t), left(deadline))
         return slots
 
     def _collective(
@@ -382,15 +393,3 @@ class Communicator:
         except RuntimeError as err:
             reason = self._watch.fire(f"{who} failed: {short_reason(err)}")
             raise self._give_up(reason, pending) from err
-
-
-def _left(deadline: float) -> timedelta:
-    # At least a millisecond: a spent deadline should time the next round out, not be
-    # refused as an invalid timeout.
-    return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-
-
-def _check_lengths(lengths: list[int], max_bytes: int, what: str = "allgather_bytes") -> None:
-    for rank, n in enumerate(lengths):
-        if not 0 <= n <= max_bytes:
-            raise BadMessage(f"{what}: rank {rank} sent {n} bytes; allowed are 0 to {max_bytes}")
