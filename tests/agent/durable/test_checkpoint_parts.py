@@ -100,6 +100,24 @@ def test_a_part_that_never_comes_leaves_the_step_before_in_force(tmp_path: Path)
     assert json.loads(t.read(LATEST))["step"] == 4
 
 
+def test_a_step_missing_a_part_gives_way_to_the_next_one(tmp_path: Path) -> None:
+    # Member 1 could not export its part of step 4 (its snapshot had moved on); the
+    # publisher must not wait out the parts timeout on it while step 8 is due.
+    t = Target(f"file://{tmp_path}/ckpt", {})
+    members = ["n0/0", "n1/0"]
+    publisher = CheckpointWriter(t.url, 1, parts_timeout=300.0)
+    publisher.submit(4, member_snapshots(members, step=4)[0][0], Part(1, 0, 2, publish=True))
+    blobs = member_snapshots(members, step=8)[0]
+    publisher.submit(8, blobs[0], Part(1, 0, 2, publish=True))
+    other = CheckpointWriter(t.url, 1)
+    other.submit(8, blobs[1], Part(1, 1, 2))
+    other.close(T)
+    publisher.close(T)  # well inside the 300 s a part is waited for
+    found = latest_checkpoint(t.url, T)
+    assert found is not None and (found[0].step, found[0].parts) == (8, 2)
+    assert [c.step for c in list_checkpoints(t.url, T)] == [8]
+
+
 @pytest.mark.parametrize("damage", ["flip", "gone"])
 def test_a_damaged_or_missing_part_falls_back(
     damage: str, where: Target, caplog: pytest.LogCaptureFixture

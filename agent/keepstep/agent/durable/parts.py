@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from keepstep.agent.durable.storage import (
@@ -80,10 +81,18 @@ def write_part(store: Store, step: int, part: Part, blob: bytes) -> CheckpointIn
     return info
 
 
-def publish_parts(store: Store, step: int, part: Part, timeout: float) -> CheckpointInfo:
+def publish_parts(
+    store: Store,
+    step: int,
+    part: Part,
+    timeout: float,
+    superseded: Callable[[], int | None] = lambda: None,
+) -> CheckpointInfo:
     """Once every part of ``step`` has its record (waiting up to ``timeout`` s): the
     manifest, the step's record and latest.json. ``PartsMissing`` names the parts still
-    missing at the deadline."""
+    missing at the deadline, or as soon as ``superseded()`` names a newer step this
+    writer has to write (a member that could not export its part of this step, whose
+    snapshot moved on, must not hold back every step after it)."""
     records = [part_name(step, part.epoch, k, part.count, "json") for k in range(part.count)]
     deadline = time.monotonic() + timeout
     pause = _POLL_S[0]
@@ -95,6 +104,12 @@ def publish_parts(store: Store, step: int, part: Part, timeout: float) -> Checkp
             raise PartsMissing(
                 f"step {step}: {len(missing)} of {part.count} parts not written after "
                 f"{timeout} s (first: {missing[0]}); the step is not published"
+            )
+        newer = superseded()
+        if newer is not None:
+            raise PartsMissing(
+                f"step {step}: {len(missing)} of {part.count} parts not written (first: "
+                f"{missing[0]}) when step {newer} came; the step is not published"
             )
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         pause = min(pause * 2, _POLL_S[1])

@@ -76,7 +76,8 @@ class CheckpointWriter:
     ``after_step`` is the step the job starts or resumes from: it and every step below it are
     never due, so a resumed job does not write its starting checkpoint again. A sharded
     job's members each submit their snapshot as a ``Part`` (parts.py), one writer each; the
-    publishing one waits up to ``parts_timeout`` s for the other parts.
+    publishing one waits up to ``parts_timeout`` s for the other parts, or until a newer
+    step is submitted to it.
     """
 
     def __init__(
@@ -246,13 +247,18 @@ class CheckpointWriter:
         )
         if not part.publish:
             return info
-        info = publish_parts(store, step, part, self.parts_timeout)
+        info = publish_parts(store, step, part, self.parts_timeout, self._newer)
         log.info("checkpoint of step %d: %d parts published", step, part.count)
         try:
             self._prune(store, step)
         except Exception as e:
             log.warning("could not delete old checkpoints under %s: %r", self.url, e)
         return info
+
+    def _newer(self) -> int | None:
+        """The newer step submitted while one is being written, if any."""
+        with self._cond:
+            return None if self._pending is None else self._pending[0]
 
     def _prune(self, store: Store, step: int) -> None:
         names = store.names()
