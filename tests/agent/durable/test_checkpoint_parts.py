@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,23 @@ def test_a_step_missing_a_part_gives_way_to_the_next_one(tmp_path: Path) -> None
     found = latest_checkpoint(t.url, T)
     assert found is not None and (found[0].step, found[0].parts) == (8, 2)
     assert [c.step for c in list_checkpoints(t.url, T)] == [8]
+
+
+def test_the_publisher_sees_parts_written_by_other_processes(s3: Any) -> None:  # noqa: F811
+    # Another agent's writer is another process with its own filesystem object: the
+    # publisher's listing must not come from a cache made before that part arrived.
+    t = Target(f"s3://{BUCKET}/{uuid.uuid4().hex}/ckpt", s3.storage_options())
+    blobs = member_snapshots(["n0/0", "n1/0"], step=8)[0]
+    publisher = CheckpointWriter(t.url, 1, storage_options=t.options, parts_timeout=15.0)
+    publisher.submit(8, blobs[0], Part(1, 0, 2, publish=True))
+    time.sleep(1.0)  # the publisher has listed the parts (one of two) by now
+    elsewhere = {**t.options, "skip_instance_cache": True}
+    other = CheckpointWriter(t.url, 1, storage_options=elsewhere)
+    other.submit(8, blobs[1], Part(1, 1, 2))
+    other.close(T)
+    publisher.close(T)
+    found = latest_checkpoint(t.url, T, t.options)
+    assert found is not None and (found[0].step, found[0].parts) == (8, 2)
 
 
 @pytest.mark.parametrize("damage", ["flip", "gone"])

@@ -186,6 +186,10 @@ class Store:
         return f"{self.url}/{name}"
 
     def names(self) -> list[str]:
+        """The names under the root as storage lists them now. A listing cache (s3fs keeps
+        one per filesystem, never expiring) would hide what other processes wrote since,
+        such as a sharded step's parts from other agents, so it is dropped first."""
+        self.fs.invalidate_cache(self.root)
         try:
             paths = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
