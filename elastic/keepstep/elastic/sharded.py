@@ -204,13 +204,11 @@ class ShardedOptimizer:
         self._same_order = [id(p) for p in mine] == [id(p) for p in self.params]
         self.zero: ZeroOptimizer | None = None
         self._pieces: torch.Tensor | None = None  # exchanged at a commit, for its snapshot
-        self._holds: tuple[Range, ...] = ()  # what this member's snapshots keep
         # Per rank of the epoch: what it steps and what its snapshots keep (optimizer order).
         self._owners: list[list[Range]] = []
         self._all_holds: list[tuple[Range, ...]] = []
-        self._opt_of = {
-            t: i for i, p in enumerate(mine) for t, q in enumerate(self.params) if q is p
-        }
+        job_index = {id(p): t for t, p in enumerate(self.params)}
+        self._opt_of = {job_index[id(p)]: i for i, p in enumerate(mine) if id(p) in job_index}
         self._comm: PieceCollective | None = None
         self._timeout = timedelta(seconds=60)
         self._restored = b""  # the pieces of the snapshot just restored
@@ -246,7 +244,6 @@ class ShardedOptimizer:
         # Snapshots cut pieces in the optimizer's parameter order: the same shards when
         # that is the job's order (the usual case), so a member keeps its own chunks.
         keeping = shards if self._same_order else epoch_shards(self._sizes, members)
-        self._holds = keeping.held[members[comm.rank]]
         self._all_holds = [keeping.held[m] for m in members]
         offsets = [0, *accumulate(self._sizes)]
         at = {t: offsets[i] for t, i in self._opt_of.items()}

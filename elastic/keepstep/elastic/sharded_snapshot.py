@@ -109,8 +109,10 @@ def commit_pieces(
     me = comm.rank
     empty = {k: v for k, v in state.items() if sizes[k.param] == 0}
 
+    kept, owned = [merge(h) for h in holds], [merge(o) for o in owners]
+
     def share(r: int, of: int) -> tuple[Range, ...]:  # rank `of`'s part of r's holds
-        return _meet(merge(holds[r]), merge(owners[of]))
+        return _meet(kept[r], owned[of])
 
     payloads = [
         _NOTHING
