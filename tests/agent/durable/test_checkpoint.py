@@ -222,6 +222,22 @@ def test_burst_during_slow_write_keeps_newest(caplog: pytest.LogCaptureFixture) 
     assert blob_name(2) not in t.names() and blob_name(3) not in t.names()
 
 
+def test_a_step_queued_before_the_writer_woke_is_written_not_replaced(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """Storage is idle, only the writer's thread has not run yet (a loaded machine): the
+    steps submitted meanwhile are all written, none is skipped as if storage lagged."""
+    t = Target(f"file://{tmp_path}/ckpt", {})
+    writer = CheckpointWriter(t.url, 3, storage_options=t.options)
+    with caplog.at_level(logging.WARNING, logger="keepstep.agent.durable.writer"):
+        with writer._cond:  # the thread cannot take a step until both are queued
+            writer.submit(3, _blob(3))
+            writer.submit(6, _blob(6))
+        writer.close(T)
+    assert [i.step for i in writer.written()] == [3, 6]
+    assert not [r for r in caplog.records if "skipped" in r.getMessage()]
+
+
 def test_reader_does_not_see_a_checkpoint_before_latest_json() -> None:
     gate = Gate("put", LATEST, after=1)  # step 1 publishes; step 2 stops before latest.json
     t = _gated(gate)

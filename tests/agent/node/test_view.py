@@ -46,3 +46,14 @@ def test_the_view_sees_membership_but_not_progress_through_its_watch() -> None:
     before = view.observe()
     change = view.apply(WatchEvent("put", protocol.key(JOB, "progress", "n0"), b"{}", 99))
     assert change == type(change)() and view.observe() == before
+
+
+def test_a_report_of_the_last_epoch_finds_its_record_after_the_next_arrived() -> None:
+    view = JobView(JOB, "n0")
+    records = [protocol.EpochRecord(n, ["n0/0", f"n{n + 1}/0"]) for n in range(12)]
+    for n, record in enumerate(records):
+        view.apply(WatchEvent("put", protocol.key(JOB, "epoch"), protocol.encode(record), n + 1))
+    assert view.observe().current == records[-1]
+    assert view.epoch(10) == records[10] and view.epoch(11) == records[11]
+    assert view.epoch(3) is None  # long settled: only the latest are kept
+    assert view.epoch(12) is None

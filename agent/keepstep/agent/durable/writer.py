@@ -101,7 +101,9 @@ class CheckpointWriter:
         self.keep = keep
         self._cond = threading.Condition()
         self._last = after_step  # newest step written, being written or pending
-        self._pending: tuple[int, bytes, Part | None] | None = None
+        # Submitted, not started: the oldest (the thread takes it next) and, while a write
+        # is under way, only the newest one besides.
+        self._pending: list[tuple[int, bytes, Part | None]] = []
         self._busy: int | None = None  # the step being written
         self._error: CheckpointError | None = None  # the newest write failed
         self._written: list[CheckpointInfo] = []
@@ -131,8 +133,12 @@ class CheckpointWriter:
                     f"step={step}: checkpoint steps must increase; step {self._last} is "
                     "already written or queued"
                 )
-            replaced, busy = self._pending, self._busy
-            self._pending = (step, blob, part)
+            busy = self._busy
+            # A write under way, or one queued behind the one about to start: storage is
+            # slower than the cadence, and the newest step takes the queued one's place.
+            queued = self._pending and (busy is not None or len(self._pending) > 1)
+            replaced = self._pending.pop() if queued else None
+            self._pending.append((step, blob, part))
             self._last = step
             self._cond.notify_all()
         if replaced is not None:  # storage is slower than the cadence; say so, outside the lock
@@ -151,10 +157,10 @@ class CheckpointWriter:
         check_timeout(timeout)
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._pending is not None or self._busy is not None:
+            while self._pending or self._busy is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    step = self._pending[0] if self._pending is not None else self._busy
+                    step = self._pending[-1][0] if self._pending else self._busy
                     raise TimeoutError(
                         f"checkpoint of step {step} to {self.url} not written after {timeout} s"
                     )
@@ -183,11 +189,11 @@ class CheckpointWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closed:
+                while not self._pending and not self._closed:
                     self._cond.wait()
-                if self._pending is None:
+                if not self._pending:
                     return
-                (step, blob, part), self._pending = self._pending, None
+                step, blob, part = self._pending.pop(0)
                 self._busy = step
             info: CheckpointInfo | None = None
             error: CheckpointError | None = None
@@ -199,7 +205,7 @@ class CheckpointWriter:
                 log.error("checkpoint of step %d to %s failed: %r", step, self.url, e)
                 error = CheckpointError(f"checkpoint of step {step} to {self.url} failed: {e!r}")
                 error.__cause__ = e
-            del blob  # the pending slot may already hold the next one; keep at most two
+            del blob  # the pending slot may already hold the next one; at most three
             with self._cond:
                 self._busy = None
                 self._error = error
@@ -258,7 +264,7 @@ class CheckpointWriter:
     def _newer(self) -> int | None:
         """The newer step submitted while one is being written, if any."""
         with self._cond:
-            return None if self._pending is None else self._pending[0]
+            return self._pending[-1][0] if self._pending else None
 
     def _prune(self, store: Store, step: int) -> None:
         names = store.names()

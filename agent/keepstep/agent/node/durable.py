@@ -41,16 +41,36 @@ def seed_snapshot(path: Path, blob: bytes, events: EventLog, member: str) -> Non
 
 
 def export_step(path: Path, step: int, attempts: int = 40) -> bytes | None:
-    """The verified bytes of `step` from a snapshot file, waiting out a copy in flight."""
+    """The verified bytes of `step` from a snapshot file, waiting out a copy in flight; None
+    once a newer step took its slot (the worker went on before the agent got to it)."""
     for _ in range(attempts):
         buffer = FileBuffer.open(path)
         try:
-            return SnapshotStore(buffer, background=False).export(step)
-        except (SnapshotMissing, SnapshotCorrupt):
-            time.sleep(0.05)
+            store = SnapshotStore(buffer, background=False)
+            try:
+                return store.export(step)
+            except (SnapshotMissing, SnapshotCorrupt):
+                if any(info.step > step for info in store.infos()):
+                    return None  # steps commit in order: a newer one verified took its slot
         finally:
             buffer.close()
+        time.sleep(0.05)
     return None
+
+
+def export_newest(path: Path) -> tuple[int, bytes] | None:
+    """The newest verified step in a snapshot file and its bytes, if any."""
+    buffer = FileBuffer.open(path)
+    try:
+        store = SnapshotStore(buffer, background=False)
+        for info in store.infos():  # newest first
+            try:
+                return info.step, store.export(info.step)
+            except (SnapshotMissing, SnapshotCorrupt):
+                continue
+        return None
+    finally:
+        buffer.close()
 
 
 class DurableCheckpoints:
@@ -93,6 +113,19 @@ class DurableCheckpoints:
         self, snapshot: Path, done: int, member: str, epoch: EpochRecord, first: bool
     ) -> None:
         blob = export_step(snapshot, done)
+        if blob is None and first and self._sharded is not True:
+            # One member's snapshot is the whole checkpoint: the newest step stands in for
+            # the one gone, so a due checkpoint is late rather than missing. (A sharded
+            # step's parts must all be of one step; the next due step is written instead.)
+            newest = export_newest(snapshot)
+            if newest is not None and newest[0] > done and not holds_pieces(newest[1]):
+                log.warning(
+                    "step %d left the snapshot before it was read; checkpointing step %d "
+                    "in its place",
+                    done,
+                    newest[0],
+                )
+                done, blob = newest
         if blob is None:
             log.warning("no verified snapshot of step %d to checkpoint", done)
             return

@@ -86,9 +86,20 @@ class Reports:
         if mttr is not None and entered is not None and entered.epoch == report.epoch:
             self._publish_recovery(report.member, {**record_fields(entered), "mttr_s": mttr})
         # The epoch's first member writes the checkpoint (a sharded job: its members' parts).
-        if self.durable is not None and cur is not None and cur.epoch == report.epoch:
+        # The epoch is the one the step committed in: the view may already hold the next.
+        if self.durable is not None:
+            committed_in = self.view.epoch(report.epoch)
             path = snapshot_path(self.cfg, report.member)
-            self.durable.after_commit(path, report.step + 1, report.member, cur)
+            if committed_in is not None:
+                self.durable.after_commit(path, report.step + 1, report.member, committed_in)
+            else:
+                log.warning(
+                    "step %d of %s committed in epoch %d, which this agent never saw; its "
+                    "checkpoint, if due, is left to the next one",
+                    report.step + 1,
+                    report.member,
+                    report.epoch,
+                )
 
     def _snapshot_bytes(self) -> int:
         """What this node's snapshot files take (one stat per local member)."""

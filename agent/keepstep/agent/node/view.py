@@ -44,12 +44,18 @@ class Change:
     new_epoch: EpochRecord | None = None  # an epoch newer than the current one arrived
 
 
+RECENT_EPOCHS = 8  # epochs kept by number; a report older than these is long settled
+
+
 class JobView:
     def __init__(self, job: str, node: str) -> None:
         self.job, self.node = job, node
         self.lock = threading.RLock()
         self.changed = threading.Condition(self.lock)
         self.current: EpochRecord | None = None
+        # The latest epochs by number: a worker's report names the epoch its step committed
+        # in, and may arrive after the view moved on to the next one.
+        self.recent: dict[int, EpochRecord] = {}
         self.revision = 0
         self.pending: set[str] = set()
         self.leaving: set[str] = set()
@@ -77,6 +83,9 @@ class JobView:
                 record = protocol.decode(EpochRecord, event.value)
                 if self.current is None or record.epoch > self.current.epoch:
                     self.current, self.revision = record, event.revision
+                    self.recent[record.epoch] = record
+                    for old in sorted(self.recent)[:-RECENT_EPOCHS]:
+                        del self.recent[old]
                     change = Change(new_epoch=record)
                 elif record.epoch == self.current.epoch:
                     self.revision = max(self.revision, event.revision)
@@ -97,6 +106,11 @@ class JobView:
                         change = Change(lost_node=name)
             self.changed.notify_all()
         return change
+
+    def epoch(self, number: int) -> EpochRecord | None:
+        """Epoch `number` if it is one of the latest this view saw, else None."""
+        with self.lock:
+            return self.recent.get(number)
 
     def change_pending(self) -> bool:
         """A planned change waits for the next boundary: a join or a drain."""
