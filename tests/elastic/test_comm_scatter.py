@@ -8,6 +8,8 @@ exact mode's integers held in float64 the bits do not depend on the order of add
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -16,6 +18,7 @@ from test_comm import _create_on_threads  # the two-rank tests' builder, on thre
 from test_comm_alltoall import _on_threads
 from torch._C._distributed_c10d import HashStore
 
+from keepstep.elastic.comm.rounds import receive_buffer
 from keepstep.elastic.errors import ConfigError, PeerLost
 
 MEMBERS = ["a", "b", "c"]
@@ -62,6 +65,41 @@ def test_alltoall_tensors_delivers_each_payload_to_its_destination() -> None:
     )
     for dst in range(3):
         assert [g.tolist() for g in got[dst]] == [payload(src, dst).tolist() for src in range(3)]
+
+
+def test_alltoall_tensors_sends_a_laid_out_buffer_and_receives_into_a_kept_one() -> None:
+    comms = _create_on_threads(HashStore(), 0, MEMBERS)
+
+    def payload(src: int, dst: int) -> torch.Tensor:
+        return torch.full((2 + src + dst,), 16 * src + dst, dtype=torch.uint8)
+
+    def laid(src: int) -> list[torch.Tensor]:  # one buffer, a spare byte after each payload
+        parts = [payload(src, d) for d in range(3)]
+        buf = torch.cat([t for p in parts for t in (p, torch.zeros(1, dtype=torch.uint8))])
+        starts = [0, *itertools.accumulate(p.numel() + 1 for p in parts)]
+        return [buf[a : a + p.numel()] for a, p in zip(starts, parts, strict=False)]
+
+    kept = [torch.empty(0, dtype=torch.uint8) for _ in range(3)]
+
+    def into(rank: int) -> Callable[[int], torch.Tensor]:
+        def get(n: int) -> torch.Tensor:
+            if kept[rank].numel() != n:
+                kept[rank] = torch.empty(n, dtype=torch.uint8)
+            return kept[rank]
+
+        return get
+
+    for _ in range(2):  # the second round writes into the buffers the first one made
+        got = _on_threads(comms, lambda r, c: c.alltoall_tensors(laid(r), 64, _T, into=into(r)))
+        for dst in range(3):
+            assert [g.tolist() for g in got[dst]] == [payload(s, dst).tolist() for s in range(3)]
+            ptr = kept[dst].untyped_storage().data_ptr()
+            assert all(g.untyped_storage().data_ptr() == ptr for g in got[dst])
+    cpu = torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"into\(4\) gave torch.float32 \(4,\) on cpu"):
+        receive_buffer(4, cpu, lambda n: torch.zeros(n))
+    with pytest.raises(ConfigError, match=r"into\(4\) gave torch.uint8 \(5,\)"):
+        receive_buffer(4, cpu, lambda n: torch.zeros(n + 1, dtype=torch.uint8))
 
 
 def test_one_member_bad_arguments_and_a_lost_peer() -> None:

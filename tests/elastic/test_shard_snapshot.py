@@ -29,7 +29,7 @@ from keepstep.elastic.shard.layout import pieces_of
 from keepstep.elastic.shard_epoch import epoch_shards
 from keepstep.elastic.sharded import optimizer_sha256
 from keepstep.elastic.sharded_snapshot import fetch_and_join, pieces_tensor
-from keepstep.elastic.snapshot_pieces import pack_pieces, unpack_pieces
+from keepstep.elastic.snapshot_pieces import index_pieces, pack_pieces, unpack_pieces
 from keepstep.elastic.snapshot_shard import (
     PieceKey,
     cut_state,
@@ -174,6 +174,9 @@ def _with_header(header: object, body: bytes = b"") -> bytes:
 def test_a_bad_payload_is_refused_by_name(raw: bytes, match: str) -> None:
     with pytest.raises(BadMessage, match=match):
         unpack_pieces(raw, [3, 10, 0], ELEMENTWISE[torch.optim.Adam])
+    # Checked alike where it is only indexed, to be copied on whole (a commit's replicas).
+    with pytest.raises(BadMessage, match=match.replace("ends before", "ends 1 bytes before")):
+        index_pieces(raw, [3, 10, 0], ELEMENTWISE[torch.optim.Adam])
 
 
 def test_one_piece_round_trips_exactly() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -172,7 +173,10 @@ class _BytesMember:
         self.hub, self.rank, self.size = hub, rank, hub.world
 
     def allgather(
-        self, tensor: torch.Tensor, timeout: timedelta | None = None
+        self,
+        tensor: torch.Tensor,
+        timeout: timedelta | None = None,
+        into: Callable[[int], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         wait = None if timeout is None else timeout.total_seconds()
         try:
@@ -182,7 +186,13 @@ class _BytesMember:
             self.hub.barrier.wait(wait)
         except threading.BrokenBarrierError:
             raise PeerLost(0, f"rank {self.rank}: a peer did not arrive") from None
-        return out
+        if into is None:
+            return out
+        # As the Communicator does: into one buffer the caller keeps, views of it returned.
+        kept = into(sum(t.numel() for t in out)).view(-1, tensor.numel())
+        for slot, t in zip(kept, out, strict=True):
+            slot.copy_(t)
+        return list(kept)
 
 
 def _params() -> list[torch.nn.Parameter]:
@@ -244,13 +254,19 @@ def test_comm_gather_keeps_shape_and_dtype_and_refuses_a_short_slot() -> None:
         rank, size = 0, 2
 
         def allgather(
-            self, tensor: torch.Tensor, timeout: timedelta | None = None
+            self,
+            tensor: torch.Tensor,
+            timeout: timedelta | None = None,
+            into: Callable[[int], torch.Tensor] | None = None,
         ) -> list[torch.Tensor]:
             return [tensor, tensor[:-1]]
 
     class Echo(Short):
         def allgather(
-            self, tensor: torch.Tensor, timeout: timedelta | None = None
+            self,
+            tensor: torch.Tensor,
+            timeout: timedelta | None = None,
+            into: Callable[[int], torch.Tensor] | None = None,
         ) -> list[torch.Tensor]:
             return [tensor.clone(), tensor.clone()]
 

@@ -50,7 +50,7 @@ Durable checkpoints
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from itertools import accumulate
 from typing import Any, Protocol
@@ -59,15 +59,16 @@ import torch
 import torch.distributed as dist
 
 from keepstep.elastic.config import Shard
-from keepstep.elastic.errors import BadMessage, ConfigError, KeepstepError
+from keepstep.elastic.errors import ConfigError, KeepstepError
 from keepstep.elastic.reduce_base import ReduceDone, ReduceOutcome, Settled
 from keepstep.elastic.reduce_exact import ExactReducer
 from keepstep.elastic.shard.layout import Range
 from keepstep.elastic.shard_epoch import epoch_shards
 from keepstep.elastic.shard_figures import ShardFigures, optimizer_sha256, shard_figures
-from keepstep.elastic.sharded_snapshot import PIECES, commit_pieces, fetch_and_join
+from keepstep.elastic.sharded_snapshot import PIECES, Buffers, commit_pieces, fetch_and_join
 from keepstep.elastic.snapshot_shard import PieceKey
 from keepstep.elastic.zero import Ownership, ZeroOptimizer
+from keepstep.elastic.zero.gather import CommGather, TensorCollective
 from keepstep.elastic.zero.grads import GradShard
 from keepstep.elastic.zero.optimizers import check_supported
 
@@ -84,18 +85,6 @@ __all__ = [
 ]
 
 
-class TensorCollective(Protocol):
-    """What ``CommGather`` needs of the epoch's ``Communicator`` (its public methods)."""
-
-    rank: int
-    size: int
-    members: tuple[str, ...]
-
-    def allgather(
-        self, tensor: torch.Tensor, timeout: timedelta | None = None
-    ) -> list[torch.Tensor]: ...
-
-
 class PieceCollective(TensorCollective, Protocol):
     """What entering an epoch needs of the ``Communicator``: the gathers and ``alltoall``."""
 
@@ -108,7 +97,11 @@ class PieceCollective(TensorCollective, Protocol):
     ) -> list[bytes]: ...
 
     def alltoall_tensors(
-        self, payloads: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta | None = None
+        self,
+        payloads: Sequence[torch.Tensor],
+        max_bytes: int,
+        timeout: timedelta | None = None,
+        into: Callable[[int], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]: ...
 
 
@@ -128,41 +121,6 @@ class GradCollective(Protocol):
     def reduce_scatter(
         self, tensor: torch.Tensor, timeout: timedelta | None = None
     ) -> torch.Tensor: ...
-
-
-class CommGather:
-    """``zero.Gather`` over ``Communicator.allgather``: the epoch's abort handling
-    (``PeerLost``, the abort key) covers ZeRO's all-gathers too. Tensors travel as their
-    raw bytes (never converted, never pickled) and come back with the sender's shape and
-    dtype, which every rank shares by the Gather contract (checked by length)."""
-
-    def __init__(self, comm: TensorCollective) -> None:
-        self.comm = comm
-
-    @property
-    def rank(self) -> int:
-        return self.comm.rank
-
-    @property
-    def size(self) -> int:
-        return self.comm.size
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu")
-
-    def allgather(self, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
-        if not isinstance(mine, torch.Tensor) or mine.device.type != "cpu":
-            raise ConfigError("CommGather.allgather needs a CPU tensor")
-        raw = mine.detach().contiguous().reshape(-1).view(torch.uint8)
-        slots = self.comm.allgather(raw, timeout)
-        out = []
-        for rank, slot in enumerate(slots):
-            if slot.dtype != torch.uint8 or slot.shape != raw.shape:
-                got = f"{slot.numel()} {str(slot.dtype).removeprefix('torch.')}"
-                raise BadMessage(f"rank {rank} sent {got} values, {raw.numel()} bytes expected")
-            out.append(slot.view(mine.dtype).reshape(mine.shape))
-        return out
 
 
 def ownership_for(sizes: Sequence[int], members: Sequence[str]) -> Ownership:
@@ -210,6 +168,7 @@ class ShardedOptimizer:
         job_index = {id(p): t for t, p in enumerate(self.params)}
         self._opt_of = {job_index[id(p)]: i for i, p in enumerate(mine) if id(p) in job_index}
         self._comm: PieceCollective | None = None
+        self._buffers = Buffers()  # the epoch's commit buffers (sharded_snapshot.Buffers)
         self._timeout = timedelta(seconds=60)
         self._restored = b""  # the pieces of the snapshot just restored
         self.enter_s = 0.0  # how long the last `enter` took (the recovery's reshard phase)
@@ -251,7 +210,7 @@ class ShardedOptimizer:
             [Range(at[t] + a, at[t] + b) for t, a, b in self.zero.ownership.pieces(r) if t in at]
             for r in range(comm.size)
         ]
-        self._comm, self._timeout = comm, timeout
+        self._comm, self._timeout, self._buffers = comm, timeout, Buffers()
         need = [Range(offsets[i] + a, offsets[i] + b) for i, a, b in self.zero.needed()]
         mine, self._restored = self._restored, b""
         got = fetch_and_join(comm, mine, need, self._sizes, self.keys, self._shapes, timeout)
@@ -350,7 +309,9 @@ class ShardedOptimizer:
             for i, (t, a, b) in enumerate(sd["pieces"])
         }
         return commit_pieces(
-            self._comm, state, self._owners, self._all_holds, self._sizes, self.keys, self._timeout
+            self._comm,
+            *(state, self._owners, self._all_holds, self._sizes, self.keys, self._timeout),
+            self._buffers,
         )
 
     def for_snapshot(

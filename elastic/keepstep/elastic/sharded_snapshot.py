@@ -19,7 +19,7 @@ wrong state.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from itertools import accumulate, pairwise
 from typing import Any, NamedTuple, Protocol
@@ -30,7 +30,13 @@ from keepstep.elastic.errors import BadMessage, StateShapeError
 from keepstep.elastic.shard.fetch import Announcement, BadAnnouncement, decode, encode, plan_fetches
 from keepstep.elastic.shard.fetch import limit as announcement_limit
 from keepstep.elastic.shard.layout import Range, pieces_of
-from keepstep.elastic.snapshot_pieces import pack_pieces, pack_tensor, unpack_pieces
+from keepstep.elastic.snapshot_pieces import (
+    index_pieces,
+    pack_payloads,
+    pack_pieces,
+    pack_tensor,
+    unpack_pieces,
+)
 from keepstep.elastic.snapshot_shard import (
     PieceKey,
     cut_state,
@@ -40,6 +46,7 @@ from keepstep.elastic.snapshot_shard import (
 
 __all__ = [
     "PIECES",
+    "Buffers",
     "Fetched",
     "commit_pieces",
     "cut_pieces",
@@ -77,11 +84,32 @@ class PieceSender(Protocol):
     rank: int
 
     def alltoall_tensors(
-        self, payloads: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta | None = None
+        self,
+        payloads: Sequence[torch.Tensor],
+        max_bytes: int,
+        timeout: timedelta | None = None,
+        into: Callable[[int], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]: ...
 
 
-_NOTHING = torch.empty(0, dtype=torch.uint8)
+class Buffers:
+    """uint8 buffers kept from one commit to the next, one per use: a commit's payloads
+    have the same sizes step after step, and memory written again is warm, where a fresh
+    buffer is faulted in page by page. A buffer handed out is its holder's until the same
+    use asks again; keep one ``Buffers`` per epoch (a collective given up may still write
+    into the last one's)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def alloc(self, use: str) -> Callable[[int], torch.Tensor]:
+        def get(n: int) -> torch.Tensor:
+            kept = self._kept.get(use)
+            if kept is None or kept.numel() != n:
+                kept = self._kept[use] = torch.empty(n, dtype=torch.uint8)
+            return kept
+
+        return get
 
 
 def commit_pieces(
@@ -92,6 +120,7 @@ def commit_pieces(
     sizes: Sequence[int],
     keys: frozenset[str],
     timeout: timedelta,
+    buffers: Buffers | None = None,
 ) -> torch.Tensor:
     """This member's snapshot pieces at a commit, without gathering the full state.
 
@@ -102,9 +131,11 @@ def commit_pieces(
     member computes alike from the epoch's layout. Each member sends each peer the part
     of its own state the peer keeps, and nothing else (one ``alltoall``: about 1/W of the
     state out, the replicas in); what arrives must be exactly the sender's share of this
-    member's holds (``BadMessage`` otherwise). Empty parameters' state goes to every
-    member, as ``cut_state`` keeps it in every snapshot. A collective; returns the
-    snapshot's uint8 tensor (``pieces_tensor``'s format)."""
+    member's holds (``BadMessage`` otherwise), and goes into the snapshot as it came, its
+    bytes copied once. Empty parameters' state goes to every member, as ``cut_state``
+    keeps it in every snapshot. A collective; returns the snapshot's uint8 tensor
+    (``pieces_tensor``'s format), from ``buffers`` if given (the previous one's, reused)."""
+    buffers = buffers or Buffers()
     offsets = (0, *accumulate(sizes))
     me = comm.rank
     empty = {k: v for k, v in state.items() if sizes[k.param] == 0}
@@ -114,27 +145,32 @@ def commit_pieces(
     def share(r: int, of: int) -> tuple[Range, ...]:  # rank `of`'s part of r's holds
         return _meet(kept[r], owned[of])
 
-    payloads = [
-        _NOTHING
-        if r == me
-        else pack_tensor({**cut_pieces(state, offsets, keys, share(r, me)), **empty})
+    sends = [
+        {} if r == me else {**cut_pieces(state, offsets, keys, share(r, me)), **empty}
         for r in range(len(holds))
     ]
+    payloads = pack_payloads(sends, buffers.alloc("send"))
     values = (sum(sizes) + len(sizes)) * (len(keys) + 2)
-    got = comm.alltoall_tensors(payloads, 16 * values + (1 << 24), timeout)
-    parts = {**cut_pieces(state, offsets, keys, share(me, me)), **empty}
+    got = comm.alltoall_tensors(payloads, 16 * values + (1 << 24), timeout, buffers.alloc("recv"))
+    own = {**cut_pieces(state, offsets, keys, share(me, me)), **empty}
+    seen = set(own)
+    received = []
     for rank, raw in enumerate(got):
         if rank == me:
             continue
-        theirs = unpack_pieces(raw, sizes, keys) if raw.numel() else {}
-        sent = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in theirs)
-        if sent != share(me, rank):
+        theirs = index_pieces(raw, sizes, keys) if raw.numel() else None
+        pieces = theirs.keys if theirs is not None else []
+        sent = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in pieces)
+        if sent != share(me, rank) or seen.intersection(pieces) or len(set(pieces)) < len(pieces):
             raise BadMessage(
-                f"rank {rank} sent state for {[tuple(r) for r in sent[:4]]}; its share of "
-                f"rank {me}'s replicas is {[tuple(r) for r in share(me, rank)[:4]]}"
+                f"rank {rank} sent state for {[tuple(r) for r in sent[:4]]} in {len(pieces)} "
+                f"pieces; its share of rank {me}'s replicas is "
+                f"{[tuple(r) for r in share(me, rank)[:4]]}, each piece once"
             )
-        parts.update(theirs)
-    return pack_tensor(parts)
+        seen.update(pieces)
+        if theirs is not None:
+            received.append(theirs)
+    return pack_tensor(own, received, buffers.alloc("snapshot"))
 
 
 def _meet(a: Sequence[Range], b: Sequence[Range]) -> tuple[Range, ...]:

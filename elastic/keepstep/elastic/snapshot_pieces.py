@@ -17,15 +17,23 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 from keepstep.elastic.errors import BadMessage, StateShapeError
 from keepstep.elastic.snapshot_shard import PieceKey
 
-__all__ = ["concat_pieces", "pack_pieces", "pack_tensor", "unpack_pieces"]
+__all__ = [
+    "Indexed",
+    "concat_pieces",
+    "index_pieces",
+    "pack_payloads",
+    "pack_pieces",
+    "pack_tensor",
+    "unpack_pieces",
+]
 
 _HEAD = 8  # bytes of the little-endian header length that starts the payload
 _DTYPES = {
@@ -51,9 +59,49 @@ def pack_pieces(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> bytes:
     return pack_tensor(pieces).numpy().tobytes()
 
 
-def pack_tensor(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> torch.Tensor:
+Alloc = Callable[[int], torch.Tensor]  # a uint8 buffer of n bytes, fresh or reused
+
+
+def pack_tensor(
+    pieces: Mapping[PieceKey, Mapping[str, Any]],
+    tail: Sequence[Indexed] = (),
+    alloc: Alloc | None = None,
+) -> torch.Tensor:
     """``pack_pieces``'s payload as a uint8 tensor (what a snapshot stores), each value's
-    bytes copied once into it."""
+    bytes copied once into it; then the pieces of the checked payloads ``tail``, their
+    bodies copied whole. ``alloc`` gives the buffer (one kept from the last commit of the
+    same layout is written warm, where a fresh one is faulted in page by page)."""
+    header, tensors = _layout(pieces, tail)
+    size = _HEAD + len(header) + sum(_nbytes_of(v) for v in tensors)
+    out = torch.empty(size, dtype=torch.uint8) if alloc is None else alloc(size)
+    _write(out, header, tensors)
+    return out
+
+
+def pack_payloads(
+    pieces: Sequence[Mapping[PieceKey, Mapping[str, Any]]], alloc: Alloc
+) -> list[torch.Tensor]:
+    """One payload per destination (an empty mapping: nothing to send, an empty payload),
+    laid out in one buffer from ``alloc``, each followed by a spare byte: what
+    ``Communicator.alltoall_tensors`` sends without copying them together first."""
+    laid = [_layout(p, ()) if p else None for p in pieces]
+    sizes = [0 if x is None else _HEAD + len(x[0]) + sum(map(_nbytes_of, x[1])) for x in laid]
+    out = alloc(sum(sizes) + len(sizes))
+    views, at = [], 0
+    for x, size in zip(laid, sizes, strict=True):
+        view = out[at : at + size]
+        if x is not None:
+            _write(view, *x)
+        out[at + size] = 0  # the spare byte is sent too: nothing of the heap in it
+        views.append(view)
+        at += size + 1
+    return views
+
+
+def _layout(
+    pieces: Mapping[PieceKey, Mapping[str, Any]], tail: Sequence[Indexed]
+) -> tuple[bytes, list[torch.Tensor]]:
+    """The header of ``pieces`` then ``tail``'s entries, and the tensors of the body in order."""
     entries: list[list[Any]] = []
     tensors: list[torch.Tensor] = []
     for (t, a, b), piece in pieces.items():
@@ -73,9 +121,17 @@ def pack_tensor(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> torch.Tensor:
                     f"parameter {t}: {key!r} is a {type(value).__name__}, which is not sent"
                 )
         entries.append([t, a, b, values])
-    header = json.dumps(entries).encode()
-    sizes = [v.numel() * v.element_size() for v in tensors]
-    out = torch.empty(_HEAD + len(header) + sum(sizes), dtype=torch.uint8)
+    for indexed in tail:
+        entries.extend(indexed.entries)
+        tensors.append(indexed.body)
+    return json.dumps(entries).encode(), tensors
+
+
+def _nbytes_of(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
+
+
+def _write(out: torch.Tensor, header: bytes, tensors: Sequence[torch.Tensor]) -> None:
     out[:_HEAD] = torch.frombuffer(
         bytearray(len(header).to_bytes(_HEAD, "little")), dtype=torch.uint8
     )
@@ -83,11 +139,34 @@ def pack_tensor(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> torch.Tensor:
         out[_HEAD : _HEAD + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     at = _HEAD + len(header)
     with torch.no_grad():
-        for value, size in zip(tensors, sizes, strict=True):
+        for value in tensors:
+            size = _nbytes_of(value)
             if size:
                 out[at : at + size].copy_(value.contiguous().view(torch.uint8))
             at += size
-    return out
+    assert at == out.numel(), (at, out.numel())
+
+
+class Indexed(NamedTuple):
+    """A checked payload, nothing copied: its header's entries (valid JSON to send on) and
+    the body they describe, with each piece's element range."""
+
+    entries: list[list[Any]]
+    body: torch.Tensor
+    keys: list[PieceKey]
+
+
+def index_pieces(raw: bytes | torch.Tensor, sizes: Sequence[int], keys: frozenset[str]) -> Indexed:
+    """A ``pack_pieces`` payload (bytes, or ``pack_tensor``'s uint8 tensor) checked as
+    ``unpack_pieces`` checks it, without reading a value: what to copy on whole."""
+    flat = _flat(raw)
+    entries, body = _header(flat)
+    size = sum(v.nbytes for _, values in _checked(entries, sizes, keys) for v in values)
+    if size > body.numel():
+        raise BadMessage(f"the payload ends {size - body.numel()} bytes before its pieces do")
+    if size < body.numel():
+        raise BadMessage(f"{body.numel() - size} bytes left over after the pieces")
+    return Indexed(entries, body, [PieceKey(*e[:3]) for e in entries])
 
 
 def unpack_pieces(
@@ -97,6 +176,27 @@ def unpack_pieces(
     checked: ``BadMessage`` names what is off (a parameter or range that does not exist, a
     per-element value of the wrong size, an unknown dtype, bytes missing or left over).
     Every value is a copy of its own."""
+    entries, body = _header(_flat(raw))
+    offset = 0
+    out: dict[PieceKey, dict[str, Any]] = {}
+    for key, values in _checked(entries, sizes, keys):
+        piece: dict[str, Any] = {}
+        for v in values:
+            if v.dtype is None or v.shape is None:
+                piece[v.name] = v.plain
+                continue
+            if offset + v.nbytes > body.numel():
+                raise BadMessage(f"parameter {key.param}: the payload ends before {v.name!r}")
+            data = body[offset : offset + v.nbytes].clone()  # its own, aligned for its dtype
+            offset += v.nbytes
+            piece[v.name] = data.view(v.dtype).reshape(v.shape)
+        out[key] = piece
+    if offset != body.numel():
+        raise BadMessage(f"{body.numel() - offset} bytes left over after the pieces")
+    return out
+
+
+def _flat(raw: bytes | torch.Tensor) -> torch.Tensor:
     flat = (
         raw
         if isinstance(raw, torch.Tensor)
@@ -106,6 +206,11 @@ def unpack_pieces(
     )
     if flat.dtype != torch.uint8 or flat.dim() != 1:
         raise BadMessage(f"a payload must be 1-D bytes, not {flat.dtype} {tuple(flat.shape)}")
+    return flat
+
+
+def _header(flat: torch.Tensor) -> tuple[list[Any], torch.Tensor]:
+    """The payload's header entries (not yet checked) and its body."""
     if flat.numel() < _HEAD:
         raise BadMessage(f"a payload of {flat.numel()} bytes has no header")
     n = int.from_bytes(flat[:_HEAD].numpy().tobytes(), "little")
@@ -117,16 +222,31 @@ def unpack_pieces(
         raise BadMessage(f"header is not JSON: {err}") from None
     if not isinstance(entries, list):
         raise BadMessage("header must be a list of pieces")
-    body = flat[_HEAD + n :]
-    offset = 0
-    out: dict[PieceKey, dict[str, Any]] = {}
+    return entries, flat[_HEAD + n :]
+
+
+class _Value(NamedTuple):
+    """One checked header value: a plain one, or a tensor's dtype, shape and bytes."""
+
+    name: str
+    plain: Any = None
+    dtype: torch.dtype | None = None
+    shape: list[int] | None = None
+    nbytes: int = 0
+
+
+def _checked(
+    entries: list[Any], sizes: Sequence[int], keys: frozenset[str]
+) -> Iterator[tuple[PieceKey, list[_Value]]]:
+    """Each entry checked against the parameters: its key and its values in header order
+    (a tensor's bytes follow the previous tensor's in the body)."""
     for entry in entries:
         t, a, b, values = _entry(entry, sizes)
-        piece: dict[str, Any] = {}
+        out: list[_Value] = []
         for value in values:
             key, kind, *rest = _value(value, t)
             if kind in _PLAIN and len(rest) == 1 and type(rest[0]) is _PLAIN[kind]:
-                piece[key] = rest[0]
+                out.append(_Value(key, plain=rest[0]))
                 continue
             if kind != "tensor" or len(rest) != 2:
                 raise BadMessage(f"parameter {t}: bad value {value!r}"[:200])
@@ -136,16 +256,8 @@ def unpack_pieces(
             count = math.prod(shape)
             if key in keys and count != b - a:
                 raise BadMessage(f"parameter {t}: {key!r} has {count} values for {a}..{b}")
-            size = count * dtype.itemsize
-            if offset + size > body.numel():
-                raise BadMessage(f"parameter {t}: the payload ends before {key!r}")
-            data = body[offset : offset + size].clone()  # its own, aligned for its dtype
-            offset += size
-            piece[key] = data.view(dtype).reshape(shape)
-        out[PieceKey(t, a, b)] = piece
-    if offset != body.numel():
-        raise BadMessage(f"{body.numel() - offset} bytes left over after the pieces")
-    return out
+            out.append(_Value(key, dtype=dtype, shape=shape, nbytes=count * dtype.itemsize))
+        yield PieceKey(t, a, b), out
 
 
 def concat_pieces(raws: Sequence[bytes]) -> bytes:

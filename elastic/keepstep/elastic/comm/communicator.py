@@ -1,28 +1,22 @@
 """Collectives among the members of one epoch, and the one object that owns that epoch.
 
 Where it sits: once the agents agree on epoch ``e`` and its sorted members, every training
-process calls ``Communicator.create(store, e, members, me)`` (the group is built by
-group.py, through the transport); the reducer runs its collectives through it; on
-``PeerLost`` the agents agree on ``e + 1`` and the job builds the next communicator in the
-same process.
+process calls ``Communicator.create(store, e, members, me)`` (group.py builds the group);
+the reducer runs its collectives through it; on ``PeerLost`` the agents agree on ``e + 1``
+and the job builds the next communicator in the same process.
 
-Giving up fast: gloo reports a dead peer only to its direct neighbours; other ranks would
-block until the group timeout. So collectives run asynchronously and the caller waits in
-short slices on the epoch's `AbortWatch` (watch.py). A rank that sees a gloo error or times
-out writes the abort key (the first reason wins), which every other rank hears at once.
+Giving up fast: gloo tells only a dead peer's neighbours; others would block until the
+group timeout. So collectives run asynchronously, waited on in short slices of the epoch's
+`AbortWatch` (watch.py): a rank that sees an error or times out writes the abort key.
 
-Backends: what differs between gloo (CPU tensors) and NCCL (CUDA tensors) sits behind the
-seam of transport.py: connecting, starting a collective, polling it, interrupting it from
-another thread (the listener does, as soon as it hears the abort: an NCCL wait can sit in a
-device sync that no slice ends) and retiring the group. Everything here is shared.
+Backends: what differs between gloo (CPU) and NCCL (CUDA) is behind transport.py: connecting,
+starting, polling and interrupting a collective (the listener does at the abort: an NCCL
+wait can sit in a device sync no slice ends), retiring the group.
 
-Tearing down: a given-up group still has threads (gloo) or kernels (NCCL) on the dead peer.
-Its link retires it without waiting (gloo.py: the process's reaper drops it once its work
-failed; nccl.py: aborted, held until its work ended), so ``close()`` and the next
-``create()`` never wait. Until then the work is live: if the peer it waits for was only
-stopped and comes back, the work completes and writes into the tensor it was handed, after
-``PeerLost`` was raised. So a caller must not reuse a tensor whose collective raised
-``PeerLost`` (the reducers take a fresh buffer); the link holds it until then.
+Tearing down: a given-up group's link retires it without waiting (gloo.py: reaped once its
+work failed; nccl.py: aborted, held until its work ended), so ``close()`` and the next
+``create()`` never wait. Until then its work may still write into the tensor it was handed
+after ``PeerLost``: a caller must not reuse that tensor (kept buffers are kept per epoch).
 """
 
 from __future__ import annotations
@@ -40,12 +34,13 @@ import torch.distributed as dist
 # The typed names live here; torch.distributed re-exports them only at runtime.
 from torch._C._distributed_c10d import Store
 
+from keepstep.elastic.comm import rounds
 from keepstep.elastic.comm.abort import short_reason
 from keepstep.elastic.comm.exit_guard import EXIT_GUARD, ExitGuard
 from keepstep.elastic.comm.gloo import GlooTransport
 from keepstep.elastic.comm.group import EpochSpec, GroupBuild, check_timeout
 from keepstep.elastic.comm.nccl import NcclTransport
-from keepstep.elastic.comm.rounds import EMPTY, PAD, check_lengths, left
+from keepstep.elastic.comm.rounds import EMPTY, PAD, Alloc, check_lengths, left
 from keepstep.elastic.comm.transport import Backend, Link, Pending, Transport, select_backend
 from keepstep.elastic.comm.watch import WATCH_TIMEOUT, AbortWatch, Outcome
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
@@ -176,16 +171,20 @@ class Communicator:
         self._collective("broadcast", lambda k, t: k.broadcast(tensor, src, t), timeout)
 
     def allgather(
-        self, tensor: torch.Tensor, timeout: timedelta | None = None
+        self,
+        tensor: torch.Tensor,
+        timeout: timedelta | None = None,
+        into: Alloc | None = None,
     ) -> list[torch.Tensor]:
         """Every member's ``tensor`` in rank order; all members pass the same shape and
-        dtype (``allgather_bytes`` for payloads whose lengths differ)."""
+        dtype (``allgather_bytes`` for payloads whose lengths differ). A 1-D uint8 one may
+        be received ``into`` a buffer the caller keeps (as ``alltoall_tensors``)."""
         self._transport.check_tensor(tensor, "allgather")
         if self.size == 1:
             self._collective("allgather", None, timeout)
             return [tensor.clone()]
         deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
-        return self._allgather("allgather", tensor, deadline)
+        return self._allgather("allgather", tensor, deadline, into)
 
     def reduce_scatter(
         self, tensor: torch.Tensor, timeout: timedelta | None = None
@@ -250,18 +249,20 @@ class Communicator:
         return [g.numpy().tobytes() for g in got]
 
     def alltoall_tensors(
-        self, payloads: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta | None = None
+        self,
+        payloads: Sequence[torch.Tensor],
+        max_bytes: int,
+        timeout: timedelta | None = None,
+        into: Alloc | None = None,
     ) -> list[torch.Tensor]:
         """``payloads[d]`` (1-D uint8, CPU) to rank d; returns what each rank sent here, in
-        rank order, as views of one buffer. Each payload is at most ``max_bytes``; an
-        empty one sends nothing.
+        rank order, as views of one buffer (from ``into(n)`` if given: one kept from the
+        last call is written warm). Each payload is at most ``max_bytes``; an empty one
+        sends nothing. Payloads laid out in one buffer (``rounds.laid_out``) go as they are.
 
-        Rank-to-rank transfers in one collective (a member sends only what its peers
-        need, unlike ``allgather_bytes``). Two rounds under one deadline: the lengths, then
-        the bytes. Each rank checks the lengths it is to receive before the second round
-        and refuses an oversized one (``BadMessage`` naming the sender); its peers then
-        time out or hear the abort it writes, as for any collective it leaves.
-        """
+        Two rounds under one deadline: the lengths, then the bytes. Each rank checks the
+        lengths it is to receive first and refuses an oversized one (``BadMessage`` naming
+        the sender); its peers then time out or hear the abort it writes."""
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
             raise ConfigError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
         if len(payloads) != self.size:
@@ -295,8 +296,10 @@ class Communicator:
             raise
         # One byte of padding after each payload: gloo is not asked to move empty slices.
         in_splits, out_splits = [n + 1 for n in sizes], [n + 1 for n in lengths]
-        mine = torch.cat([t for p in payloads for t in (p, PAD)]).to(self.device)
-        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
+        flat = rounds.laid_out(list(payloads)) if self.device.type == "cpu" else None
+        mine = torch.cat([t for p in payloads for t in (p, PAD)]) if flat is None else flat
+        mine = mine.to(self.device)
+        out = rounds.receive_buffer(sum(out_splits), self.device, into)
         self._collective(
             "alltoall_bytes",
             lambda k, t: k.alltoall(out, mine, out_splits, in_splits, t),
@@ -345,8 +348,10 @@ class Communicator:
         self._retire(pending)
         return PeerLost(self.epoch, self._lost)
 
-    def _allgather(self, what: str, mine: torch.Tensor, deadline: float) -> list[torch.Tensor]:
-        slots = [torch.empty_like(mine) for _ in range(self.size)]
+    def _allgather(
+        self, what: str, mine: torch.Tensor, deadline: float, into: Alloc | None = None
+    ) -> list[torch.Tensor]:
+        slots = rounds.slots(mine, self.size, self.device, into)
         self._collective(what, lambda k, t: k.allgather(slots, mine, t), left(deadline))
         return slots
 

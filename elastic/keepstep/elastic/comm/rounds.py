@@ -8,14 +8,25 @@ length a peer announces is checked here before a buffer is allocated for it.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 
-from keepstep.elastic.errors import BadMessage
+from keepstep.elastic.errors import BadMessage, ConfigError
 
-__all__ = ["EMPTY", "PAD", "check_lengths", "left"]
+__all__ = [
+    "EMPTY",
+    "PAD",
+    "Alloc",
+    "check_lengths",
+    "laid_out",
+    "left",
+    "receive_buffer",
+    "slots",
+]
 
+Alloc = Callable[[int], torch.Tensor]  # n bytes (1-D uint8) to receive into: fresh or kept
 EMPTY = torch.empty(0, dtype=torch.uint8)  # an empty payload
 PAD = torch.zeros(1, dtype=torch.uint8)  # after each payload: gloo moves no empty slices
 
@@ -31,3 +42,38 @@ def check_lengths(lengths: list[int], max_bytes: int, what: str = "allgather_byt
     for rank, n in enumerate(lengths):
         if not 0 <= n <= max_bytes:
             raise BadMessage(f"{what}: rank {rank} sent {n} bytes; allowed are 0 to {max_bytes}")
+
+
+def laid_out(payloads: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one buffer ``payloads`` (1-D uint8) already lie in, each followed by its spare
+    byte (``snapshot_pieces.pack_payloads``'s layout), or None: then they are copied
+    together. Sent as it is, with no copy."""
+    first = payloads[0]
+    storage, start = first.untyped_storage(), first.storage_offset()
+    at = start
+    for p in payloads:
+        same = p.untyped_storage().data_ptr() == storage.data_ptr()
+        if not same or p.storage_offset() != at or not p.is_contiguous():
+            return None
+        at += p.numel() + 1
+    if at > storage.nbytes():
+        return None
+    return torch.as_strided(first, (at - start,), (1,), start)
+
+
+def receive_buffer(n: int, device: torch.device, into: Alloc | None) -> torch.Tensor:
+    """``n`` bytes on ``device`` to receive into: fresh, or ``into(n)``, checked."""
+    out = torch.empty(n, dtype=torch.uint8, device=device) if into is None else into(n)
+    if out.dim() != 1 or out.numel() != n or out.dtype != torch.uint8 or out.device != device:
+        raise ConfigError(f"into({n}) gave {out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def slots(
+    mine: torch.Tensor, size: int, device: torch.device, into: Alloc | None
+) -> list[torch.Tensor]:
+    """An allgather's ``size`` output tensors like ``mine``: fresh, or views of ``into``'s
+    buffer (``mine`` 1-D uint8)."""
+    if into is None:
+        return [torch.empty_like(mine) for _ in range(size)]
+    return list(receive_buffer(mine.numel() * size, device, into).chunk(size))

@@ -5,8 +5,8 @@ after every step and, on request, the optimizer state. It talks to a ``Gather``:
 a size, the device its buffers live on, and ``allgather`` of equal-length tensors with a
 timeout. ``GroupGather`` is that over a torch.distributed process group (gloo: CPU
 buffers); ``LocalGathers`` is the in-memory fake beside it, ranks on threads of one
-process, for fast tests. The job's ``Communicator`` can offer the same method (its abort
-handling then covers these collectives too).
+process, for fast tests. ``CommGather`` is that over the job's ``Communicator`` (its abort
+handling then covers these collectives too), receiving into one buffer it keeps.
 
 Everything is gathered as uint8: parameters of mixed dtypes travel in one collective, and
 bytes are copied, never converted, so nothing can round on the way.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -26,7 +27,14 @@ from torch._C._distributed_c10d import AllgatherOptions
 
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
 
-__all__ = ["Gather", "GroupGather", "LocalGathers", "allgather_ragged"]
+__all__ = [
+    "CommGather",
+    "Gather",
+    "GroupGather",
+    "LocalGathers",
+    "TensorCollective",
+    "allgather_ragged",
+]
 
 
 class Gather(Protocol):
@@ -47,6 +55,64 @@ class Gather(Protocol):
         """Every rank's ``mine`` (same shape and dtype on all ranks), in rank order.
         Raises ``PeerLost`` if a rank fails or ``timeout`` passes."""
         ...
+
+
+class TensorCollective(Protocol):
+    """What ``CommGather`` needs of the epoch's ``Communicator`` (its public methods)."""
+
+    rank: int
+    size: int
+    members: tuple[str, ...]
+
+    def allgather(
+        self,
+        tensor: torch.Tensor,
+        timeout: timedelta | None = None,
+        into: Callable[[int], torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]: ...
+
+
+class CommGather:
+    """``zero.Gather`` over ``Communicator.allgather``: the epoch's abort handling
+    (``PeerLost``, the abort key) covers ZeRO's all-gathers too. Tensors travel as their
+    raw bytes (never converted, never pickled) and come back with the sender's shape and
+    dtype, which every rank shares by the Gather contract (checked by length). Make one
+    per epoch: it receives into the same buffer gather after gather, and a gather given up
+    may still write into it (the returned tensors are views of it, valid until the next)."""
+
+    def __init__(self, comm: TensorCollective) -> None:
+        self.comm = comm
+        self._slots = torch.empty(0, dtype=torch.uint8)  # kept: later gathers write it warm
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    @property
+    def size(self) -> int:
+        return self.comm.size
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def allgather(self, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
+        if not isinstance(mine, torch.Tensor) or mine.device.type != "cpu":
+            raise ConfigError("CommGather.allgather needs a CPU tensor")
+        raw = mine.detach().contiguous().reshape(-1).view(torch.uint8)
+        slots = self.comm.allgather(raw, timeout, into=self._into)
+        out = []
+        for rank, slot in enumerate(slots):
+            if slot.dtype != torch.uint8 or slot.shape != raw.shape:
+                got = f"{slot.numel()} {str(slot.dtype).removeprefix('torch.')}"
+                raise BadMessage(f"rank {rank} sent {got} values, {raw.numel()} bytes expected")
+            out.append(slot.view(mine.dtype).reshape(mine.shape))
+        return out
+
+    def _into(self, n: int) -> torch.Tensor:
+        if self._slots.numel() != n:
+            self._slots = torch.empty(n, dtype=torch.uint8)
+        return self._slots
 
 
 class GroupGather:
@@ -149,8 +215,9 @@ class _LocalGather:
 def allgather_ragged(
     gather: Gather, mine: torch.Tensor, timeout: timedelta, max_bytes: int
 ) -> list[torch.Tensor]:
-    """Every rank's 1-D uint8 ``mine`` (of any length up to ``max_bytes``), in rank order:
-    the lengths, then the buffers padded to the longest, under one deadline."""
+    """Every rank's 1-D uint8 ``mine`` (of any length up to ``max_bytes``), in rank order,
+    copies of their own: the lengths, then the buffers padded to the longest, under one
+    deadline."""
     deadline = time.monotonic() + timeout.total_seconds()
     n = torch.tensor([mine.numel()], dtype=torch.int64, device=gather.device)
     lengths = [int(x) for x in gather.allgather(n, timeout)]
@@ -160,8 +227,8 @@ def allgather_ragged(
     padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8, device=gather.device)
     padded[: mine.numel()] = mine
     left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
-    slots = gather.allgather(padded, left)
-    return [s[:length] for s, length in zip(slots, lengths, strict=True)]
+    slots = gather.allgather(padded, left)  # a gather's own buffer, perhaps, until the next
+    return [s[:length].clone() for s, length in zip(slots, lengths, strict=True)]
 
 
 def _check(mine: torch.Tensor, device: torch.device) -> None:

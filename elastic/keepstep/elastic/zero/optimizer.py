@@ -120,6 +120,7 @@ class ZeroOptimizer:
         self._lengths = [
             sum((b - a) * self.params[t].element_size() for t, a, b in mine) for mine in self._sends
         ]
+        self._mine: torch.Tensor | None = None  # this rank's bytes of the parameter gather
         if optimizer.state:  # a resumed script, or Adagrad's state made at construction
             self.load_full_state_dict(optimizer.state_dict())
         optimizer.state.clear()
@@ -211,7 +212,10 @@ class ZeroOptimizer:
                 out.append(tensors[t][a * size : b * size])
             return out
 
-        mine = torch.zeros(max(max(self._lengths), 1), dtype=torch.uint8, device=self.gather.device)
+        if self._mine is None:  # kept for the epoch: written warm gather after gather
+            size = max(max(self._lengths), 1)
+            self._mine = torch.zeros(size, dtype=torch.uint8, device=self.gather.device)
+        mine = self._mine
         if self._lengths[self.rank]:
             torch.cat(views(self.rank), out=mine[: self._lengths[self.rank]])
         slots = self.gather.allgather(mine, self.timeout)

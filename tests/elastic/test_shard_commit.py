@@ -1,0 +1,234 @@
+"""A sharded commit's exchange (sharded_snapshot.commit_pieces) and the buffers under it.
+
+Members on threads of this process: each steps its owned pieces of a trained Adam's
+state, and after ``commit_pieces`` each one's snapshot tensor holds exactly what the
+epoch's layout says it keeps (its own chunks and a replica of another node's), bit for
+bit, as if cut from the full state. The buffers of one epoch are reused commit after
+commit; a peer that sends more or other than its share is refused by name. The payload
+helpers under it (snapshot_pieces.py, comm/rounds.py) are checked here too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from test_shard_snapshot import _Hub, _Member
+
+from keepstep.elastic.comm.rounds import laid_out
+from keepstep.elastic.errors import BadMessage
+from keepstep.elastic.shard import Range
+from keepstep.elastic.shard.layout import pieces_of
+from keepstep.elastic.shard_epoch import epoch_shards
+from keepstep.elastic.sharded_snapshot import Buffers, commit_pieces, pieces_tensor
+from keepstep.elastic.snapshot_pieces import (
+    index_pieces,
+    pack_payloads,
+    pack_pieces,
+    pack_tensor,
+    unpack_pieces,
+)
+from keepstep.elastic.snapshot_shard import PieceKey, cut_state
+from keepstep.elastic.zero import ELEMENTWISE
+from shard_states import trained_adam
+
+KEYS = ELEMENTWISE[torch.optim.Adam]
+T = timedelta(seconds=10)
+MEMBERS = ["n0/0", "n1/0", "n2/0"]  # one member a node
+
+
+class _Wire(_Member):
+    """A hub member with the commit's collective; ``tamper`` may change what it sends."""
+
+    tamper: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+
+    def alltoall_tensors(
+        self,
+        payloads: Sequence[torch.Tensor],
+        max_bytes: int,
+        timeout: timedelta | None = None,
+        into: Callable[[int], torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        sent = list(payloads) if self.tamper is None else self.tamper(list(payloads))
+        assert all(p.numel() <= max_bytes for p in sent)
+        rows = self._round([p.clone() for p in sent])
+        got = [rows[src][self.rank] for src in range(self.hub.world)]
+        if into is None:
+            return got
+        buf = into(sum(g.numel() for g in got))
+        views, at = [], 0
+        for g in got:
+            buf[at : at + g.numel()] = g
+            views.append(buf[at : at + g.numel()])
+            at += g.numel()
+        return views
+
+
+def _setup() -> tuple[dict[str, Any], list[int], Any]:
+    params, opt = trained_adam()
+    return (
+        opt.state_dict(),
+        [p.numel() for p in params],
+        epoch_shards([p.numel() for p in params], MEMBERS),
+    )
+
+
+def _own_state(
+    full: dict[str, Any], sizes: list[int], owned: Sequence[Range], anchor: bool
+) -> dict[PieceKey, Any]:
+    """What a member steps, as ZeroOptimizer.state_dict gives it: its owned pieces, and an
+    empty parameter's state on its anchor only."""
+    cut = cut_state(full, sizes, KEYS, owned)
+    return {k: v for k, v in cut.items() if sizes[k.param] > 0 or anchor}
+
+
+def _commit_all(
+    full: dict[str, Any],
+    sizes: list[int],
+    shards: Any,
+    buffers: list[Buffers],
+    wires: list[_Wire] | None = None,
+) -> list[Any]:
+    hub = _Hub(len(MEMBERS))
+    wires = wires or [_Wire(hub, r) for r in range(len(MEMBERS))]
+    for w in wires:
+        w.hub = hub
+    owners = [shards.owned[m] for m in MEMBERS]
+    holds = [shards.held[m] for m in MEMBERS]
+    out: list[Any] = [None] * len(MEMBERS)
+
+    def run(rank: int) -> None:
+        state = _own_state(full, sizes, owners[rank], anchor=rank == 0)
+        try:
+            out[rank] = commit_pieces(
+                wires[rank], state, owners, holds, sizes, KEYS, T, buffers[rank]
+            )
+        except BadMessage as err:
+            out[rank] = err
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(MEMBERS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return out
+
+
+def _as_dict(raw: torch.Tensor, sizes: list[int]) -> dict[PieceKey, dict[str, list[float]]]:
+    return {
+        k: {n: v.tolist() if isinstance(v, torch.Tensor) else v for n, v in piece.items()}
+        for k, piece in unpack_pieces(raw, sizes, KEYS).items()
+    }
+
+
+def test_each_member_keeps_exactly_its_holds_and_reuses_its_buffers() -> None:
+    full, sizes, shards = _setup()
+    buffers = [Buffers() for _ in MEMBERS]
+    first = _commit_all(full, sizes, shards, buffers)
+    for rank, m in enumerate(MEMBERS):
+        want = _as_dict(pieces_tensor(full, sizes, KEYS, shards.held[m]), sizes)
+        got = _as_dict(first[rank], sizes)
+        # The same elements with the same bits, however they are cut into pieces.
+        assert _elements(got, sizes) == _elements(want, sizes)
+    ptrs = [t.data_ptr() for t in first]
+    again = _commit_all(full, sizes, shards, buffers)
+    assert [t.data_ptr() for t in again] == ptrs  # written into the kept buffers
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def _elements(
+    pieces: dict[PieceKey, dict[str, Any]], sizes: list[int]
+) -> dict[tuple[int, int, str], Any]:
+    """Per element and per-element key, the value; per parameter, its per-tensor values."""
+    out: dict[tuple[int, int, str], Any] = {}
+    for (t, a, _), piece in pieces.items():
+        for name, value in piece.items():
+            if name in KEYS:
+                for i, x in enumerate(value):
+                    out[(t, a + i, name)] = x
+            else:
+                out[(t, -1, name)] = value
+    return out
+
+
+@pytest.mark.parametrize("how", ["duplicate", "extra", "missing"])
+def test_a_peer_sending_other_than_its_share_is_refused(how: str) -> None:
+    full, sizes, shards = _setup()
+    hub = _Hub(len(MEMBERS))
+    wires = [_Wire(hub, r) for r in range(len(MEMBERS))]
+    victim = 0
+    offsets = [0, *itertools.accumulate(sizes)]
+
+    def tamper(payloads: list[torch.Tensor]) -> list[torch.Tensor]:
+        pieces = unpack_pieces(payloads[victim], sizes, KEYS)
+        first = next(iter(pieces))
+        if how == "duplicate":  # a piece already received from the anchor, sent again
+            pieces[PieceKey(2, 0, 0)] = {"step": torch.tensor(3.0)}
+        elif how == "extra":  # elements the victim steps itself
+            r = shards.owned[MEMBERS[victim]][0]
+            t, a, _ = pieces_of(offsets, r.start, r.stop)[0]
+            n = 1 if sizes[t] > a else 0
+            pieces[PieceKey(t, a, a + n)] = {
+                "exp_avg": torch.zeros(n),
+                "exp_avg_sq": torch.zeros(n),
+            }
+        else:
+            del pieces[first]
+        out = list(payloads)
+        out[victim] = pack_tensor(pieces)
+        return out
+
+    wires[1].tamper = tamper
+    got = _commit_all(full, sizes, shards, [Buffers() for _ in MEMBERS], wires)
+    assert isinstance(got[victim], BadMessage) and "rank 1 sent state" in str(got[victim])
+
+
+# ---- the payload helpers ----------------------------------------------------------------
+
+
+def _pieces() -> dict[PieceKey, dict[str, Any]]:
+    return {
+        PieceKey(1, 2, 6): {"step": torch.tensor(3.0), "exp_avg": torch.arange(4.0), "n": 2},
+        PieceKey(2, 0, 0): {"step": torch.tensor(1.0)},
+    }
+
+
+def test_pack_with_a_tail_holds_both_payloads_pieces() -> None:
+    a = _pieces()
+    b = {PieceKey(1, 7, 9): {"step": torch.tensor(3.0), "exp_avg": torch.tensor([7.0, 8.0])}}
+    tail = index_pieces(pack_pieces(b), [3, 10, 0], KEYS)
+    assert tail.keys == [PieceKey(1, 7, 9)]
+    joined = pack_tensor(a, [tail])
+    got = unpack_pieces(joined, [3, 10, 0], KEYS)
+    assert list(got) == [*a, *b]
+    assert got[PieceKey(1, 7, 9)]["exp_avg"].tolist() == [7.0, 8.0]
+    assert got[PieceKey(1, 2, 6)]["n"] == 2 and got[PieceKey(1, 2, 6)]["exp_avg"].tolist() == [
+        0,
+        1,
+        2,
+        3,
+    ]
+    kept = torch.empty(joined.numel(), dtype=torch.uint8)
+    assert pack_tensor(a, [tail], lambda n: kept).data_ptr() == kept.data_ptr()
+    assert torch.equal(kept, joined)
+
+
+def test_payloads_lie_in_one_buffer_with_zero_spare_bytes() -> None:
+    buf = torch.full((4096,), 0xAB, dtype=torch.uint8)
+    views = pack_payloads([_pieces(), {}, _pieces()], lambda n: buf[:n])
+    assert views[1].numel() == 0
+    assert all(v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for v in views)
+    assert unpack_pieces(views[2], [3, 10, 0], KEYS).keys() == _pieces().keys()
+    flat = laid_out(views)
+    assert flat is not None and flat.data_ptr() == buf.data_ptr()
+    ends = [v.storage_offset() + v.numel() for v in views]
+    assert [int(buf[e]) for e in ends] == [0, 0, 0]
+    assert flat.numel() == ends[-1] + 1
+    # Not laid out so: copied together by the communicator.
+    assert laid_out([views[0], views[2]]) is None
+    assert laid_out([torch.zeros(3, dtype=torch.uint8), torch.zeros(2, dtype=torch.uint8)]) is None
