@@ -2,13 +2,22 @@
 
     scripts/env python bench/mttr.py [--faults-per-kind 20]
         [--kinds kill-worker,kill-node,hang-node,drain-node] [--shard zero1|zero2] [--json PATH]
+        [--nodes 4] [--script examples/mlp.py] [--script-args "..."]
 
-For each kind it runs `keepstep run` (4 nodes, examples/mlp.py with a small --sleep so a
-step takes ~0.1 s) with several faults of that kind per run, until at least N were
-measured. Every node loss (kill, hang, drain) is followed by a `join-node`, so the job
-keeps 3-4 nodes (a joiner needs ~5 s to start python and torch and be admitted, hence the
-spacing); a killed worker is restarted by its agent and rejoins by itself, and each worker
-is killed at most `WORKER_RESTARTS` times per run.
+For each kind it runs `keepstep run` (--nodes, 4 by default; --script, examples/mlp.py by
+default, with a small --sleep so a step takes ~0.1 s) with several faults of that kind per
+run, until at least N were measured. Every node loss (kill, hang, drain) is followed by a
+`join-node`, so the job keeps --nodes or one fewer (a joiner needs ~5 s to start python
+and torch and be admitted, hence the spacing); a killed worker is restarted by its agent and
+rejoins by itself, and each worker is killed at most `WORKER_RESTARTS` times per run.
+
+--sleep is examples/mlp.py's own flag, so only that script gets it; any other script gets
+just --script-args (split as a shell would) after the job's numbers, which `keepstep run`
+passes in the environment. Node losses hit n1, n2, ... in turn, then the joined nodes, so
+a joined node is hit nodes-1 node spacings after it joined: with --nodes 2 one spacing
+must be long enough for a joiner to be admitted (raise --node-spacing for fast steps). On
+2 nodes a node loss leaves one node until the join: `--min-nodes` only gates the first
+epoch, and after it the job trains on whatever nodes survive.
 
 The join is scheduled at the same step as its loss, right after it, so it can never be
 taken for the cause of that loss's epoch or of the next one, whenever it is admitted (its
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import shutil
 import subprocess
 import sys
@@ -43,6 +53,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from harness.stats import percentile  # noqa: E402
 
 KINDS = ("kill-worker", "kill-node", "hang-node", "drain-node")
+MLP = REPO / "examples" / "mlp.py"  # the default script, the only one with --sleep
 PHASES = ("detect_s", "agree_s", "communicator_s", "restore_s", "replan_s")
 
 
@@ -70,8 +81,26 @@ class Settings:
     tail_steps: int = 20
     run_timeout: float = 300.0
     shard: str | None = None  # `keepstep run --shard`: None keeps full replicas
+    script: str = str(MLP)  # the training script (a str, so the settings dump to JSON)
+    script_args: tuple[str, ...] = ()  # passed to the script after the job's own flags
+
+    @property
+    def takes_sleep(self) -> bool:
+        """--sleep is examples/mlp.py's flag: another script would reject it."""
+        return Path(self.script).resolve() == MLP
+
+    def script_argv(self, sleep: float | None = None) -> list[str]:
+        """The script and its arguments, as the tail of `keepstep run`'s command line."""
+        argv = [self.script, *self.script_args]
+        if self.takes_sleep:
+            argv += ["--sleep", str(self.sleep if sleep is None else sleep)]
+        return argv
 
     def __post_init__(self) -> None:
+        if self.nodes < 2:  # a node loss must leave one to train on
+            raise ValueError(f"--nodes {self.nodes} must be >= 2")
+        if not Path(self.script).is_file():
+            raise ValueError(f"--script {self.script}: no such file")
         n_micro, rest = divmod(self.global_batch, self.micro_batch)
         if self.micro_batch < 1 or rest:
             raise ValueError(
@@ -107,8 +136,9 @@ class Settings:
 def fault_schedule(kind: str, count: int, s: Settings) -> list[str]:
     """`count` faults of `kind` as `keepstep run --fault` specs.
 
-    Node losses take n1, n2, n3 and then the joined nodes n4, n5, ... in turn (each joined
-    three spacings before it is hit); worker kills go round the original nodes.
+    Node losses take the original nodes but n0 and then the joined ones in turn (on 4
+    nodes: n1, n2, n3, n4, ...; each joined nodes-1 spacings before it is hit); worker
+    kills go round the original nodes.
     """
     if kind not in KINDS:
         raise ValueError(f"kind {kind!r}: allowed are {', '.join(KINDS)}")
@@ -141,7 +171,7 @@ def run_keepstep(
         argv += ["--shard", s.shard]
     for spec in faults:
         argv += ["--fault", spec]
-    argv += [str(REPO / "examples" / "mlp.py"), "--sleep", str(s.sleep if sleep is None else sleep)]
+    argv += s.script_argv(sleep)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     log = run_dir.parent / f"{run_dir.name}.log"
     with open(log, "wb") as out:
@@ -229,6 +259,7 @@ def measure_kind(
         result.injected += injected
         world = [w for w in summary.get("world_size_by_step", []) if w]
         problems = check_run(summary, reference, steps)
+        sha = summary.get("params_sha256")
         if len(mine) != injected:
             problems.append(f"{injected} {kind} faults injected, {len(mine)} recovery records")
         violations += [f"{kind} run {run}: {p}" for p in problems]
@@ -243,6 +274,8 @@ def measure_kind(
                 "world_max": max(world, default=0),
                 "extra_epochs": extra,
                 "admissions": sum(1 for r in recoveries if r["reason"].startswith("admit")),
+                "params_sha256": sha,
+                "params_match": sha is not None and sha == reference,
                 "problems": problems,
             }
         )
@@ -331,9 +364,48 @@ def add_settings_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard", choices=["zero1", "zero2"], help="shard the optimizer state")
 
 
+def script_path(value: str) -> str:
+    """--script: a file, as given or relative to the repository (an argparse type)."""
+    for path in (Path(value), REPO / value):
+        if path.is_file():
+            return str(path.resolve())
+    raise argparse.ArgumentTypeError(f"{value!r}: no such file (nor under {REPO})")
+
+
+def node_count(value: str) -> int:
+    """--nodes: an int >= 2, since a node loss must leave a node (an argparse type)."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"{n}: nodes must be >= 2")
+    return n
+
+
+def add_job_args(parser: argparse.ArgumentParser) -> None:
+    """The job's shape: node count and training script. Apart from add_settings_args,
+    which bench/torchrun_baseline.py shares with a torchrun job of its own fixed shape."""
+    d = Settings()
+    parser.add_argument("--nodes", type=node_count, default=d.nodes, help="nodes at start")
+    parser.add_argument("--script", type=script_path, default=d.script, help="training script")
+    parser.add_argument(
+        "--script-args",
+        type=shlex.split,
+        default=list(d.script_args),
+        help="the script's own arguments, one string split as a shell would: "
+        '--script-args "--layers 2" (a lone flag: --script-args=--flag)',
+    )
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
+    d = Settings()
     return replace(
-        Settings(),
+        d,
+        # The job's shape, where the parser has add_job_args; else the default job.
+        nodes=getattr(args, "nodes", d.nodes),
+        script=getattr(args, "script", d.script),
+        script_args=tuple(getattr(args, "script_args", d.script_args)),
         sleep=args.sleep,
         global_batch=args.global_batch,
         micro_batch=args.micro_batch,
@@ -350,6 +422,7 @@ def main() -> None:
     parser.add_argument("--faults-per-kind", type=int, default=20)
     parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--json", help="also write every figure and record here")
+    add_job_args(parser)
     add_settings_args(parser)
     args = parser.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
