@@ -27,6 +27,7 @@ from keepstep.elastic.shard.layout import pieces_of
 from keepstep.elastic.shard_epoch import epoch_shards
 from keepstep.elastic.sharded_snapshot import Buffers, commit_pieces, pieces_tensor
 from keepstep.elastic.snapshot_pieces import (
+    concat_pieces,
     index_pieces,
     pack_payloads,
     pack_pieces,
@@ -139,6 +140,19 @@ def test_each_member_keeps_exactly_its_holds_and_reuses_its_buffers() -> None:
     again = _commit_all(full, sizes, shards, buffers)
     assert [t.data_ptr() for t in again] == ptrs  # written into the kept buffers
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_a_checkpoint_joined_from_every_members_commit_holds_each_element_once() -> None:
+    """A replica piece is its owner's piece or a part of it, so the join (longest pieces
+    first) keeps the owners' and drops the replicas: one copy of the state, not two."""
+    full, sizes, shards = _setup()
+    raws = _commit_all(full, sizes, shards, [Buffers() for _ in MEMBERS])
+    held = [unpack_pieces(raw, sizes, KEYS) for raw in raws]
+    assert sum(b - a for pieces in held for _, a, b in pieces) == 2 * sum(sizes)
+    joined = unpack_pieces(concat_pieces([raw.numpy().tobytes() for raw in raws]), sizes, KEYS)
+    assert sum(b - a for _, a, b in joined) == sum(sizes)
+    want = _as_dict(pieces_tensor(full, sizes, KEYS, [Range(0, sum(sizes))]), sizes)
+    assert _elements(_as_dict(pack_tensor(joined), sizes), sizes) == _elements(want, sizes)
 
 
 def _elements(
