@@ -49,6 +49,7 @@ Durable checkpoints
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
@@ -71,6 +72,8 @@ from keepstep.elastic.zero import Ownership, ZeroOptimizer
 from keepstep.elastic.zero.gather import CommGather, TensorCollective
 from keepstep.elastic.zero.grads import GradShard
 from keepstep.elastic.zero.optimizers import check_supported
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CommGather",
@@ -213,12 +216,20 @@ class ShardedOptimizer:
         self._comm, self._timeout, self._buffers = comm, timeout, Buffers()
         need = [Range(offsets[i] + a, offsets[i] + b) for i, a, b in self.zero.needed()]
         mine, self._restored = self._restored, b""
+        built = time.perf_counter()
         got = fetch_and_join(comm, mine, need, self._sizes, self.keys, self._shapes, timeout)
+        fetched = time.perf_counter()
         if got.state is not None:
             groups = self.optimizer.state_dict()["param_groups"]
             self.zero.load_full_state_dict({"state": got.state, "param_groups": groups})
         self.received_bytes = got.received_bytes
         self.enter_s = time.perf_counter() - started
+        log.info(
+            "epoch shards in %.3f s: layout and shard optimizer %.3f s, fetch and join %.3f s "
+            "(%d B received), load %.3f s",
+            *(self.enter_s, built - started, fetched - built, got.received_bytes),
+            self.enter_s - (fetched - started),
+        )
 
     def stepped_elements(self) -> int | None:
         """How many of the optimizer's elements this member steps in the epoch (None:
