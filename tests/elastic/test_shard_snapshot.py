@@ -198,6 +198,7 @@ class _Hub:
         self.barrier = threading.Barrier(world, timeout=20)
         self.slots: list[Any] = [None] * world
         self.bytes_moved = 0
+        self.alltoalls = 0  # calls of alltoall_bytes, all members together
 
     def member(self, rank: int) -> _Member:
         return _Member(self, rank)
@@ -224,13 +225,16 @@ class _Member:
         self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]:
         assert len(payloads) == self.hub.world and all(len(p) <= max_bytes for p in payloads)
+        self.hub.alltoalls += 1
         rows = self._round(list(payloads))
         return [rows[src][self.rank] for src in range(self.hub.world)]
 
 
-def _enter(raws: list[bytes], needs: list[list[Range]], sizes: list[int], shapes: Any) -> list[Any]:
+def _enter(
+    raws: list[bytes], needs: list[list[Range]], sizes: list[int], shapes: Any, hub: Any = None
+) -> list[Any]:
     """fetch_and_join on every member at once: each one's Fetched, or the error it raised."""
-    hub = _Hub(len(raws))
+    hub = hub or _Hub(len(raws))
     keys = ELEMENTWISE[torch.optim.Adam]
     out: list[Any] = [None] * len(raws)
 
@@ -263,7 +267,8 @@ def test_the_job_keeps_pieces_and_fetches_what_it_lacks_after_a_loss_or_refuses(
     survivors = ["m0", "m1", "m3"]
     after = epoch_shards(sizes, survivors)
     needs = [list(after.owned[m]) for m in survivors]
-    got = _enter([raw[m] for m in survivors], needs, sizes, shapes)
+    hub = _Hub(len(survivors))
+    got = _enter([raw[m] for m in survivors], needs, sizes, shapes, hub)
     offsets = [0, *itertools.accumulate(sizes)]
     for fetched, need in zip(got, needs, strict=True):
         assert fetched.state is not None
@@ -277,12 +282,20 @@ def test_the_job_keeps_pieces_and_fetches_what_it_lacks_after_a_loss_or_refuses(
     # (here nothing: each lost chunk's new owner kept its replica).
     held = sum(len(raw[m]) for m in survivors)
     assert sum(f.received_bytes for f in got) < held / 4
+    # Here nobody lacked anything, so nobody ran the fetch round.
+    assert not any(f.received_bytes for f in got) and hub.alltoalls == 0
     # A joiner holds nothing: it receives its whole share, and only it receives anything.
     grown = [*members, "m4"]
     bigger = epoch_shards(sizes, grown)
+    hub = _Hub(len(grown))
     joined = _enter(
-        [*(raw[m] for m in members), b""], [list(bigger.owned[m]) for m in grown], sizes, shapes
+        [*(raw[m] for m in members), b""],
+        [list(bigger.owned[m]) for m in grown],
+        sizes,
+        shapes,
+        hub,
     )
+    assert hub.alltoalls == len(grown)  # one round, every member in it
     assert all(f.state is not None for f in joined)
     assert joined[-1].received_bytes > 0
     share = sum(r.size for r in bigger.owned["m4"]) * 2 * 4  # two float32 moments

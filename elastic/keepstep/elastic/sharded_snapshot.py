@@ -230,6 +230,10 @@ def fetch_and_join(
             f"elements {[tuple(r) for r in plan.lost[:4]]} of the optimizer state have no "
             "live copy (a double fault took an owner and its replica)"
         )
+    if not any(plan.sent(src) for src in range(len(announced))):
+        # Every member holds what it needs (the usual loss: the replicas' keepers own the
+        # lost chunks now). All see the same plan, so all skip the round together.
+        return Fetched(join_states([parts], sizes, keys, shapes, required=need), 0)
     payloads = [
         pack_pieces(cut_pieces(parts, offsets, keys, ranges)) if ranges else b""
         for ranges in plan.sends[comm.rank]
