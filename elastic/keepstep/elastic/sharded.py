@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from itertools import accumulate
 from typing import Any, Protocol
@@ -59,6 +59,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from keepstep.elastic.comm.rounds import Alloc, Buffers
 from keepstep.elastic.config import Shard
 from keepstep.elastic.errors import ConfigError, KeepstepError
 from keepstep.elastic.reduce_base import ReduceDone, ReduceOutcome, Settled
@@ -66,7 +67,7 @@ from keepstep.elastic.reduce_exact import ExactReducer
 from keepstep.elastic.shard.layout import Range
 from keepstep.elastic.shard_epoch import epoch_shards
 from keepstep.elastic.shard_figures import ShardFigures, optimizer_sha256, shard_figures
-from keepstep.elastic.sharded_snapshot import PIECES, Buffers, commit_pieces, fetch_and_join
+from keepstep.elastic.sharded_snapshot import PIECES, commit_pieces, fetch_and_join
 from keepstep.elastic.snapshot_shard import PieceKey
 from keepstep.elastic.zero import Ownership, ZeroOptimizer
 from keepstep.elastic.zero.gather import CommGather, TensorCollective
@@ -104,7 +105,7 @@ class PieceCollective(TensorCollective, Protocol):
         payloads: Sequence[torch.Tensor],
         max_bytes: int,
         timeout: timedelta | None = None,
-        into: Callable[[int], torch.Tensor] | None = None,
+        into: Alloc | None = None,
     ) -> list[torch.Tensor]: ...
 
 
@@ -227,7 +228,10 @@ class ShardedOptimizer:
         log.info(
             "epoch shards in %.3f s: layout and shard optimizer %.3f s, fetch and join %.3f s "
             "(%d B received), load %.3f s",
-            *(self.enter_s, built - started, fetched - built, got.received_bytes),
+            self.enter_s,
+            built - started,
+            fetched - built,
+            got.received_bytes,
             self.enter_s - (fetched - started),
         )
 
@@ -321,7 +325,12 @@ class ShardedOptimizer:
         }
         return commit_pieces(
             self._comm,
-            *(state, self._owners, self._all_holds, self._sizes, self.keys, self._timeout),
+            state,
+            self._owners,
+            self._all_holds,
+            self._sizes,
+            self.keys,
+            self._timeout,
             self._buffers,
         )
 

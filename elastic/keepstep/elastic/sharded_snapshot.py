@@ -19,13 +19,14 @@ wrong state.
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from itertools import accumulate, pairwise
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from keepstep.elastic.comm.rounds import Alloc, Buffers
 from keepstep.elastic.errors import BadMessage, StateShapeError
 from keepstep.elastic.shard.fetch import Announcement, BadAnnouncement, decode, encode, plan_fetches
 from keepstep.elastic.shard.fetch import limit as announcement_limit
@@ -88,28 +89,8 @@ class PieceSender(Protocol):
         payloads: Sequence[torch.Tensor],
         max_bytes: int,
         timeout: timedelta | None = None,
-        into: Callable[[int], torch.Tensor] | None = None,
+        into: Alloc | None = None,
     ) -> list[torch.Tensor]: ...
-
-
-class Buffers:
-    """uint8 buffers kept from one commit to the next, one per use: a commit's payloads
-    have the same sizes step after step, and memory written again is warm, where a fresh
-    buffer is faulted in page by page. A buffer handed out is its holder's until the same
-    use asks again; keep one ``Buffers`` per epoch (a collective given up may still write
-    into the last one's)."""
-
-    def __init__(self) -> None:
-        self._kept: dict[str, torch.Tensor] = {}
-
-    def alloc(self, use: str) -> Callable[[int], torch.Tensor]:
-        def get(n: int) -> torch.Tensor:
-            kept = self._kept.get(use)
-            if kept is None or kept.numel() != n:
-                kept = self._kept[use] = torch.empty(n, dtype=torch.uint8)
-            return kept
-
-        return get
 
 
 def commit_pieces(

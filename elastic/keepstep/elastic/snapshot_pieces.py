@@ -17,11 +17,12 @@ from __future__ import annotations
 import bisect
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
 
+from keepstep.elastic.comm.rounds import Alloc
 from keepstep.elastic.errors import BadMessage, StateShapeError
 from keepstep.elastic.snapshot_shard import PieceKey
 
@@ -57,9 +58,6 @@ _PLAIN = {"bool": bool, "int": int, "float": float}
 def pack_pieces(pieces: Mapping[PieceKey, Mapping[str, Any]]) -> bytes:
     """``pieces`` (``cut_state``'s) as one payload: header, then tensor bytes in order."""
     return pack_tensor(pieces).numpy().tobytes()
-
-
-Alloc = Callable[[int], torch.Tensor]  # a uint8 buffer of n bytes, fresh or reused
 
 
 def pack_tensor(

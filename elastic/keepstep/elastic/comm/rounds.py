@@ -2,7 +2,9 @@
 
 Where it sits: under communicator.py, whose ``allgather_bytes`` and ``alltoall_tensors``
 exchange lengths in a first round and payloads in a second, under one deadline. Every
-length a peer announces is checked here before a buffer is allocated for it.
+length a peer announces is checked here before a buffer is allocated for it. Callers that
+repeat a collective of the same sizes (a sharded commit, ZeRO's parameter gather) hand in
+buffers kept in a ``Buffers`` (``into=``), and send payloads laid out in one (``laid_out``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ __all__ = [
     "EMPTY",
     "PAD",
     "Alloc",
+    "Buffers",
     "check_lengths",
     "laid_out",
     "left",
@@ -77,3 +80,23 @@ def slots(
     if into is None:
         return [torch.empty_like(mine) for _ in range(size)]
     return list(receive_buffer(mine.numel() * size, device, into).chunk(size))
+
+
+class Buffers:
+    """uint8 buffers kept from one call to the next, one per use: a collective's payloads
+    often have the same sizes call after call (a sharded commit's, a parameter gather's),
+    and memory written again is warm, where a fresh buffer is faulted in page by page. A
+    buffer handed out is its holder's until the same use asks again; keep one ``Buffers``
+    per epoch (a collective given up may still write into the last one's)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, torch.Tensor] = {}
+
+    def alloc(self, use: str) -> Alloc:
+        def get(n: int) -> torch.Tensor:
+            kept = self._kept.get(use)
+            if kept is None or kept.numel() != n:
+                kept = self._kept[use] = torch.empty(n, dtype=torch.uint8)
+            return kept
+
+        return get

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -25,6 +24,7 @@ import torch
 # The typed names live here; torch.distributed re-exports them only at runtime.
 from torch._C._distributed_c10d import AllgatherOptions
 
+from keepstep.elastic.comm.rounds import Alloc, Buffers
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
 
 __all__ = [
@@ -68,7 +68,7 @@ class TensorCollective(Protocol):
         self,
         tensor: torch.Tensor,
         timeout: timedelta | None = None,
-        into: Callable[[int], torch.Tensor] | None = None,
+        into: Alloc | None = None,
     ) -> list[torch.Tensor]: ...
 
 
@@ -82,7 +82,7 @@ class CommGather:
 
     def __init__(self, comm: TensorCollective) -> None:
         self.comm = comm
-        self._slots = torch.empty(0, dtype=torch.uint8)  # kept: later gathers write it warm
+        self._into = Buffers().alloc("slots")  # kept: later gathers write it warm
 
     @property
     def rank(self) -> int:
@@ -108,11 +108,6 @@ class CommGather:
                 raise BadMessage(f"rank {rank} sent {got} values, {raw.numel()} bytes expected")
             out.append(slot.view(mine.dtype).reshape(mine.shape))
         return out
-
-    def _into(self, n: int) -> torch.Tensor:
-        if self._slots.numel() != n:
-            self._slots = torch.empty(n, dtype=torch.uint8)
-        return self._slots
 
 
 class GroupGather:
