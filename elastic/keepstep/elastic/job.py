@@ -43,6 +43,7 @@ from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
 from keepstep.elastic.data import MicroBatchLoader
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
+from keepstep.elastic.heap import frozen_heap
 from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, checked_scaler, skip_step
 from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.reduce import make_reducer
@@ -152,15 +153,16 @@ class Job:
                 raise ConfigError("job.steps() needs a step count (or a launcher that sets one)")
         if total < 0:
             raise ConfigError(f"steps={total} must be >= 0")
-        if self.membership is None:
-            self.tracked.frozen = True
-            if self.fresh:
-                self._snapshot()
-            self._switch(self.controller.initial(self.config.collective_timeout))
-        try:
-            yield from self._loop(total)
-        finally:
-            self.loader.close()
+        with frozen_heap():  # the script's long-lived objects: out of the collector's way
+            if self.membership is None:
+                self.tracked.frozen = True
+                if self.fresh:
+                    self._snapshot()
+                self._switch(self.controller.initial(self.config.collective_timeout))
+            try:
+                yield from self._loop(total)
+            finally:
+                self.loader.close()
         self.snapshots.wait()
         if not self.left:
             self.controller.on_finish(self.done, self.params_sha256())
