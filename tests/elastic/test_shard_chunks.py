@@ -36,6 +36,7 @@ from keepstep.elastic.shard import (
     plan_transfers,
 )
 from keepstep.elastic.shard.ring import PROBES, Ring, _member_points, dither
+from keepstep.elastic.snapshot_shard import merge
 from keepstep.errors import ConfigError
 
 FAST = settings(max_examples=40, deadline=None)
@@ -389,3 +390,21 @@ def test_any_change_is_planned_or_reported_lost(
     plan.verify()
     assert all(s in live for s in plan.src)
     assert Counter(plan.copy).keys() <= {0, 1}
+
+
+@FAST
+@given(clusters(), st.lists(st.integers(0, 5000), min_size=1, max_size=12), st.data())
+def test_member_ranges_are_the_ranges_and_holdings_of_every_member(
+    members: list[str], sizes: list[int], data: st.DataObject
+) -> None:
+    chunk = data.draw(st.integers(1, 64), label="chunk")
+    layout = make_chunk_layout(sizes, members, chunk=chunk)
+    nodes = len({node_of(m) for m in members})
+    placement = place_replicas(layout, replicas=data.draw(st.integers(0, min(2, nodes - 1))))
+    owned, kept = placement.member_ranges()
+    held: dict[str, list[Range]] = {}
+    for m, a, b, _copy in placement.holdings():
+        held.setdefault(m, []).append(Range(a, b))
+    for m in members:
+        assert owned.get(m, ()) == layout.ranges(m)
+        assert kept.get(m, ()) == merge(held.get(m, ()))

@@ -32,7 +32,6 @@ from itertools import accumulate
 
 from keepstep.elastic.shard import make_chunk_layout, place_replicas
 from keepstep.elastic.shard.layout import Range
-from keepstep.elastic.snapshot_shard import merge, snapshot_ranges
 from keepstep.elastic.zero import ALIGN, Ownership
 
 __all__ = ["JOB_CHUNKS", "EpochShards", "as_node", "epoch_shards"]
@@ -70,26 +69,31 @@ def epoch_shards(sizes: Sequence[int], members: Sequence[str]) -> EpochShards:
     names = {m: as_node(m) for m in members}
     layout = make_chunk_layout(padded_sizes, names.values(), align=ALIGN, chunk=chunk)
     replicas = 1 if len(layout.node_members) > 1 else 0
-    keeps = snapshot_ranges(place_replicas(layout, replicas=replicas))
+    owns, keeps = place_replicas(layout, replicas=replicas).member_ranges()
 
     def unpad(ranges: Sequence[Range]) -> tuple[Range, ...]:
-        out: list[Range] = []
+        # Ranges come sorted and disjoint, and the map to real offsets keeps their order:
+        # merging the touching ones (across a parameter's end) needs no sort.
+        out: list[list[int]] = []
         t = 0
-        for r in ranges:
-            while t < len(sizes) and padded[t + 1] <= r.start:
+        for start, stop in ranges:
+            while t < len(sizes) and padded[t + 1] <= start:
                 t += 1
             u = t
-            while u < len(sizes) and padded[u] < r.stop:
-                lo = max(r.start, padded[u]) - padded[u]
-                hi = min(r.stop, padded[u + 1]) - padded[u]
-                hi = min(hi, sizes[u])
+            while u < len(sizes) and padded[u] < stop:
+                lo = max(start, padded[u]) - padded[u]
+                hi = min(stop - padded[u], sizes[u])
                 if hi > lo:
-                    out.append(Range(real[u] + lo, real[u] + hi))
+                    a, b = real[u] + lo, real[u] + hi
+                    if out and out[-1][1] == a:
+                        out[-1][1] = b
+                    else:
+                        out.append([a, b])
                 u += 1
-        return merge(out)
+        return tuple(Range(a, b) for a, b in out)
 
     return EpochShards(
         sizes=tuple(sizes),
-        owned={m: unpad(layout.ranges(n)) for m, n in names.items()},
+        owned={m: unpad(owns.get(n, ())) for m, n in names.items()},
         held={m: unpad(keeps.get(n, ())) for m, n in names.items()},
     )

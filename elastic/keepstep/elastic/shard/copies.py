@@ -62,6 +62,37 @@ class ChunkPlacement:
                     if b > a:
                         yield m, a, b, k
 
+    def member_ranges(self) -> tuple[dict[str, tuple[Range, ...]], dict[str, tuple[Range, ...]]]:
+        """Per member with any: the elements it owns (copy 0) and those it keeps (every
+        copy), each sorted with touching ranges merged. What ``layout.ranges`` and
+        ``holdings`` give, in one pass over the chunks that makes no object per slice
+        (a sharded job computes it at every epoch it enters)."""
+        lay = self.layout
+        held_chunks: dict[int, list[int]] = {}  # node -> the chunks it holds, ascending
+        owned_chunks: dict[int, set[int]] = {}
+        owners = lay.assignment.owners
+        for c in range(lay.chunks):
+            owner = owners[c]
+            held_chunks.setdefault(owner, []).append(c)
+            owned_chunks.setdefault(owner, set()).add(c)
+            for column in self.copies:
+                held_chunks.setdefault(column[c], []).append(c)
+        owned: dict[str, tuple[Range, ...]] = {}
+        kept: dict[str, tuple[Range, ...]] = {}
+        for n, members in lay.node_members.items():
+            chunks, mine = held_chunks.get(n, []), owned_chunks.get(n, set())
+            cuts = [lay.cut(c, n) for c in chunks]
+            for i, m in enumerate(members):
+                own = _runs(
+                    (b[i], b[i + 1]) for c, b in zip(chunks, cuts, strict=True) if c in mine
+                )
+                every = _runs((b[i], b[i + 1]) for b in cuts)
+                if own:
+                    owned[m] = own
+                if every:
+                    kept[m] = every
+        return owned, kept
+
     def lost(self, live: Collection[str]) -> int:
         """Elements whose owner is not in ``live``."""
         lay = self.layout
@@ -80,6 +111,20 @@ class ChunkPlacement:
             if k:
                 out[m] += b - a
         return out
+
+
+def _runs(bounds: Iterable[tuple[int, int]]) -> tuple[Range, ...]:
+    """Ascending, disjoint ``(start, stop)`` pairs as ranges, touching ones merged and
+    empty ones dropped."""
+    out: list[list[int]] = []
+    for a, b in bounds:
+        if b <= a:
+            continue
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return tuple(Range(a, b) for a, b in out)
 
 
 def place_chunk_replicas(layout: ChunkLayout, replicas: int = 1) -> ChunkPlacement:

@@ -66,10 +66,17 @@ class Ownership:
     ranges: tuple[tuple[Range, ...], ...]
     _offsets: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _starts: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    # Each rank's pieces, cut once: every member asks for every rank's (the gather, the
+    # snapshot exchange, ZeRO-2's reduce-scatter) when it enters an epoch.
+    _pieces: dict[int, tuple[Piece, ...]] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         try:
-            ranges = tuple(tuple(Range(*r) for r in mine) for mine in self.ranges)
+            ranges = tuple(
+                tuple(r if type(r) is Range else Range(*r) for r in mine) for mine in self.ranges
+            )
         except TypeError:
             raise ConfigError(
                 f"ranges must list (start, stop) pairs per rank, got {self.ranges!r}"[:300]
@@ -152,9 +159,12 @@ class Ownership:
 
     def pieces(self, rank: int) -> list[Piece]:
         """Rank ``rank``'s ranges as slices of the tensors, in flattened order."""
-        return [
-            p for start, stop in self._mine(rank) for p in pieces_of(self._offsets, start, stop)
-        ]
+        cut = self._pieces.get(rank)
+        if cut is None:
+            mine = self._mine(rank)
+            cut = tuple(p for a, b in mine for p in pieces_of(self._offsets, a, b))
+            self._pieces[rank] = cut
+        return list(cut)
 
     def owner_of(self, element: int) -> int:
         """The rank owning flattened element ``element``."""
