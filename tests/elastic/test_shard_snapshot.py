@@ -230,8 +230,14 @@ class _Member:
         return [rows[src][self.rank] for src in range(self.hub.world)]
 
 
+def _windows(need: list[Range], sizes: list[int]) -> list[PieceKey]:
+    """The windows (parameter slices) of flattened ranges, as the job's ZeroOptimizer has them."""
+    offsets = [0, *itertools.accumulate(sizes)]
+    return [PieceKey(*p) for r in need for p in pieces_of(offsets, r.start, r.stop)]
+
+
 def _enter(
-    raws: list[bytes], needs: list[list[Range]], sizes: list[int], shapes: Any, hub: Any = None
+    raws: list[bytes], needs: list[list[Range]], sizes: list[int], hub: Any = None
 ) -> list[Any]:
     """fetch_and_join on every member at once: each one's Fetched, or the error it raised."""
     hub = hub or _Hub(len(raws))
@@ -240,8 +246,9 @@ def _enter(
 
     def run(rank: int) -> None:
         try:
+            windows = _windows(needs[rank], sizes)
             out[rank] = fetch_and_join(
-                hub.member(rank), raws[rank], needs[rank], sizes, keys, shapes, timedelta(5)
+                hub.member(rank), raws[rank], windows, sizes, keys, timedelta(5)
             )
         except StateShapeError as err:
             out[rank] = err
@@ -257,7 +264,6 @@ def _enter(
 def test_the_job_keeps_pieces_and_fetches_what_it_lacks_after_a_loss_or_refuses() -> None:
     params, opt = _trained_adam()
     sizes = [p.numel() for p in params]
-    shapes = [p.shape for p in params]
     keys = ELEMENTWISE[torch.optim.Adam]
     full = opt.state_dict()
     members = ["m0", "m1", "m2", "m3"]  # local names: each member is a node of its own
@@ -268,16 +274,14 @@ def test_the_job_keeps_pieces_and_fetches_what_it_lacks_after_a_loss_or_refuses(
     after = epoch_shards(sizes, survivors)
     needs = [list(after.owned[m]) for m in survivors]
     hub = _Hub(len(survivors))
-    got = _enter([raw[m] for m in survivors], needs, sizes, shapes, hub)
-    offsets = [0, *itertools.accumulate(sizes)]
+    got = _enter([raw[m] for m in survivors], needs, sizes, hub)
     for fetched, need in zip(got, needs, strict=True):
-        assert fetched.state is not None
-        for r in need:  # every needed element has the full state's bits
-            for t, a, b in pieces_of(offsets, r.start, r.stop):
-                for key in ("exp_avg", "exp_avg_sq"):
-                    mine = fetched.state[t][key].reshape(-1)[a:b]
-                    assert torch.equal(mine, full["state"][t][key].reshape(-1)[a:b])
-                assert torch.equal(fetched.state[t]["step"], full["state"][t]["step"])
+        windows = _windows(need, sizes)
+        assert fetched.state is not None and len(fetched.state) == len(windows)
+        for (t, a, b), state in zip(windows, fetched.state, strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):  # every needed element has the full bits
+                assert torch.equal(state[key], full["state"][t][key].reshape(-1)[a:b])
+            assert torch.equal(state["step"], full["state"][t]["step"])
     # Only what the new owners lacked moved: far less than the pieces everyone holds
     # (here nothing: each lost chunk's new owner kept its replica).
     held = sum(len(raw[m]) for m in survivors)
@@ -292,7 +296,6 @@ def test_the_job_keeps_pieces_and_fetches_what_it_lacks_after_a_loss_or_refuses(
         [*(raw[m] for m in members), b""],
         [list(bigger.owned[m]) for m in grown],
         sizes,
-        shapes,
         hub,
     )
     assert hub.alltoalls == len(grown)  # one round, every member in it
@@ -301,12 +304,12 @@ def test_the_job_keeps_pieces_and_fetches_what_it_lacks_after_a_loss_or_refuses(
     share = sum(r.size for r in bigger.owned["m4"]) * 2 * 4  # two float32 moments
     assert share <= joined[-1].received_bytes < share + 4096 + len(raw["m0"]) // 4
     # Nobody held pieces (every snapshot was a full one): nothing to join.
-    none = _enter([b"", b""], [needs[0], needs[1]], sizes, shapes)
+    none = _enter([b"", b""], [needs[0], needs[1]], sizes)
     assert [f.state for f in none] == [None, None]
     # m1 and m2 lost: some chunk had its owner and its replica on them; both refuse.
     pair = ["m0", "m3"]
     two = epoch_shards(sizes, pair)
-    refused = _enter([raw[m] for m in pair], [list(two.owned[m]) for m in pair], sizes, shapes)
+    refused = _enter([raw[m] for m in pair], [list(two.owned[m]) for m in pair], sizes)
     assert all(isinstance(e, StateShapeError) and "no live copy" in str(e) for e in refused)
 
 

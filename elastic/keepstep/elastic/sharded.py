@@ -162,7 +162,6 @@ class ShardedOptimizer:
         # Pieces are cut in the optimizer's parameter order (its state_dict's indices).
         mine = [p for g in optimizer.param_groups for p in g["params"]]
         self._sizes = [p.numel() for p in mine]
-        self._shapes = [p.shape for p in mine]
         self._same_order = [id(p) for p in mine] == [id(p) for p in self.params]
         self.zero: ZeroOptimizer | None = None
         self._pieces: torch.Tensor | None = None  # exchanged at a commit, for its snapshot
@@ -215,14 +214,14 @@ class ShardedOptimizer:
             for r in range(comm.size)
         ]
         self._comm, self._timeout, self._buffers = comm, timeout, Buffers()
-        need = [Range(offsets[i] + a, offsets[i] + b) for i, a, b in self.zero.needed()]
+        windows = [PieceKey(*w) for w in self.zero.needed()]
         mine, self._restored = self._restored, b""
         built = time.perf_counter()
-        got = fetch_and_join(comm, mine, need, self._sizes, self.keys, self._shapes, timeout)
+        got = fetch_and_join(comm, mine, windows, self._sizes, self.keys, timeout)
         fetched = time.perf_counter()
         if got.state is not None:
             groups = self.optimizer.state_dict()["param_groups"]
-            self.zero.load_full_state_dict({"state": got.state, "param_groups": groups})
+            self.zero.load_window_states(got.state, groups)
         self.received_bytes = got.received_bytes
         self.enter_s = time.perf_counter() - started
         log.info(

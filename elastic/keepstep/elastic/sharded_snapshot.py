@@ -41,7 +41,7 @@ from keepstep.elastic.snapshot_pieces import (
 from keepstep.elastic.snapshot_shard import (
     PieceKey,
     cut_state,
-    join_states,
+    join_windows,
     merge,
 )
 
@@ -170,33 +170,36 @@ def _meet(a: Sequence[Range], b: Sequence[Range]) -> tuple[Range, ...]:
 
 
 class Fetched(NamedTuple):
-    """What entering an epoch joined: the state this member needs (None: no member's
-    snapshot held pieces, a full snapshot of step 0) and the bytes it received."""
+    """What entering an epoch joined: the state of each window this member steps (None:
+    no member's snapshot held pieces, a full snapshot of step 0) and the bytes it
+    received."""
 
-    state: dict[int, dict[str, Any]] | None
+    state: list[dict[str, Any]] | None
     received_bytes: int
 
 
 def fetch_and_join(
     comm: PieceExchange,
     mine: bytes,
-    need: Sequence[Range],
+    windows: Sequence[PieceKey],
     sizes: Sequence[int],
     keys: frozenset[str],
-    shapes: Sequence[torch.Size],
     timeout: timedelta,
 ) -> Fetched:
-    """The per-parameter state covering ``need`` (ranges of the flattened state, in the
-    optimizer's parameter order), joined from this member's snapshot pieces ``mine`` and
-    the pieces it lacks, fetched by the disjoint plan. A collective: every member of the
-    epoch calls it, with ``b""`` if its snapshot holds none. ``StateShapeError`` (on every
-    member) when some member needs an element that no member holds."""
+    """The state of each of ``windows`` (elements of the optimizer's parameters, in its
+    parameter order), joined from this member's snapshot pieces ``mine`` and the pieces it
+    lacks, fetched by the disjoint plan; no parameter's full state is built. A
+    collective: every member of the epoch calls it, with ``b""`` if its snapshot holds
+    none. ``StateShapeError`` (on every member) when some member needs an element that no
+    member holds."""
     total = sum(sizes)
     offsets = (0, *accumulate(sizes))
     parts = unpack_pieces(mine, sizes, keys) if mine else {}
     held = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in parts if b > a)
-    mine_said = Announcement(held, merge(need))
-    said = comm.allgather_bytes(encode(mine_said), announcement_limit(total), timeout)
+    need = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in windows)
+    said = comm.allgather_bytes(
+        encode(Announcement(held, need)), announcement_limit(total), timeout
+    )
     announced = []
     for rank, raw in enumerate(said):
         try:
@@ -214,7 +217,7 @@ def fetch_and_join(
     if not any(plan.sent(src) for src in range(len(announced))):
         # Every member holds what it needs (the usual loss: the replicas' keepers own the
         # lost chunks now). All see the same plan, so all skip the round together.
-        return Fetched(join_states([parts], sizes, keys, shapes, required=need), 0)
+        return Fetched(join_windows([parts], windows, keys), 0)
     payloads = [
         pack_pieces(cut_pieces(parts, offsets, keys, ranges)) if ranges else b""
         for ranges in plan.sends[comm.rank]
@@ -223,8 +226,7 @@ def fetch_and_join(
     limit = 16 * values + (1 << 24)  # 8 bytes a value, twice over; headers well inside
     got = comm.alltoall_bytes(payloads, limit, timeout)
     joined = [parts, *(unpack_pieces(raw, sizes, keys) for raw in got if raw)]
-    state = join_states(joined, sizes, keys, shapes, required=need)
-    return Fetched(state, sum(len(raw) for raw in got))
+    return Fetched(join_windows(joined, windows, keys), sum(len(raw) for raw in got))
 
 
 def cut_pieces(

@@ -1,15 +1,16 @@
-"""What a sharded member's snapshot would hold: its own shard and the replicas it keeps.
+"""A sharded member's snapshot state: its own shard and the replicas it keeps, as pieces.
 
-Where it sits: the next step after sharded.py, whose snapshots still hold the full
-optimizer state. Here the optimizer part of a member's snapshot is cut down to the
-elements the placement gives it (``shard.place_replicas``: copy 0 is its own shard, copy
-k a replica of another node's), and after a loss the full state is joined again from the
-survivors' pieces. Not wired into the job yet: the job keeps full snapshots.
+Where it sits: below sharded_snapshot.py (the job's commits and rejoins). The optimizer
+part of a member's snapshot is cut down to the elements the placement gives it
+(``shard.place_replicas``: copy 0 is its own shard, copy k a replica of another node's);
+entering an epoch, a member joins the windows it steps from its pieces and those it
+fetched, and a checkpoint's resume joins the full state from every member's pieces.
 
     holds = snapshot_ranges(place_replicas(layout))      # member -> merged element ranges
     uncovered(holds, live)                                # what no live member holds
     mine = cut_state(full_state, sizes, keys, holds[me])  # the snapshot's optimizer part
-    full = join_states([mine, theirs, ...], sizes, keys)  # after a loss: survivors' pieces
+    state = join_windows([mine, fetched], windows, keys)  # entering an epoch: its windows
+    full = join_states([mine, theirs, ...], sizes, keys)  # the whole state, from all pieces
 
 Ranges are offsets in the concatenation of the flattened parameters (``sizes``, in the
 optimizer's parameter order), as in the layouts. Per-element state (``keys``: Adam's
@@ -20,6 +21,7 @@ any element of a tensor can give back its whole state.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from itertools import accumulate
 from typing import Any, NamedTuple
@@ -31,7 +33,7 @@ from keepstep.elastic.shard.layout import Range, pieces_of
 from keepstep.elastic.shard.moves import Copies
 from keepstep.elastic.zero.state import slice_state
 
-__all__ = ["PieceKey", "cut_state", "join_states", "snapshot_ranges", "uncovered"]
+__all__ = ["PieceKey", "cut_state", "join_states", "join_windows", "snapshot_ranges", "uncovered"]
 
 
 class PieceKey(NamedTuple):
@@ -106,16 +108,14 @@ def join_states(
     sizes: Sequence[int],
     keys: frozenset[str],
     shapes: Sequence[torch.Size] | None = None,
-    required: Sequence[Range] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """The full per-parameter state (``state_dict()["state"]``) from members' pieces.
 
     Pieces may overlap (an owner and a replica); overlapping pieces must agree on
     per-tensor values. ``StateShapeError`` names a (non-empty) parameter some of whose
     elements no piece delivered: a double fault is reported, never filled with zeros.
-    With ``required`` (ranges of the flattened state) only those elements must be
-    delivered: a member joining what its own shard needs gets tensors of full shape whose
-    other elements are zeros it never reads. ``shapes`` (the parameters' shapes)
+    (A member that needs its own windows only joins them with ``join_windows``.)
+    ``shapes`` (the parameters' shapes)
     reshapes the per-element values; without it they stay flat.
     """
     flat: dict[int, dict[str, torch.Tensor]] = {}
@@ -142,17 +142,8 @@ def join_states(
                     )
                 target[a:b] = value.reshape(-1)
     out: dict[int, dict[str, Any]] = {}
-    offsets = (0, *accumulate(sizes))
-    wanted: dict[int, list[Range]] | None = None
-    if required is not None:
-        wanted = {}
-        for r in required:
-            for t, a, b in pieces_of(offsets, r.start, r.stop):
-                wanted.setdefault(t, []).append(Range(a, b))
     for t, n in enumerate(sizes):
         gaps = uncovered({"all": covered.get(t, ())}, {"all"}, n)
-        if wanted is not None:
-            gaps = tuple(g for g in gaps for w in wanted.get(t, ()) if _overlap(g, w))
         if gaps:
             raise StateShapeError(f"parameter {t}: elements {list(gaps)[:4]} have no copy")
         if t not in scalars and t not in flat:
@@ -164,8 +155,69 @@ def join_states(
     return out
 
 
-def _overlap(a: Range, b: Range) -> bool:
-    return a.start < b.stop and b.start < a.stop
+def join_windows(
+    parts: Iterable[Mapping[PieceKey, Mapping[str, Any]]],
+    windows: Sequence[PieceKey],
+    keys: frozenset[str],
+) -> list[dict[str, Any]]:
+    """The state of each of ``windows`` (a parameter's elements ``[start, stop)``) from
+    members' pieces, building no parameter's full state: a per-element value is the
+    covering pieces' elements joined (flat, a copy), a per-tensor one the pieces' (which
+    must agree); ``{}`` for a parameter without state yet. Pieces may overlap (a seed
+    joined from a checkpoint's parts). ``StateShapeError`` names a window some of whose
+    elements no piece delivered (a double fault is reported, never filled in), or whose
+    pieces hold different state."""
+    held: dict[int, list[tuple[int, int, Mapping[str, Any]]]] = {}
+    for part in parts:
+        for (t, a, b), piece in part.items():
+            held.setdefault(t, []).append((a, b, piece))
+    reach: dict[int, list[int]] = {}  # per parameter: the furthest stop so far, in order
+    for t, pieces in held.items():
+        pieces.sort(key=lambda p: (p[0], -p[1]))
+        reach[t] = list(accumulate((p[1] for p in pieces), max))
+    return [_window(t, a, b, held.get(t, []), reach.get(t, []), keys) for t, a, b in windows]
+
+
+def _window(
+    t: int,
+    start: int,
+    stop: int,
+    pieces: Sequence[tuple[int, int, Mapping[str, Any]]],
+    reach: Sequence[int],
+    keys: frozenset[str],
+) -> dict[str, Any]:
+    where = f"parameter {t}, elements {start}..{stop}"
+    if start == stop:  # an empty tensor's window: its per-tensor state, if any piece has it
+        return next((dict(p) for a, b, p in pieces if a == b == 0), {})
+    at, gap, names = start, stop, None  # gap: where the next piece starts, if past `at`
+    joined: dict[str, list[torch.Tensor]] = {}
+    scalars: dict[str, Any] = {}
+    for a, b, piece in pieces[bisect_right(reach, start) :]:
+        if a > at:
+            gap = min(a, stop)
+            break
+        if b <= at:
+            continue
+        hi = min(b, stop)
+        if names is None:
+            names = set(piece)
+        elif set(piece) != names:
+            raise StateShapeError(f"{where}: its pieces hold different state")
+        for key, value in piece.items():
+            if key not in keys:
+                if key in scalars and not _same(scalars[key], value):
+                    raise StateShapeError(f"{where}: pieces disagree on {key!r}")
+                scalars.setdefault(key, value)
+            elif not isinstance(value, torch.Tensor) or value.numel() != b - a:
+                raise StateShapeError(f"parameter {t}: {key!r} of {a}..{b} has a bad size")
+            else:
+                joined.setdefault(key, []).append(value.reshape(-1)[at - a : hi - a])
+        at = hi
+        if at >= stop:
+            break
+    if at < stop:
+        raise StateShapeError(f"{where}: elements {at}..{gap} have no copy")
+    return {**scalars, **{k: torch.cat(v) for k, v in joined.items()}}
 
 
 def _own(value: Any) -> Any:

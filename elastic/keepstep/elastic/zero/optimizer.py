@@ -296,16 +296,12 @@ class ZeroOptimizer:
     def load_full_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Cut this rank's shard out of a full state (``full_state_dict``, or the script's
         optimizer's ``state_dict()``); its hyper-parameters go to the script's optimizer."""
-        groups = self._check_groups(state_dict, [len(g["params"]) for g in self.param_groups])
         saved = state_dict.get("state", {})
-        by_tensor: dict[int, Mapping[str, Any]] = {}
-        for t, i in self._opt_index.items():
-            if i in saved:
-                by_tensor[t] = saved[i]
-        windows: dict[int, dict[str, Any]] = {}
-        for w, view in zip(self.windows, self._views, strict=True):
-            full = by_tensor.get(w.tensor)
+        states: list[Mapping[str, Any]] = []
+        for w in self.windows:
+            full = saved.get(self._opt_index[w.tensor])
             if not full:
+                states.append({})
                 continue
             for key in self.keys & set(full):
                 if full[key].numel() != self.params[w.tensor].numel():
@@ -314,8 +310,24 @@ class ZeroOptimizer:
                         f"state {key!r} of parameter {i} has {full[key].numel()} elements, "
                         f"the parameter {n}"
                     )
-            windows[self._inner_index[id(view)]] = slice_state(full, self.keys, w.start, w.stop)
-        self._load_windows(windows, groups)
+            states.append(slice_state(full, self.keys, w.start, w.stop))
+        self.load_window_states(states, state_dict.get("param_groups"))
+
+    def load_window_states(self, states: Sequence[Mapping[str, Any]], groups: Any) -> None:
+        """This rank's state window by window, in ``needed()`` order (each a window's flat
+        per-element values and its tensor's per-tensor ones; empty for a parameter without
+        state yet), and the script's ``param_groups`` (their hyper-parameters go to the
+        script's optimizer). No parameter's full state is needed: a sharded job joins its
+        windows from snapshot pieces (snapshot_shard.join_windows)."""
+        counts = [len(g["params"]) for g in self.param_groups]
+        checked = self._check_groups({"param_groups": groups}, counts)
+        if len(states) != len(self.windows):
+            raise StateShapeError(f"{len(states)} window states for {len(self.windows)} windows")
+        windows: dict[int, dict[str, Any]] = {}
+        for view, state in zip(self._views, states, strict=True):
+            if state:
+                windows[self._inner_index[id(view)]] = dict(state)
+        self._load_windows(windows, checked)
 
     # -- figures ----------------------------------------------------------------------
     def state_bytes(self) -> int:
