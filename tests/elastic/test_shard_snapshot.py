@@ -187,6 +187,16 @@ def test_one_piece_round_trips_exactly() -> None:
     assert piece["step"].shape == () and float(piece["step"]) == 3.0
 
 
+def test_unpacked_values_share_no_byte_with_the_payload_and_a_step_holds_no_payload() -> None:
+    raw = torch.frombuffer(bytearray(_one_piece()), dtype=torch.uint8)
+    before = raw.clone()
+    (piece,) = unpack_pieces(raw, [3, 10, 0], ELEMENTWISE[torch.optim.Adam]).values()
+    piece["exp_avg"].fill_(7.0)
+    piece["step"].fill_(9.0)
+    assert torch.equal(raw, before)  # the caller's bytes stay the caller's
+    assert piece["step"].untyped_storage().nbytes() == 4  # kept state keeps no payload alive
+
+
 # ---- the job's glue (sharded_snapshot.py) ------------------------------------------------
 
 

@@ -173,24 +173,30 @@ def unpack_pieces(
     """The pieces of a ``pack_pieces`` payload (bytes, or ``pack_tensor``'s uint8 tensor),
     checked: ``BadMessage`` names what is off (a parameter or range that does not exist, a
     per-element value of the wrong size, an unknown dtype, bytes missing or left over).
-    Every value is a copy of its own."""
+    No value shares the caller's bytes: the per-element values are views of one copy of
+    the payload (their consumers copy out what they keep), the per-tensor ones (a step
+    count) copies of their own, so that no kept state holds on to the whole payload."""
     entries, body = _header(_flat(raw))
+    checked = list(_checked(entries, sizes, keys))  # all of it, before a byte is copied
+    own = body.clone()  # one copy, starting aligned for any dtype
     offset = 0
     out: dict[PieceKey, dict[str, Any]] = {}
-    for key, values in _checked(entries, sizes, keys):
+    for key, values in checked:
         piece: dict[str, Any] = {}
         for v in values:
             if v.dtype is None or v.shape is None:
                 piece[v.name] = v.plain
                 continue
-            if offset + v.nbytes > body.numel():
+            if offset + v.nbytes > own.numel():
                 raise BadMessage(f"parameter {key.param}: the payload ends before {v.name!r}")
-            data = body[offset : offset + v.nbytes].clone()  # its own, aligned for its dtype
+            data = own[offset : offset + v.nbytes]
+            if v.name not in keys or offset % v.dtype.itemsize:
+                data = data.clone()  # its own (and aligned for its dtype)
             offset += v.nbytes
             piece[v.name] = data.view(v.dtype).reshape(v.shape)
         out[key] = piece
-    if offset != body.numel():
-        raise BadMessage(f"{body.numel() - offset} bytes left over after the pieces")
+    if offset != own.numel():
+        raise BadMessage(f"{own.numel() - offset} bytes left over after the pieces")
     return out
 
 
