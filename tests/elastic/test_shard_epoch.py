@@ -53,3 +53,24 @@ def test_owned_and_held_are_the_layouts_elements_without_the_padding(
         assert _elements(shards.held[m]) == unpadded(held.get(m, ()))
         assert shards.owned[m] == merge(shards.owned[m])  # sorted, touching ones joined
         assert shards.held[m] == merge(shards.held[m])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.integers(0, 5000), min_size=1, max_size=8),
+    st.integers(2, 6),
+    st.integers(1, 3),
+    st.data(),
+)
+def test_an_epoch_derived_from_the_last_has_the_shards_of_a_fresh_one(
+    sizes: list[int], nodes: int, per_node: int, data: st.DataObject
+) -> None:
+    members = [f"n{n}/{i}" for n in range(nodes) for i in range(per_node)]
+    shards = epoch_shards(sizes, members)
+    for _ in range(2):  # members leave twice (a loss, a drain), then one joins
+        gone = data.draw(st.sets(st.sampled_from(members), max_size=len(members) - 1))
+        members = [m for m in members if m not in gone]
+        shards = epoch_shards(sizes, members, shards)
+        assert shards == epoch_shards(sizes, members)
+    members = sorted({*members, "n9/0"})
+    assert epoch_shards(sizes, members, shards) == epoch_shards(sizes, members)

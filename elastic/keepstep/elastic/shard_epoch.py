@@ -27,10 +27,10 @@ Tensor-aligned chunks
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
-from keepstep.elastic.shard import make_chunk_layout, place_replicas
+from keepstep.elastic.shard import ChunkLayout, make_chunk_layout, place_replicas
 from keepstep.elastic.shard.layout import Range
 from keepstep.elastic.zero import ALIGN, Ownership
 
@@ -53,21 +53,31 @@ class EpochShards:
     sizes: tuple[int, ...]
     owned: dict[str, tuple[Range, ...]]
     held: dict[str, tuple[Range, ...]]
+    layout: ChunkLayout | None = field(default=None, compare=False, repr=False)
 
     def ownership(self, ranks: Sequence[str]) -> Ownership:
         """The owned ranges in rank order (``ranks``: the communicator's members)."""
         return Ownership(self.sizes, tuple(self.owned[m] for m in ranks))
 
 
-def epoch_shards(sizes: Sequence[int], members: Sequence[str]) -> EpochShards:
-    """The shards of the epoch of ``members``; see the module docstring."""
+def epoch_shards(
+    sizes: Sequence[int], members: Sequence[str], before: EpochShards | None = None
+) -> EpochShards:
+    """The shards of the epoch of ``members``; see the module docstring. ``before``: the
+    last epoch's, whose layout the new one is derived from when members only left (a
+    loss, a drain): the same shards as a fresh layout's at a fraction of the CPU, which
+    every member spends at every epoch it enters."""
     real = (0, *accumulate(sizes))
     padded_sizes = [-(-n // ALIGN) * ALIGN for n in sizes]
     padded = (0, *accumulate(padded_sizes))
     units = padded[-1] // ALIGN
     chunk = ALIGN * max(1, -(-units // JOB_CHUNKS))
     names = {m: as_node(m) for m in members}
-    layout = make_chunk_layout(padded_sizes, names.values(), align=ALIGN, chunk=chunk)
+    last = before.layout if before is not None else None
+    if last is not None and last.sizes == tuple(padded_sizes) and last.chunk == chunk:
+        layout = last.relayout(names.values())  # afresh unless members only left
+    else:
+        layout = make_chunk_layout(padded_sizes, names.values(), align=ALIGN, chunk=chunk)
     replicas = 1 if len(layout.node_members) > 1 else 0
     owns, keeps = place_replicas(layout, replicas=replicas).member_ranges()
 
@@ -96,4 +106,5 @@ def epoch_shards(sizes: Sequence[int], members: Sequence[str]) -> EpochShards:
         sizes=tuple(sizes),
         owned={m: unpad(owns.get(n, ())) for m, n in names.items()},
         held={m: unpad(keeps.get(n, ())) for m, n in names.items()},
+        layout=layout,
     )

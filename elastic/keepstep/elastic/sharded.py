@@ -65,7 +65,7 @@ from keepstep.elastic.errors import ConfigError, KeepstepError
 from keepstep.elastic.reduce_base import ReduceDone, ReduceOutcome, Settled
 from keepstep.elastic.reduce_exact import ExactReducer
 from keepstep.elastic.shard.layout import Range
-from keepstep.elastic.shard_epoch import epoch_shards
+from keepstep.elastic.shard_epoch import EpochShards, epoch_shards
 from keepstep.elastic.shard_figures import ShardFigures, optimizer_sha256, shard_figures
 from keepstep.elastic.sharded_snapshot import PIECES, commit_pieces, fetch_and_join
 from keepstep.elastic.snapshot_shard import PieceKey
@@ -168,6 +168,9 @@ class ShardedOptimizer:
         # Per rank of the epoch: what it steps and what its snapshots keep (optimizer order).
         self._owners: list[list[Range]] = []
         self._all_holds: list[tuple[Range, ...]] = []
+        # The last epoch's shards: the next epoch's layout is derived from them.
+        self._shards: EpochShards | None = None
+        self._keeping: EpochShards | None = None
         job_index = {id(p): t for t, p in enumerate(self.params)}
         self._opt_of = {job_index[id(p)]: i for i, p in enumerate(mine) if id(p) in job_index}
         self._comm: PieceCollective | None = None
@@ -192,7 +195,7 @@ class ShardedOptimizer:
         element has no live copy)."""
         self.leave()
         started = time.perf_counter()
-        shards = epoch_shards([p.numel() for p in self.params], members)
+        shards = epoch_shards([p.numel() for p in self.params], members, self._shards)
         self.zero = ZeroOptimizer(
             self.params,
             self.optimizer,
@@ -205,7 +208,8 @@ class ShardedOptimizer:
             self.grad_shard = GradShard(self.zero.ownership, lo, self.zero.windows, comm.rank)
         # Snapshots cut pieces in the optimizer's parameter order: the same shards when
         # that is the job's order (the usual case), so a member keeps its own chunks.
-        keeping = shards if self._same_order else epoch_shards(self._sizes, members)
+        keeping = shards if self._same_order else epoch_shards(self._sizes, members, self._keeping)
+        self._shards, self._keeping = shards, keeping
         self._all_holds = [keeping.held[m] for m in members]
         offsets = [0, *accumulate(self._sizes)]
         at = {t: offsets[i] for t, i in self._opt_of.items()}

@@ -81,7 +81,13 @@ class ChunkPlacement:
         kept: dict[str, tuple[Range, ...]] = {}
         for n, members in lay.node_members.items():
             chunks, mine = held_chunks.get(n, []), owned_chunks.get(n, set())
-            cuts = [lay.cut(c, n) for c in chunks]
+            if len(members) == 1:  # one member takes each chunk whole
+                size, total = lay.chunk, lay.total
+                cuts: list[Sequence[int]] = [
+                    (c * size, min(c * size + size, total)) for c in chunks
+                ]
+            else:
+                cuts = [lay.cut(c, n) for c in chunks]
             for i, m in enumerate(members):
                 own = _runs(
                     (b[i], b[i + 1]) for c, b in zip(chunks, cuts, strict=True) if c in mine
