@@ -98,15 +98,17 @@ def test_ls_lists_the_steps_with_the_summarys_hash(mlp: Run) -> None:
     assert proc.returncode == 0, proc.stderr
     listing = json.loads(proc.stdout)
     # Step 3, or, on a machine so loaded that the worker went on two steps before its agent
-    # read step 3 from the snapshot, the step the agent says it wrote in its place.
+    # read step 3 from the snapshot, the step the agent says it wrote in its place (step 6
+    # itself when the worker got that far: then step 6 is listed once).
     log = (mlp.run_dir / "agent-n0.log").read_text()
     late = re.search(r"step 3 left the snapshot before it was read; checkpointing step (\d+)", log)
     first = 3 if late is None else int(late[1])
     steps = [(s["step"], s["status"]) for s in listing["steps"]]
-    assert steps == [(first, "intact"), (6, "intact")], log[-3000:]
+    assert steps == [(s, "intact") for s in sorted({first, 6})], log[-3000:]
     assert listing["newest"] == 6
     assert listing["steps"][-1]["params_sha256"] == mlp.summary["params_sha256"]
-    assert listing["steps"][0]["params_sha256"] != mlp.summary["params_sha256"]
+    if first != 6:
+        assert listing["steps"][0]["params_sha256"] != mlp.summary["params_sha256"]
 
 
 def test_export_loads_into_a_fresh_model(mlp: Run, tmp_path: Path, examples: None) -> None:
