@@ -26,12 +26,12 @@ Tensor-aligned chunks
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
 from keepstep.elastic.shard import ChunkLayout, make_chunk_layout, place_replicas
-from keepstep.elastic.shard.layout import Range
+from keepstep.elastic.shard.layout import Range, join_touching
 from keepstep.elastic.zero import ALIGN, Ownership
 
 __all__ = ["JOB_CHUNKS", "EpochShards", "as_node", "epoch_shards"]
@@ -82,25 +82,20 @@ def epoch_shards(
     owns, keeps = place_replicas(layout, replicas=replicas).member_ranges()
 
     def unpad(ranges: Sequence[Range]) -> tuple[Range, ...]:
-        # Ranges come sorted and disjoint, and the map to real offsets keeps their order:
-        # merging the touching ones (across a parameter's end) needs no sort.
-        out: list[list[int]] = []
-        t = 0
-        for start, stop in ranges:
-            while t < len(sizes) and padded[t + 1] <= start:
-                t += 1
-            u = t
-            while u < len(sizes) and padded[u] < stop:
-                lo = max(start, padded[u]) - padded[u]
-                hi = min(stop - padded[u], sizes[u])
-                if hi > lo:
-                    a, b = real[u] + lo, real[u] + hi
-                    if out and out[-1][1] == a:
-                        out[-1][1] = b
-                    else:
-                        out.append([a, b])
-                u += 1
-        return tuple(Range(a, b) for a, b in out)
+        # Ranges come sorted and disjoint, and the map to real offsets keeps their order.
+        def real_parts() -> Iterator[tuple[int, int]]:
+            t = 0
+            for start, stop in ranges:
+                while t < len(sizes) and padded[t + 1] <= start:
+                    t += 1
+                u = t
+                while u < len(sizes) and padded[u] < stop:
+                    lo = max(start, padded[u]) - padded[u]
+                    hi = min(stop - padded[u], sizes[u])
+                    yield real[u] + lo, real[u] + hi
+                    u += 1
+
+        return join_touching(real_parts())
 
     return EpochShards(
         sizes=tuple(sizes),

@@ -53,7 +53,14 @@ from itertools import accumulate, filterfalse
 from math import lcm
 
 from keepstep.elastic.shard.assign import Assignment, assign, without
-from keepstep.elastic.shard.layout import Piece, Range, layout_order, node_of, pieces_of
+from keepstep.elastic.shard.layout import (
+    Piece,
+    Range,
+    join_touching,
+    layout_order,
+    node_of,
+    pieces_of,
+)
 from keepstep.elastic.shard.ring import Ring
 from keepstep.errors import ConfigError
 
@@ -188,7 +195,7 @@ class ChunkLayout:
     def ranges(self, member: str) -> tuple[Range, ...]:
         """The elements ``member`` owns, sorted, touching ranges merged."""
         n, i = self._slot(member)
-        return _merged(self.slices(c, n)[i][1] for c in self.chunks_of(n))
+        return join_touching(self.slices(c, n)[i][1] for c in self.chunks_of(n))
 
     def pieces(self, member: str) -> list[Piece]:
         """The member's ranges as slices of the flattened tensors (empty tensors skipped)."""
@@ -256,18 +263,6 @@ class ChunkLayout:
     @cached_property
     def member_set(self) -> frozenset[str]:
         return frozenset(self.members)
-
-
-def _merged(ranges: Iterable[Range]) -> tuple[Range, ...]:
-    out: list[Range] = []
-    for r in ranges:
-        if r.size == 0:
-            continue
-        if out and out[-1].stop == r.start:
-            out[-1] = Range(out[-1].start, r.stop)
-        else:
-            out.append(r)
-    return tuple(out)
 
 
 def _check_int(name: str, value: object, least: int) -> int:

@@ -34,7 +34,7 @@ from operator import lt
 
 from keepstep.elastic.shard.blocks import Column
 from keepstep.elastic.shard.chunks import ChunkLayout
-from keepstep.elastic.shard.layout import Range
+from keepstep.elastic.shard.layout import Range, join_touching
 from keepstep.elastic.shard.moves import Plan, ShardLost
 from keepstep.errors import ConfigError
 
@@ -89,10 +89,10 @@ class ChunkPlacement:
             else:
                 cuts = [lay.cut(c, n) for c in chunks]
             for i, m in enumerate(members):
-                own = _runs(
+                own = join_touching(
                     (b[i], b[i + 1]) for c, b in zip(chunks, cuts, strict=True) if c in mine
                 )
-                every = _runs((b[i], b[i + 1]) for b in cuts)
+                every = join_touching((b[i], b[i + 1]) for b in cuts)
                 if own:
                     owned[m] = own
                 if every:
@@ -117,20 +117,6 @@ class ChunkPlacement:
             if k:
                 out[m] += b - a
         return out
-
-
-def _runs(bounds: Iterable[tuple[int, int]]) -> tuple[Range, ...]:
-    """Ascending, disjoint ``(start, stop)`` pairs as ranges, touching ones merged and
-    empty ones dropped."""
-    out: list[list[int]] = []
-    for a, b in bounds:
-        if b <= a:
-            continue
-        if out and out[-1][1] == a:
-            out[-1][1] = b
-        else:
-            out.append([a, b])
-    return tuple(Range(a, b) for a, b in out)
 
 
 def place_chunk_replicas(layout: ChunkLayout, replicas: int = 1) -> ChunkPlacement:

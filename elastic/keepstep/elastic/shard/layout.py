@@ -55,6 +55,7 @@ __all__ = [
     "Piece",
     "Range",
     "balanced_bounds",
+    "join_touching",
     "layout_order",
     "make_layout",
     "node_of",
@@ -80,6 +81,20 @@ class Piece(NamedTuple):
     tensor: int
     start: int
     stop: int
+
+
+def join_touching(bounds: Iterable[tuple[int, int]]) -> tuple[Range, ...]:
+    """Ascending, disjoint ``(start, stop)`` pairs (or ranges) as ranges, touching ones
+    joined and empty ones dropped: no sort, and no object made per pair."""
+    out: list[list[int]] = []
+    for a, b in bounds:
+        if b <= a:
+            continue
+        if out and out[-1][1] == a:
+            out[-1][1] = b
+        else:
+            out.append([a, b])
+    return tuple(Range(a, b) for a, b in out)
 
 
 def pieces_of(offsets: Sequence[int], start: int, stop: int) -> list[Piece]:
