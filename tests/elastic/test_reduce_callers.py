@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_reduce import N_MICRO, assert_same_bits, combine, grads_for, make_params
+from reduce_ranks import N_MICRO, assert_same_bits, combine, grads_for, make_params
 
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.reduce import ExactReducer, ReduceDone, ReduceMode, Reducer, make_reducer
