@@ -6,7 +6,7 @@ reference), once sharded over W ranks. The sha256 of the parameters and of the g
 optimizer state must be equal. Fast tests run the ranks on threads of this process (the
 ``LocalGathers`` fake); the slow one starts W processes on gloo over loopback: this file
 run as a script is the worker (``python test_zero.py PORT WORLD RANK``), reporting one
-JSON line prefixed with ``RESULT ``, as in test_comm.py.
+JSON line prefixed with ``RESULT ``, as in test_comm_workers.py.
 """
 
 from __future__ import annotations
