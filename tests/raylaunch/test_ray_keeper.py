@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from thread_signal import signal_other_thread
+
 # The "agent": a process that starts a "worker" child in its group and waits forever.
 AGENT = (
     "import subprocess, sys, time\n"
@@ -100,3 +102,18 @@ def _zombie_only(group: int) -> bool:
         if int(fields[2]) == group and fields[0] != "Z":
             return False
     return True
+
+
+def test_sigterm_taken_by_the_watch_thread_is_passed_on(tmp_path: Path) -> None:
+    # The kernel may hand a process's SIGTERM to any thread; Python runs the handler on
+    # the main thread, which must not sleep in an unbounded wait for the agent's end.
+    ready = "import signal, time; print('up', flush=True); time.sleep(600)"
+    _, write_end, status = start(tmp_path, sys.executable, "-c", ready)
+    try:
+        assert wait_for(lambda: "up" in (tmp_path / "log").read_text())
+        keeper = int(status.with_suffix(".pid").read_text())
+        signal_other_thread(keeper, signal.SIGTERM)
+        assert wait_for(status.exists, timeout=10.0)
+        assert status.read_text() == str(-signal.SIGTERM)
+    finally:
+        os.close(write_end)

@@ -30,6 +30,7 @@ from pathlib import Path
 from types import FrameType
 
 SHM_DIR = Path("/dev/shm")
+SIGNAL_SLICE_S = 0.2  # how soon a signal the watch thread caught is passed on
 
 
 def remove_snapshots(prefix: str) -> None:
@@ -77,10 +78,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     signal.signal(signal.SIGINT, forward)
     child = subprocess.Popen(command)  # same process group; the pipe is not inherited
     children.append(child)
-    code = child.wait()
+    code = _wait(child)
     status.with_suffix(".tmp").write_text(str(code))
     status.with_suffix(".tmp").replace(status)  # whole or absent
     return 0
+
+
+def _wait(child: subprocess.Popen[bytes]) -> int:
+    """The child's exit code, waited for in slices: Python runs a signal handler only on
+    the main thread when it runs, and the kernel may hand the signal to the watch thread."""
+    while True:
+        try:
+            return child.wait(timeout=SIGNAL_SLICE_S)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 if __name__ == "__main__":

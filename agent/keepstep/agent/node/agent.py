@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -367,34 +365,3 @@ class NodeAgent:
             self.failed = decision.reason
         if self.supervisor.running() == 0:
             self.done.set()
-
-
-def run_agent(cfg: AgentConfig, kv: KVStore, telemetry: Telemetry | None = None) -> int:
-    """Run until every worker has finished (0), or the job cannot go on (1)."""
-    agent = NodeAgent(cfg, kv, telemetry)
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=agent.drain).start())
-    agent.start()
-    try:
-        agent.done.wait()
-    finally:
-        agent.close()
-    ok = agent.failed is None and agent.workers.ended_well()
-    if not ok:
-        why = agent.failed or agent.workers.exit_codes()
-        print(f"keepstep agent {cfg.node}: {why}", file=sys.stderr)
-        if cfg.termination_log is not None:
-            write_termination_log(cfg.termination_log, f"keepstep agent {cfg.node}: {why}")
-    return 0 if ok else 1
-
-
-TERMINATION_LOG_MAX_BYTES = 4096  # what the kubelet keeps of a termination message
-
-
-def write_termination_log(path: Path, message: str) -> None:
-    """Write `message` (cut to what the kubelet keeps) for the container's status; a log
-    that cannot be written loses only the message (the exit status still says failed)."""
-    data = message.encode(errors="replace")[:TERMINATION_LOG_MAX_BYTES]
-    try:
-        path.write_bytes(data)
-    except OSError as error:
-        log.warning("termination log %s not written: %s", path, error)

@@ -158,7 +158,7 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     from keepstep.agent.kv.etcd import EtcdCredentials, EtcdKV
 
     credentials = EtcdCredentials.from_dir(cfg.etcd_tls) if cfg.etcd_tls else None
-    from keepstep.agent.node.agent import run_agent
+    from keepstep.agent.node.main import run_agent
     from keepstep.agent.telemetry.config import TelemetryConfig
     from keepstep.agent.telemetry.otel import create_telemetry
 
