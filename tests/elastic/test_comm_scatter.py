@@ -18,6 +18,7 @@ from test_comm import _create_on_threads  # the two-rank tests' builder, on thre
 from test_comm_alltoall import _on_threads
 from torch._C._distributed_c10d import HashStore
 
+from keepstep.elastic.comm.gloo import ALLGATHER_ROUNDS_BYTES
 from keepstep.elastic.comm.rounds import receive_buffer
 from keepstep.elastic.errors import ConfigError, PeerLost
 
@@ -51,6 +52,31 @@ def test_allgather_returns_every_ranks_bytes_in_rank_order() -> None:
     got = _on_threads(comms, lambda r, c: c.allgather(mine[r], _T))
     for r in range(3):
         assert [g.tolist() for g in got[r]] == [m.tolist() for m in mine]
+
+
+def test_a_large_allgather_goes_peer_by_peer_in_rank_order_round_after_round() -> None:
+    # From ALLGATHER_ROUNDS_BYTES on, the gloo transport runs one alltoall per peer
+    # (each receiving straight into its slot): rounds and peers must not mix.
+    comms = _create_on_threads(HashStore(), 0, MEMBERS)
+    n = ALLGATHER_ROUNDS_BYTES // 4 + 3
+    shapes = [(n,), (n,), (3, n)]
+    for round_, dtype in enumerate((torch.float32, torch.float32, torch.float64)):
+        mine = [
+            torch.arange(n * (1 + 2 * (round_ == 2)), dtype=dtype) * (r + 1) + round_
+            for r in range(3)
+        ]
+        mine = [m.reshape(shapes[round_]) for m in mine]
+        got = _on_threads(comms, lambda r, c, m=mine: c.allgather(m[r], _T))
+        for r in range(3):
+            assert len(got[r]) == 3
+            assert all(torch.equal(g, m) for g, m in zip(got[r], mine, strict=True))
+    # Rank 2 never comes: the others give up at the deadline.
+    big = torch.zeros(ALLGATHER_ROUNDS_BYTES, dtype=torch.uint8)
+    short = timedelta(seconds=1)
+    got = _on_threads(comms[:2], lambda r, c: c.allgather(big, short))
+    assert all(isinstance(g, PeerLost) for g in got), got
+    for c in comms:
+        c.close()
 
 
 def test_alltoall_tensors_delivers_each_payload_to_its_destination() -> None:
