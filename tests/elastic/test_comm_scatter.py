@@ -19,7 +19,7 @@ from test_comm_alltoall import _on_threads
 from torch._C._distributed_c10d import HashStore
 
 from keepstep.elastic.comm.gloo import ALLGATHER_ROUNDS_BYTES
-from keepstep.elastic.comm.rounds import receive_buffer
+from keepstep.elastic.comm.rounds import Buffers, receive_buffer
 from keepstep.elastic.errors import ConfigError, PeerLost
 
 MEMBERS = ["a", "b", "c"]
@@ -44,6 +44,25 @@ def test_each_rank_receives_the_exact_sum_of_its_slice() -> None:
     # A second round on the same epoch, of another length.
     got = _on_threads(comms, lambda r, c: c.reduce_scatter(torch.full((3,), r + 1.0), _T))
     assert [g.tolist() for g in got] == [[6.0]] * 3
+
+
+def test_reduce_scatter_receives_into_a_kept_buffer_and_sums_there() -> None:
+    comms = _create_on_threads(HashStore(), 0, MEMBERS)
+    kept = [Buffers() for _ in MEMBERS]
+    n = 500
+    for round_ in range(2):  # the second round writes the same buffer again
+        sent = [_integers(r + 3 * round_, 3 * n) for r in range(3)]
+        got = _on_threads(
+            comms, lambda r, c, s=sent: c.reduce_scatter(s[r], _T, kept[r].alloc("slices"))
+        )
+        total = sum(t.to(torch.int64) for t in sent)
+        assert isinstance(total, torch.Tensor)
+        for r in range(3):
+            assert torch.equal(got[r].to(torch.int64), total[r * n : (r + 1) * n])
+            buffer = kept[r].alloc("slices")(3 * n * 8)  # the same one, asked again
+            assert got[r].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    for c in comms:
+        c.close()
 
 
 def test_allgather_returns_every_ranks_bytes_in_rank_order() -> None:

@@ -123,7 +123,7 @@ class GradCollective(Protocol):
     ) -> None: ...
 
     def reduce_scatter(
-        self, tensor: torch.Tensor, timeout: timedelta | None = None
+        self, tensor: torch.Tensor, timeout: timedelta | None = None, into: Alloc | None = None
     ) -> torch.Tensor: ...
 
 

@@ -187,14 +187,17 @@ class Communicator:
         return self._allgather("allgather", tensor, deadline, into)
 
     def reduce_scatter(
-        self, tensor: torch.Tensor, timeout: timedelta | None = None
+        self, tensor: torch.Tensor, timeout: timedelta | None = None, into: Alloc | None = None
     ) -> torch.Tensor:
         """SUM over members of ``tensor`` (1-D, cut into ``size`` equal slices in rank
         order): returns this rank's slice summed over every member's tensor.
 
         One ``alltoall`` (each member sends each peer that peer's slice: the bytes of a
-        ring reduce-scatter), then the slices are added here. Exact for the exact mode's
-        integers held in float64, where any order of additions gives the same bits."""
+        ring reduce-scatter), then the slices are added here, into the received copy of
+        this rank's own. Exact for the exact mode's integers held in float64, where any
+        order of additions gives the same bits. With ``into`` (as ``alltoall_tensors``)
+        the slices are received into a buffer the caller keeps, and the result is a view
+        of it, valid until the next call."""
         self._transport.check_tensor(tensor, "reduce_scatter")
         if tensor.dim() != 1 or tensor.numel() % self.size:
             raise ConfigError(
@@ -205,12 +208,21 @@ class Communicator:
         if self.size == 1:
             self._collective("reduce_scatter", None, timeout)
             return tensor.clone()
-        got = torch.empty_like(tensor)
+        if into is None:
+            got = torch.empty_like(tensor)
+        else:
+            nbytes = tensor.numel() * tensor.element_size()
+            got = rounds.receive_buffer(nbytes, self.device, into).view(tensor.dtype)
         splits = [n] * self.size
         self._collective(
             "reduce_scatter", lambda k, t: k.alltoall(got, tensor, splits, splits, t), timeout
         )
-        return got.view(self.size, n).sum(0)
+        parts = got.view(self.size, n)
+        total = parts[self.rank]
+        for r in range(self.size):
+            if r != self.rank:
+                total += parts[r]
+        return total
 
     def allgather_bytes(
         self, payload: bytes, max_bytes: int, timeout: timedelta | None = None

@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from keepstep.elastic.comm.rounds import Alloc, Buffers
 from keepstep.elastic.errors import ConfigError, StateShapeError
 from keepstep.elastic.reduce_base import Settled
 from keepstep.elastic.zero.ownership import Ownership, Window
@@ -40,7 +41,7 @@ class ReduceScatter(Protocol):
     size: int
 
     def reduce_scatter(
-        self, tensor: torch.Tensor, timeout: timedelta | None = None
+        self, tensor: torch.Tensor, timeout: timedelta | None = None, into: Alloc | None = None
     ) -> torch.Tensor: ...
 
 
@@ -76,6 +77,10 @@ class GradShard:
             where[(t, a)] = at
             at += b - a
         self._where = where
+        # Kept for the epoch (one plan per epoch: a given-up reduction may still use them):
+        # written warm step after step, where fresh ones are faulted in page by page.
+        self._send: torch.Tensor | None = None
+        self._received = Buffers()
         self._windows = list(windows)
         for w in self._windows:
             for r in w.owned:
@@ -88,7 +93,8 @@ class GradShard:
     def reduce(self, comm: ReduceScatter, data: torch.Tensor, timeout: timedelta) -> torch.Tensor:
         """This rank's pieces of ``data`` (the buffer's data region) summed over every
         member: a collective (``PeerLost`` when a peer is lost). Float64, in the order of
-        ``ownership.pieces(rank)``."""
+        ``ownership.pieces(rank)``; a view of a buffer the plan keeps, valid until the next
+        ``reduce``."""
         if comm.size != self.world or comm.rank != self.rank:
             raise ConfigError(
                 f"the communicator is rank {comm.rank} of {comm.size}; the plan is rank "
@@ -98,12 +104,16 @@ class GradShard:
             raise StateShapeError(
                 f"data is {data.dtype} {tuple(data.shape)}; float64 ({self.data_size},) expected"
             )
-        send = torch.zeros(self.world * self.width, dtype=torch.float64, device=data.device)
+        send = self._send
+        if send is None or send.device != data.device:  # zeroed once: the pads stay zero
+            n = self.world * self.width
+            send = self._send = torch.zeros(n, dtype=torch.float64, device=data.device)
         for r, mine in enumerate(self._slices):
             if mine:
                 slot = send[r * self.width : r * self.width + self.counts[r]]
                 torch.cat([data[a:b] for a, b in mine], out=slot)
-        out = comm.reduce_scatter(send, timeout)
+        into = self._received.alloc("slices") if data.device.type == "cpu" else None
+        out = comm.reduce_scatter(send, timeout, into)
         return out[: self.counts[self.rank]]
 
     def window_grads(
