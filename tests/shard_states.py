@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from keepstep.elastic.shard import make_chunk_layout, place_replicas
-from keepstep.elastic.sharded_snapshot import pieces_tensor
+from keepstep.elastic.sharded_snapshot import pieces_tensor, snapshot_entries, take_pieces
 from keepstep.elastic.snapshot_buffer import MemoryBuffer
-from keepstep.elastic.snapshot_pieces import unpack_pieces
-from keepstep.elastic.snapshot_shard import join_states, snapshot_ranges
+from keepstep.elastic.snapshot_pieces import pack_segments, unpack_pieces
+from keepstep.elastic.snapshot_shard import cut_state, join_states, snapshot_ranges
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.zero import ALIGN, ELEMENTWISE
 
@@ -44,9 +44,11 @@ def export(step: int, tensors: dict[str, torch.Tensor], meta: bytes = b"{}") -> 
 
 
 def member_snapshots(
-    members: list[str], step: int = 9
+    members: list[str], step: int = 9, segments: bool = False
 ) -> tuple[list[bytes], dict[str, Any], list[torch.nn.Parameter]]:
-    """Each member's exported snapshot of ``step``, the full optimizer state, the params."""
+    """Each member's exported snapshot of ``step``, the full optimizer state, the params.
+    The pieces in one tensor (as snapshots were written first), or with ``segments`` in
+    a job's segments (sharded_snapshot.snapshot_entries)."""
     params, opt = trained_adam()
     sizes = [p.numel() for p in params]
     full = opt.state_dict()
@@ -54,7 +56,12 @@ def member_snapshots(
     blobs = []
     for m in members:
         tensors = {f"model/{i}": p.detach() for i, p in enumerate(params)}
-        tensors[PIECES] = pieces_tensor(full, sizes, KEYS, holds[m])
+        if segments:
+            cut = cut_state(full, sizes, KEYS, holds[m])
+            entries = snapshot_entries(pack_segments(cut))
+            tensors.update({f"extra/{name}": t for name, t in entries.items()})
+        else:
+            tensors[PIECES] = pieces_tensor(full, sizes, KEYS, holds[m])
         blobs.append(export(step, tensors, f'{{"member": "{m}"}}'.encode()))
     return blobs, full, params
 
@@ -69,7 +76,10 @@ def state_of(blob: bytes, params: list[torch.nn.Parameter]) -> dict[str, Any]:
     finally:
         store.close()
     sizes = [p.numel() for p in params]
-    raw = snap.tensors[PIECES].numpy().tobytes()
+    extra = {n.removeprefix("extra/"): t for n, t in snap.tensors.items() if n.startswith("extra/")}
+    pieces = take_pieces(extra)  # one tensor, or a job's segments
+    assert pieces is not None, "the snapshot holds no pieces"
+    raw = pieces.numpy().tobytes()
     shapes = [p.shape for p in params]
     state = join_states([unpack_pieces(raw, sizes, KEYS)], sizes, KEYS, shapes)
     return {"step": snap.step, "meta": snap.meta, "state": state, "tensors": snap.tensors}

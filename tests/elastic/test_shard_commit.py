@@ -1,11 +1,12 @@
 """A sharded commit's exchange (sharded_snapshot.commit_pieces) and the buffers under it.
 
 Members on threads of this process: each steps its owned pieces of a trained Adam's
-state, and after ``commit_pieces`` each one's snapshot tensor holds exactly what the
-epoch's layout says it keeps (its own chunks and a replica of another node's), bit for
-bit, as if cut from the full state. The buffers of one epoch are reused commit after
-commit; a peer that sends more or other than its share is refused by name. The payload
-helpers under it (snapshot_pieces.py, comm/rounds.py) are checked here too.
+state, and after ``commit_pieces`` each one's snapshot payload (its segments, joined)
+holds exactly what the epoch's layout says it keeps (its own chunks and a replica of
+another node's), bit for bit, as if cut from the full state. The segments are views of
+the state and of the receive buffer, which the epoch reuses commit after commit; a peer
+that sends more or other than its share is refused by name. The payload helpers under it
+(snapshot_pieces.py, comm/rounds.py) are checked here too.
 """
 
 from __future__ import annotations
@@ -21,16 +22,25 @@ import torch
 from test_shard_snapshot import _Hub, _Member
 
 from keepstep.elastic.comm.rounds import laid_out
-from keepstep.elastic.errors import BadMessage
+from keepstep.elastic.errors import BadMessage, SnapshotCorrupt
 from keepstep.elastic.shard import Range
 from keepstep.elastic.shard.layout import pieces_of
 from keepstep.elastic.shard_epoch import epoch_shards
-from keepstep.elastic.sharded_snapshot import Buffers, commit_pieces, pieces_tensor
+from keepstep.elastic.sharded_snapshot import (
+    Buffers,
+    commit_pieces,
+    is_pieces,
+    pieces_tensor,
+    snapshot_entries,
+    take_pieces,
+)
 from keepstep.elastic.snapshot_pieces import (
     concat_pieces,
     index_pieces,
+    join_segments,
     pack_payloads,
     pack_pieces,
+    pack_segments,
     pack_tensor,
     unpack_pieces,
 )
@@ -94,6 +104,7 @@ def _commit_all(
     shards: Any,
     buffers: list[Buffers],
     wires: list[_Wire] | None = None,
+    states: list[dict[PieceKey, Any]] | None = None,
 ) -> list[Any]:
     hub = _Hub(len(MEMBERS))
     wires = wires or [_Wire(hub, r) for r in range(len(MEMBERS))]
@@ -104,7 +115,7 @@ def _commit_all(
     out: list[Any] = [None] * len(MEMBERS)
 
     def run(rank: int) -> None:
-        state = _own_state(full, sizes, owners[rank], anchor=rank == 0)
+        state = _own_state(full, sizes, owners[rank], rank == 0) if states is None else states[rank]
         try:
             out[rank] = commit_pieces(
                 wires[rank], state, owners, holds, sizes, KEYS, T, buffers[rank]
@@ -130,16 +141,40 @@ def _as_dict(raw: torch.Tensor, sizes: list[int]) -> dict[PieceKey, dict[str, li
 def test_each_member_keeps_exactly_its_holds_and_reuses_its_buffers() -> None:
     full, sizes, shards = _setup()
     buffers = [Buffers() for _ in MEMBERS]
-    first = _commit_all(full, sizes, shards, buffers)
+    owned = [shards.owned[m] for m in MEMBERS]
+    states = [_own_state(full, sizes, owned[r], r == 0) for r in range(len(MEMBERS))]
+    first = _commit_all(full, sizes, shards, buffers, states=states)
     for rank, m in enumerate(MEMBERS):
         want = _as_dict(pieces_tensor(full, sizes, KEYS, shards.held[m]), sizes)
-        got = _as_dict(first[rank], sizes)
+        got = _as_dict(join_segments(first[rank]), sizes)
         # The same elements with the same bits, however they are cut into pieces.
         assert _elements(got, sizes) == _elements(want, sizes)
-    ptrs = [t.data_ptr() for t in first]
-    again = _commit_all(full, sizes, shards, buffers)
-    assert [t.data_ptr() for t in again] == ptrs  # written into the kept buffers
-    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    joined = [join_segments(segments) for segments in first]  # copied before they change
+    storages = [{s.untyped_storage().data_ptr() for s in segments[1:]} for segments in first]
+    again = _commit_all(full, sizes, shards, buffers, states=states)
+    # Nothing but the header was copied: every other segment views the state or the kept
+    # receive buffer, the same memory commit after commit.
+    assert [{s.untyped_storage().data_ptr() for s in seg[1:]} for seg in again] == storages
+    assert all(torch.equal(a, join_segments(b)) for a, b in zip(joined, again, strict=True))
+
+
+def test_segments_join_into_the_payload_and_a_snapshot_reads_either_form() -> None:
+    a = _pieces()
+    tail = index_pieces(pack_pieces({PieceKey(1, 7, 9): {"exp_avg": torch.ones(2)}}), SIZES, KEYS)
+    segments = pack_segments(a, [tail])
+    assert torch.equal(join_segments(segments), pack_tensor(a, [tail]))
+    value = a[PieceKey(1, 2, 6)]["exp_avg"]
+    assert any(s.data_ptr() == value.data_ptr() for s in segments)  # a view, not a copy
+    entries = snapshot_entries(segments)
+    assert all(is_pieces(name) for name in entries) and not is_pieces("shard_pieces_x")
+    extra = {"reducer": torch.zeros(2), **dict(reversed(list(entries.items())))}
+    assert torch.equal(take_pieces(extra), join_segments(segments))  # type: ignore[arg-type]
+    assert list(extra) == ["reducer"]  # the pieces were taken out, the rest left
+    old = {"shard_pieces": pack_tensor(a)}  # a snapshot written as one tensor
+    assert torch.equal(take_pieces(old), pack_tensor(a))  # type: ignore[arg-type]
+    assert take_pieces({"reducer": torch.zeros(1)}) is None
+    with pytest.raises(SnapshotCorrupt, match="and its segments both"):
+        take_pieces({"shard_pieces": pack_tensor(a), **entries})
 
 
 def test_a_checkpoint_joined_from_every_members_commit_holds_each_element_once() -> None:
@@ -147,6 +182,7 @@ def test_a_checkpoint_joined_from_every_members_commit_holds_each_element_once()
     first) keeps the owners' and drops the replicas: one copy of the state, not two."""
     full, sizes, shards = _setup()
     raws = _commit_all(full, sizes, shards, [Buffers() for _ in MEMBERS])
+    raws = [join_segments(segments) for segments in raws]
     held = [unpack_pieces(raw, sizes, KEYS) for raw in raws]
     assert sum(b - a for pieces in held for _, a, b in pieces) == 2 * sum(sizes)
     joined = unpack_pieces(concat_pieces([raw.numpy().tobytes() for raw in raws]), sizes, KEYS)
@@ -210,6 +246,9 @@ def _pieces() -> dict[PieceKey, dict[str, Any]]:
         PieceKey(1, 2, 6): {"step": torch.tensor(3.0), "exp_avg": torch.arange(4.0), "n": 2},
         PieceKey(2, 0, 0): {"step": torch.tensor(1.0)},
     }
+
+
+SIZES = [3, 10, 0]
 
 
 def test_pack_with_a_tail_holds_both_payloads_pieces() -> None:

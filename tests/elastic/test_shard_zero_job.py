@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from keepstep.elastic.sharded_snapshot import take_pieces
 from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
 from keepstep.launch.local import LocalResult, LocalRun, agreed_sha, run_local
 
@@ -96,12 +97,15 @@ def test_four_members_zero1_match_one_full_member(
     print(f"optimizer state bytes per member {shard_bytes} of {full_bytes} unsharded")
     assert all(b < full_bytes / 2 for b in shard_bytes.values())
     # Each snapshot keeps the member's pieces (own chunks and a replica: about 2/W of the
-    # state) in one checked tensor, and none of the optimizer's own per-parameter state.
+    # state) in one checked payload, and none of the optimizer's own per-parameter state.
     kept = {}
     for m in members(4):
         snap = SnapshotStore(FileBuffer.open_or_create(str(tmp_path / f"snapshot-{m}"))).load()
         assert not any(k.startswith("optim/") and "/groups/" not in k for k in snap.tensors)
-        kept[m] = snap.tensors["extra/shard_pieces"].numel()
+        extra = {n.removeprefix("extra/"): t for n, t in snap.tensors.items()}
+        pieces = take_pieces(extra)  # its segments, joined
+        assert pieces is not None
+        kept[m] = pieces.numel()
     print(f"snapshot optimizer bytes per member {kept} of {full_bytes} unsharded")
     assert all(b < 0.75 * full_bytes for b in kept.values())
 

@@ -20,9 +20,14 @@ from keepstep.elastic.snapshot_shard import PieceKey
 from shard_states import KEYS, export, member_snapshots, state_of
 
 
+@pytest.mark.parametrize("segments", [False, True], ids=["one-tensor", "segments"])
 @pytest.mark.parametrize("members", [grid(2, 1), grid(3, 2), grid(4, 1)])
-def test_the_parts_join_into_the_whole_state_bit_for_bit(members: list[str]) -> None:
-    blobs, full, params = member_snapshots(members)
+def test_the_parts_join_into_the_whole_state_bit_for_bit(
+    members: list[str], segments: bool
+) -> None:
+    # Parts as a job writes them (segments, a different count on each member) or as
+    # snapshots were written before them (one tensor).
+    blobs, full, params = member_snapshots(members, segments=segments)
     assert all(holds_pieces(b) for b in blobs)
     joined = join_parts(blobs)
     got = state_of(joined, params)

@@ -26,8 +26,7 @@ import torch
 from keepstep.agent.durable.parts import unbundle
 from keepstep.elastic import train_state
 from keepstep.elastic.errors import SnapshotCorrupt
-from keepstep.elastic.sharded_checkpoint import join_parts
-from keepstep.elastic.sharded_snapshot import PIECES
+from keepstep.elastic.sharded_checkpoint import holds_pieces_named, join_parts
 from keepstep.elastic.snapshot_format import TensorEntry, read_index
 from keepstep.elastic.snapshot_layout import exported_payload
 from keepstep.elastic.tracked import TrackedState
@@ -75,7 +74,7 @@ def decode(step: int, blob: bytes) -> Contents:
         states,
         params_sha256(model, tracked),
         {name: tracked.sha256(name) for name in tracked.names},
-        sharded=f"extra/{PIECES}" in tensors,
+        sharded=holds_pieces_named(tensors),
     )
 
 

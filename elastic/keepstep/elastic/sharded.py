@@ -67,7 +67,12 @@ from keepstep.elastic.reduce_exact import ExactReducer
 from keepstep.elastic.shard.layout import Range
 from keepstep.elastic.shard_epoch import EpochShards, epoch_shards
 from keepstep.elastic.shard_figures import ShardFigures, optimizer_sha256, shard_figures
-from keepstep.elastic.sharded_snapshot import PIECES, commit_pieces, fetch_and_join
+from keepstep.elastic.sharded_snapshot import (
+    commit_pieces,
+    fetch_and_join,
+    snapshot_entries,
+    take_pieces,
+)
 from keepstep.elastic.snapshot_shard import PieceKey
 from keepstep.elastic.zero import Ownership, ZeroOptimizer
 from keepstep.elastic.zero.gather import CommGather, TensorCollective
@@ -164,7 +169,8 @@ class ShardedOptimizer:
         self._sizes = [p.numel() for p in mine]
         self._same_order = [id(p) for p in mine] == [id(p) for p in self.params]
         self.zero: ZeroOptimizer | None = None
-        self._pieces: torch.Tensor | None = None  # exchanged at a commit, for its snapshot
+        # Exchanged at a commit, for its snapshot: the segments of its payload.
+        self._pieces: list[torch.Tensor] | None = None
         # Per rank of the epoch: what it steps and what its snapshots keep (optimizer order).
         self._owners: list[list[Range]] = []
         self._all_holds: list[tuple[Range, ...]] = []
@@ -183,7 +189,7 @@ class ShardedOptimizer:
     def from_snapshot(self, extra: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Take this member's pieces out of a restored snapshot's ``extra`` tensors (the
         rest is the reducer's); ``enter`` sends them to the epoch's members."""
-        raw = extra.pop(PIECES, None)
+        raw = take_pieces(extra)
         self._restored = b"" if raw is None else raw.numpy().tobytes()
         return extra
 
@@ -317,7 +323,7 @@ class ShardedOptimizer:
         self._pieces = None
         self._pieces = self._exchange()
 
-    def _exchange(self) -> torch.Tensor:
+    def _exchange(self) -> list[torch.Tensor]:
         """This member's snapshot pieces: its own state, and the replicas it keeps from
         their owners (sharded_snapshot.commit_pieces; no member gathers the full state)."""
         assert self.zero is not None and self._comm is not None
@@ -350,7 +356,7 @@ class ShardedOptimizer:
                 raise KeepstepError("a sharded snapshot needs the pieces its commit exchanged")
             return dict(extra), None
         groups = self.optimizer.state_dict()["param_groups"]
-        return {**extra, PIECES: pieces}, {"state": {}, "param_groups": groups}
+        return {**extra, **snapshot_entries(pieces)}, {"state": {}, "param_groups": groups}
 
     def full_state(self) -> dict[str, Any] | None:
         """The full optimizer state, gathered now (a collective of the epoch); None outside

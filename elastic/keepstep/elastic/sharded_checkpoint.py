@@ -15,21 +15,38 @@ only its new shard's pieces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
 from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotCorrupt
-from keepstep.elastic.sharded_snapshot import PIECES
+from keepstep.elastic.sharded_snapshot import PIECES, is_pieces, take_pieces
 from keepstep.elastic.snapshot_buffer import MemoryBuffer
 from keepstep.elastic.snapshot_format import decode_payload, read_index
 from keepstep.elastic.snapshot_layout import exported_payload
 from keepstep.elastic.snapshot_pieces import concat_pieces
 from keepstep.elastic.snapshot_store import SnapshotStore
 
-__all__ = ["holds_pieces", "join_parts"]
+__all__ = ["holds_pieces", "holds_pieces_named", "join_parts"]
 
-_KEY = f"extra/{PIECES}"  # the snapshot tensor that holds a member's pieces
+_EXTRA = "extra/"
+_KEY = f"{_EXTRA}{PIECES}"  # the joined snapshot's tensor of pieces
+
+
+def holds_pieces_named(names: Iterable[str]) -> bool:
+    """Whether a snapshot with tensors ``names`` holds pieces of the optimizer state (one
+    tensor, or its segments: sharded_snapshot.take_pieces)."""
+    return any(n.startswith(_EXTRA) and is_pieces(n.removeprefix(_EXTRA)) for n in names)
+
+
+def _pieces_of(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Pop the pieces out of a decoded snapshot's tensors (names with ``extra/``)."""
+    extra = {n.removeprefix(_EXTRA): t for n, t in tensors.items() if n.startswith(_EXTRA)}
+    raw = take_pieces(extra)
+    for name in [n for n in tensors if n.startswith(_EXTRA)]:
+        if name.removeprefix(_EXTRA) not in extra:
+            del tensors[name]
+    return raw
 
 
 def holds_pieces(blob: bytes) -> bool:
@@ -37,7 +54,7 @@ def holds_pieces(blob: bytes) -> bool:
     holds pieces of the optimizer state, not all of it. Reads the header and index only."""
     step, payload, _ = exported_payload(blob, "snapshot")
     entries, _meta = read_index(step, payload)
-    return any(e.name == _KEY for e in entries)
+    return holds_pieces_named(e.name for e in entries)
 
 
 def join_parts(blobs: Sequence[bytes]) -> bytes:
@@ -51,17 +68,20 @@ def join_parts(blobs: Sequence[bytes]) -> bytes:
     if not blobs:
         raise ConfigError("blobs: a sharded checkpoint needs at least one part")
     decoded: list[tuple[int, dict[str, torch.Tensor], bytes]] = []
+    raws: list[bytes] = []
     for i, blob in enumerate(blobs):
         step, payload, _ = exported_payload(blob, f"part {i} of the checkpoint")
         tensors, meta = decode_payload(step, memoryview(bytearray(payload)))
-        if _KEY not in tensors:
+        pieces = _pieces_of(tensors)  # out of `tensors`: members hold different segments
+        if pieces is None:
             raise SnapshotCorrupt(f"part {i} of the checkpoint holds no pieces of the state")
         decoded.append((step, tensors, meta))
+        raws.append(_bytes(pieces))
     step, first, meta = decoded[0]
     for i, (other_step, tensors, _) in enumerate(decoded[1:], start=1):
         _check_fits(i, other_step, tensors, step, first)
     try:
-        raw = concat_pieces([_bytes(tensors[_KEY]) for _, tensors, _ in decoded])
+        raw = concat_pieces(raws)
     except BadMessage as err:
         raise SnapshotCorrupt(f"the checkpoint's pieces of the state: {err}") from None
     joined = {**first, _KEY: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}

@@ -4,8 +4,11 @@ Where it sits: between sharded.py (the job's ZeRO-1/2) and the snapshot store. A
 commit each member sends its peers the parts of its own state they keep as replicas
 (``commit_pieces``: one ``alltoall``, no full gather), and what it keeps by the epoch's
 chunked layout (shard_epoch.py: its own chunks and one replica of another node's) goes
-into the snapshot as one uint8 tensor (``extra/shard_pieces``) in the checked wire
-format of snapshot_pieces.py; the snapshot's optimizer part holds the param groups only. On
+into the snapshot in the checked wire format of snapshot_pieces.py, as the segments of
+that payload (``extra/shard_pieces.00000``, ``.00001``, ...: the header, then views of the
+state and of the received replicas, which the snapshot store copies in the background,
+off the step's path; a snapshot written before held one tensor, ``extra/shard_pieces``,
+and ``take_pieces`` reads both); the snapshot's optimizer part holds the param groups only. On
 entering an epoch the members announce what their restored snapshots hold and what
 their new windows need, every member computes the same disjoint plan from that
 (``shard.fetch``), and the pieces move rank to rank in one ``alltoall``
@@ -27,14 +30,16 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from keepstep.elastic.comm.rounds import Alloc, Buffers
-from keepstep.elastic.errors import BadMessage, StateShapeError
+from keepstep.elastic.errors import BadMessage, SnapshotCorrupt, StateShapeError
 from keepstep.elastic.shard.fetch import Announcement, BadAnnouncement, decode, encode, plan_fetches
 from keepstep.elastic.shard.fetch import limit as announcement_limit
 from keepstep.elastic.shard.layout import Range, pieces_of
 from keepstep.elastic.snapshot_pieces import (
     index_pieces,
+    join_segments,
     pack_payloads,
     pack_pieces,
+    pack_segments,
     pack_tensor,
     unpack_pieces,
 )
@@ -52,10 +57,40 @@ __all__ = [
     "commit_pieces",
     "cut_pieces",
     "fetch_and_join",
+    "is_pieces",
     "pieces_tensor",
+    "snapshot_entries",
+    "take_pieces",
 ]
 
-PIECES = "shard_pieces"  # the snapshot's extra/ tensor holding this member's pieces
+PIECES = "shard_pieces"  # the snapshot's extra/ tensors holding this member's pieces
+
+
+def snapshot_entries(segments: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This member's pieces (``commit_pieces``' segments) as a snapshot's extra tensors,
+    ``PIECES.00000``, ``PIECES.00001``, ... in order."""
+    return {f"{PIECES}.{i:05d}": segment for i, segment in enumerate(segments)}
+
+
+def is_pieces(name: str) -> bool:
+    """Whether ``name`` (an extra tensor's) holds pieces: ``PIECES`` or one of its segments."""
+    rest = name.removeprefix(PIECES)
+    return rest == "" or (rest[:1] == "." and rest[1:].isdigit())
+
+
+def take_pieces(extra: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Pop the pieces out of a restored snapshot's ``extra`` tensors as one 1-D uint8
+    payload: the single tensor of an older snapshot, or the segments joined in order.
+    None if it holds none; ``SnapshotCorrupt`` if it holds both forms."""
+    names = [name for name in extra if is_pieces(name)]
+    if not names:
+        return None
+    if PIECES in names:
+        if len(names) > 1:
+            raise SnapshotCorrupt(f"the snapshot holds {PIECES} and its segments both")
+        return extra.pop(PIECES).reshape(-1).view(torch.uint8)
+    names.sort(key=lambda name: int(name.rpartition(".")[2]))
+    return join_segments([extra.pop(name) for name in names])
 
 
 class PieceExchange(Protocol):
@@ -102,7 +137,7 @@ def commit_pieces(
     keys: frozenset[str],
     timeout: timedelta,
     buffers: Buffers | None = None,
-) -> torch.Tensor:
+) -> list[torch.Tensor]:
     """This member's snapshot pieces at a commit, without gathering the full state.
 
     ``state``: the pieces this member steps (``ZeroOptimizer.state_dict``'s, keyed by
@@ -114,8 +149,10 @@ def commit_pieces(
     state out, the replicas in); what arrives must be exactly the sender's share of this
     member's holds (``BadMessage`` otherwise), and goes into the snapshot as it came, its
     bytes copied once. Empty parameters' state goes to every member, as ``cut_state``
-    keeps it in every snapshot. A collective; returns the snapshot's uint8 tensor
-    (``pieces_tensor``'s format), from ``buffers`` if given (the previous one's, reused)."""
+    keeps it in every snapshot. A collective; returns the snapshot's payload
+    (``pieces_tensor``'s format) as segments (``pack_segments``): views of ``state`` and
+    of a receive buffer from ``buffers`` (the previous commit's, reused), so neither may
+    change until the snapshot has copied them."""
     buffers = buffers or Buffers()
     offsets = (0, *accumulate(sizes))
     me = comm.rank
@@ -151,7 +188,7 @@ def commit_pieces(
         seen.update(pieces)
         if theirs is not None:
             received.append(theirs)
-    return pack_tensor(own, received, buffers.alloc("snapshot"))
+    return pack_segments(own, received)
 
 
 def _meet(a: Sequence[Range], b: Sequence[Range]) -> tuple[Range, ...]:

@@ -30,8 +30,10 @@ __all__ = [
     "Indexed",
     "concat_pieces",
     "index_pieces",
+    "join_segments",
     "pack_payloads",
     "pack_pieces",
+    "pack_segments",
     "pack_tensor",
     "unpack_pieces",
 ]
@@ -74,6 +76,29 @@ def pack_tensor(
     out = torch.empty(size, dtype=torch.uint8) if alloc is None else alloc(size)
     _write(out, header, tensors)
     return out
+
+
+def pack_segments(
+    pieces: Mapping[PieceKey, Mapping[str, Any]], tail: Sequence[Indexed] = ()
+) -> list[torch.Tensor]:
+    """``pack_tensor``'s payload as 1-D segments whose bytes, in order, are that payload
+    (``join_segments``), nothing copied but the header: the others are the values (of
+    their own dtypes: no per-value cast) and ``tail``'s bodies, which must not change while
+    the segments are read (a snapshot copies them later, off the step's path). Empty
+    values give no segment."""
+    header, tensors = _layout(pieces, tail)
+    head = torch.empty(_HEAD + len(header), dtype=torch.uint8)
+    _write(head, header, ())
+    out = [head]
+    for value in tensors:
+        if value.numel():
+            out.append(value if value.is_contiguous() else value.contiguous())
+    return out
+
+
+def join_segments(segments: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The payload whose ``pack_segments`` these are, as one uint8 tensor."""
+    return torch.cat([s.reshape(-1).view(torch.uint8) for s in segments])
 
 
 def pack_payloads(
