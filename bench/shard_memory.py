@@ -10,19 +10,20 @@ full replicas, once with ``shard="zero1"`` and once with ``shard="zero2"``, and 
 each member:
 
     optimizer   bytes of optimizer state the member holds between steps (the storage
-                behind its state tensors; sharded: its windows, ``ZeroOptimizer.state_bytes``)
+                behind its state tensors; sharded: its windows, and ZeRO-1's replicas,
+                ``ShardedOptimizer.state_bytes``)
     gradient    bytes of the reduced gradient the member holds for the optimizer step
                 (the parameters' ``.grad``; ZeRO-2: its windows' gradients only)
     snapshot    bytes of the member's newest snapshot (parameters, buffers, the reducer's
                 state, and the optimizer state: all of it, or its own chunks and a replica
                 of another node's)
 
-The ideal for the optimizer (and ZeRO-2's gradient) is 1/W of the full; for the
-snapshot's optimizer part 2/W (its own chunks and one replica). The issue's target:
-optimizer memory per member within 10% of 1/W plus the replicas. Figures are bytes, not
-times: a loaded machine gives the same ones. A commit holds no more than the snapshot's
-pieces: each owner sends the holders of its replicas their part, and nothing gathers the
-full state.
+The ideal for the optimizer is 1/W of the full plus the replicas it holds live: ZeRO-2
+1/W (and 1/W of the gradient), ZeRO-1 2/W, since it steps the one replica it keeps
+instead of receiving it at every commit; for the snapshot's optimizer part 2/W (its own
+chunks and one replica). The issue's target: optimizer memory per member within 10% of
+1/W plus the replicas. Figures are bytes, not times: a loaded machine gives the same
+ones. Nothing gathers the full state.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from transformer import CopyTask, TinyGPT
 
 def _optimizer_bytes(job: Job) -> int:
     if job.sharded is not None and job.sharded.zero is not None:
-        return job.sharded.zero.state_bytes()
+        return job.sharded.state_bytes()  # its shard's, and (ZeRO-1) the replicas it steps
     return state_bytes(job.optimizer)
 
 
@@ -138,7 +139,8 @@ def main() -> None:
     print(
         f"TinyGPT d={args.d_model} layers={args.layers} seq={args.seq} vocab={args.vocab}, "
         f"AdamW, {args.steps} steps; bytes per member (max over members), and each one's "
-        "ratio to full replicas' (ideal: optimizer 1/W, snapshot's optimizer part 2/W)"
+        "ratio to full replicas' (ideal: optimizer 1/W plus live replicas, ZeRO-1 2/W; "
+        "snapshot's optimizer part 2/W)"
     )
     print(
         f"{'W':>3}  {'mode':<5}  {'optimizer':>12}  {'/full':>6}  {'gradient':>12}  {'/full':>6}  "
@@ -162,9 +164,10 @@ def main() -> None:
                 f"{w:>3}  {mode:<5}  {opt:>12,}  {opt / opt_full:>6.3f}  {grad:>12,}  "
                 f"{grad / grad_full:>6.3f}  {snap:>12,}  {part:>16.3f}"
             )
-            rows.append({"w": w, "mode": mode, "optimizer_ratio": opt / opt_full})
-    within = all(r["optimizer_ratio"] <= 1.1 / r["w"] for r in rows if r["mode"] != "full")
-    print(f"sharded optimizer per member within 10% of 1/W at every W: {within}")
+            ideal = (2 if mode == "zero1" else 1) / w  # ZeRO-1 steps its replica live
+            rows.append({"mode": mode, "optimizer_ratio": opt / opt_full, "ideal": ideal})
+    within = all(r["optimizer_ratio"] <= 1.1 * r["ideal"] for r in rows if r["mode"] != "full")
+    print(f"sharded optimizer per member within 10% of 1/W plus the replicas at every W: {within}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ other collective of the step and the step is not committed.
     epoch entered -> restore the snapshot -> epoch_shards(sizes, members)
       -> ZeroOptimizer(..., ownership of its chunks, CommGather(comm))
       -> each member fetches the pieces its windows need (fetch_and_join)
-    each commit   -> zero.step() -> each owner sends its state to the replica holders
+    first commit  -> zero.step() -> each owner sends its state to the replica holders
                   -> the snapshot keeps this member's pieces (commit_pieces)
+    later commits -> ZeRO-1: the replicas are stepped where they are kept (zero/replicas.py)
+                     and nothing is sent; ZeRO-2: as the first (no member holds others'
+                     gradients)
 
 ZeRO-2
     With ``shard="zero2"`` the step's exact sum is reduce-scattered instead of all-reduced
@@ -29,22 +32,16 @@ Layout
     bounds it by the lost elements).
 
 Snapshots
-    At a commit each member sends each peer the part of its own state the peer keeps as
-    a replica (one ``alltoall``, about 1/W of the state out; no member gathers the full
-    state), and the snapshot keeps its own chunks and one replica of another node's,
-    about 2/W of the state (sharded_snapshot.py). Entering an epoch (a loss, a drain, a
-    join, a rollback) every member restores its snapshot, announces what it holds and
-    what its windows need, and receives only what it lacks, each element from one
-    holder, by one ``alltoall`` (``received_bytes`` counts it): any single-node loss
-    leaves a live copy of every element; a double fault is reported (StateShapeError)
-    on every member. A member holds its shard's optimizer state (about 1/W, plus window
-    scratch) and, at a commit, the replicas it keeps; the full state is gathered only
-    on request (``full_state``: the optimizer-state hash).
-
-Durable checkpoints
-    Every member's snapshot of a step goes to storage as one part, in parallel (the
-    agent's durable/parts.py); a resume joins the parts into one snapshot
-    (sharded_checkpoint.py) that seeds every member of a job of any size.
+    A member's snapshot keeps its own chunks and one replica of another node's, about
+    2/W of the state (sharded_snapshot.py), exchanged by one ``alltoall`` (about 1/W of
+    the state out; no member gathers the full state). Entering an epoch (a loss, a drain,
+    a join, a rollback) every member restores its snapshot, announces what it holds and
+    what its windows need, and receives only what it lacks, each element from one holder,
+    by one ``alltoall`` (``received_bytes``): any single-node loss leaves a live copy of
+    every element; a double fault is reported (StateShapeError) on every member. The full
+    state is gathered only on request (``full_state``: the optimizer-state hash). Durable
+    checkpoints: each member's snapshot is one part (the agent's durable/parts.py), joined
+    on resume into one snapshot for a job of any size (sharded_checkpoint.py).
 """
 
 from __future__ import annotations
@@ -54,12 +51,12 @@ import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from itertools import accumulate
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from keepstep.elastic.comm.rounds import Alloc, Buffers
+from keepstep.elastic.comm.rounds import Buffers
 from keepstep.elastic.config import Shard
 from keepstep.elastic.errors import ConfigError, KeepstepError
 from keepstep.elastic.reduce_base import ReduceDone, ReduceOutcome, Settled
@@ -67,17 +64,21 @@ from keepstep.elastic.reduce_exact import ExactReducer
 from keepstep.elastic.shard.layout import Range
 from keepstep.elastic.shard_epoch import EpochShards, epoch_shards
 from keepstep.elastic.shard_figures import ShardFigures, optimizer_sha256, shard_figures
+from keepstep.elastic.sharded_comm import GradCollective, PieceCollective
 from keepstep.elastic.sharded_snapshot import (
     commit_pieces,
     fetch_and_join,
+    own_pieces,
     snapshot_entries,
     take_pieces,
 )
+from keepstep.elastic.snapshot_pieces import join_segments, pack_segments, unpack_pieces
 from keepstep.elastic.snapshot_shard import PieceKey
 from keepstep.elastic.zero import Ownership, ZeroOptimizer
 from keepstep.elastic.zero.gather import CommGather, TensorCollective
 from keepstep.elastic.zero.grads import GradShard
 from keepstep.elastic.zero.optimizers import check_supported
+from keepstep.elastic.zero.replicas import ReplicaSteps
 
 log = logging.getLogger(__name__)
 
@@ -92,44 +93,6 @@ __all__ = [
     "shard_figures",
     "sharded_optimizer",
 ]
-
-
-class PieceCollective(TensorCollective, Protocol):
-    """What entering an epoch needs of the ``Communicator``: the gathers and ``alltoall``."""
-
-    def allgather_bytes(
-        self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
-    ) -> list[bytes]: ...
-
-    def alltoall_bytes(
-        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
-    ) -> list[bytes]: ...
-
-    def alltoall_tensors(
-        self,
-        payloads: Sequence[torch.Tensor],
-        max_bytes: int,
-        timeout: timedelta | None = None,
-        into: Alloc | None = None,
-    ) -> list[torch.Tensor]: ...
-
-
-class GradCollective(Protocol):
-    """What ZeRO-2's reduction needs of the ``Communicator``."""
-
-    rank: int
-    size: int
-
-    def allreduce(
-        self,
-        tensor: torch.Tensor,
-        op: dist.ReduceOp.RedOpType = ...,
-        timeout: timedelta | None = None,
-    ) -> None: ...
-
-    def reduce_scatter(
-        self, tensor: torch.Tensor, timeout: timedelta | None = None, into: Alloc | None = None
-    ) -> torch.Tensor: ...
 
 
 def ownership_for(sizes: Sequence[int], members: Sequence[str]) -> Ownership:
@@ -181,6 +144,9 @@ class ShardedOptimizer:
         self._opt_of = {job_index[id(p)]: i for i, p in enumerate(mine) if id(p) in job_index}
         self._comm: PieceCollective | None = None
         self._buffers = Buffers()  # the epoch's commit buffers (sharded_snapshot.Buffers)
+        # ZeRO-1, from the epoch's second commit: the replicas this member keeps, stepped
+        # here (zero/replicas.py) instead of sent by their owners at every commit.
+        self._replicas: ReplicaSteps | None = None
         self._timeout = timedelta(seconds=60)
         self._restored = b""  # the pieces of the snapshot just restored
         self.enter_s = 0.0  # how long the last `enter` took (the recovery's reshard phase)
@@ -244,6 +210,14 @@ class ShardedOptimizer:
             self.enter_s - (fetched - started),
         )
 
+    def state_bytes(self) -> int:
+        """Optimizer-state bytes this member holds now: its shard's and, for ZeRO-1 after
+        the epoch's first commit, the replicas it steps (0 outside an epoch)."""
+        if self.zero is None:
+            return 0
+        replicas = 0 if self._replicas is None else self._replicas.state_bytes()
+        return self.zero.state_bytes() + replicas
+
     def stepped_elements(self) -> int | None:
         """How many of the optimizer's elements this member steps in the epoch (None:
         outside an epoch)."""
@@ -252,7 +226,7 @@ class ShardedOptimizer:
     def leave(self) -> None:
         """Drop the epoch's shards (its communicator is closed)."""
         self.zero = self._comm = None
-        self._pieces = None
+        self._pieces = self._replicas = None
         self.grad_shard, self._sums, self._grads = None, None, None
 
     # -- ZeRO-2: the reduction ----------------------------------------------------------
@@ -312,8 +286,10 @@ class ShardedOptimizer:
         if self.zero is None:
             raise ConfigError("the sharded optimizer steps only inside an epoch")
         self._pieces = None
+        if self._replicas is not None:  # before the owners' step changes the parameters
+            self._replicas.step()
         self.zero.step()
-        self._pieces = self._exchange()
+        self._pieces = self._exchange() if self._replicas is None else self._local()
 
     def skip(self) -> None:
         """A step committed without an optimizer step (the loss scale backs off): the state
@@ -321,18 +297,24 @@ class ShardedOptimizer:
         if self.zero is None:
             raise ConfigError("the sharded optimizer skips only inside an epoch")
         self._pieces = None
-        self._pieces = self._exchange()
+        self._pieces = self._exchange() if self._replicas is None else self._local()
 
-    def _exchange(self) -> list[torch.Tensor]:
-        """This member's snapshot pieces: its own state, and the replicas it keeps from
-        their owners (sharded_snapshot.commit_pieces; no member gathers the full state)."""
-        assert self.zero is not None and self._comm is not None
+    def _own_state(self) -> dict[PieceKey, Any]:
+        """The pieces this member steps, keyed in the optimizer's parameter order."""
+        assert self.zero is not None
         sd, index = self.zero.state_dict(), self._opt_of
-        state = {
+        return {
             PieceKey(index[t], a, b): sd["state"].get(i, {})
             for i, (t, a, b) in enumerate(sd["pieces"])
         }
-        return commit_pieces(
+
+    def _exchange(self) -> list[torch.Tensor]:
+        """This member's snapshot pieces: its own state, and the replicas it keeps from
+        their owners (sharded_snapshot.commit_pieces; no member gathers the full state).
+        ZeRO-1 keeps the replicas it received, to step them from the next commit on."""
+        assert self._comm is not None
+        state = self._own_state()
+        segments = commit_pieces(
             self._comm,
             state,
             self._owners,
@@ -342,6 +324,29 @@ class ShardedOptimizer:
             self._timeout,
             self._buffers,
         )
+        if self.reducer is None:  # ZeRO-1: every member holds the whole gradient
+            own = own_pieces(
+                state, self._owners, self._all_holds, self._sizes, self.keys, self._comm.rank
+            )
+            every = unpack_pieces(join_segments(segments), self._sizes, self.keys)
+            kept = {k: v for k, v in every.items() if k not in own}
+            self._replicas = ReplicaSteps(self.optimizer, kept, self.keys)
+            self._buffers = Buffers()  # no more exchanges this epoch (the segments hold theirs)
+        return segments
+
+    def _local(self) -> list[torch.Tensor]:
+        """ZeRO-1 after the epoch's first commit: this member's own pieces and the replicas
+        it stepped, as the exchange would have given them, with nothing sent."""
+        assert self._comm is not None and self._replicas is not None
+        own = own_pieces(
+            self._own_state(),
+            self._owners,
+            self._all_holds,
+            self._sizes,
+            self.keys,
+            self._comm.rank,
+        )
+        return pack_segments({**own, **self._replicas.pieces()})
 
     def for_snapshot(
         self, extra: Mapping[str, torch.Tensor]

@@ -58,6 +58,7 @@ __all__ = [
     "cut_pieces",
     "fetch_and_join",
     "is_pieces",
+    "own_pieces",
     "pieces_tensor",
     "snapshot_entries",
     "take_pieces",
@@ -170,7 +171,7 @@ def commit_pieces(
     payloads = pack_payloads(sends, buffers.alloc("send"))
     values = (sum(sizes) + len(sizes)) * (len(keys) + 2)
     got = comm.alltoall_tensors(payloads, 16 * values + (1 << 24), timeout, buffers.alloc("recv"))
-    own = {**cut_pieces(state, offsets, keys, share(me, me)), **empty}
+    own = own_pieces(state, owners, holds, sizes, keys, me)
     seen = set(own)
     received = []
     for rank, raw in enumerate(got):
@@ -189,6 +190,22 @@ def commit_pieces(
         if theirs is not None:
             received.append(theirs)
     return pack_segments(own, received)
+
+
+def own_pieces(
+    state: Mapping[PieceKey, Mapping[str, Any]],
+    owners: Sequence[Sequence[Range]],
+    holds: Sequence[Sequence[Range]],
+    sizes: Sequence[int],
+    keys: frozenset[str],
+    rank: int,
+) -> dict[PieceKey, dict[str, Any]]:
+    """What of its own state (``commit_pieces``' ``state``) rank ``rank``'s snapshot keeps:
+    the pieces its holds meet its owned ranges in, and any empty parameter's state."""
+    offsets = (0, *accumulate(sizes))
+    ranges = _meet(merge(holds[rank]), merge(owners[rank]))
+    empty = {k: dict(v) for k, v in state.items() if sizes[k.param] == 0}
+    return {**cut_pieces(state, offsets, keys, ranges), **empty}
 
 
 def _meet(a: Sequence[Range], b: Sequence[Range]) -> tuple[Range, ...]:

@@ -10,6 +10,7 @@ all-gathers the parameters, with bits identical to the unsharded step at any wor
     state.py       the shard's state: cut from the full state, joined, gathered
     gather.py      the all-gather seam: a process group, or ranks on threads (the fake)
     optimizer.py   ZeroOptimizer: step, gather, state_dict, full_state_dict
+    replicas.py    ReplicaSteps: the replicas a member keeps, stepped as their owners do
 
     ownership = Ownership.from_layout(make_layout(sizes, members), comm_members)
     zero = ZeroOptimizer(params, optimizer, ownership, GroupGather(group))
