@@ -19,6 +19,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from keepstep.elastic import plain_json
 from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotCorrupt
 from keepstep.elastic.sharded_snapshot import PIECES, is_pieces, take_pieces
 from keepstep.elastic.snapshot_buffer import MemoryBuffer
@@ -85,6 +86,7 @@ def join_parts(blobs: Sequence[bytes]) -> bytes:
     except BadMessage as err:
         raise SnapshotCorrupt(f"the checkpoint's pieces of the state: {err}") from None
     joined = {**first, _KEY: torch.frombuffer(bytearray(raw), dtype=torch.uint8)}
+    meta = _meta_naming_one_tensor(meta)
     store = SnapshotStore(MemoryBuffer(), background=False)
     try:
         store.commit(step, joined, meta)
@@ -92,6 +94,20 @@ def join_parts(blobs: Sequence[bytes]) -> bytes:
         return store.export(step)
     finally:
         store.close()
+
+
+def _meta_naming_one_tensor(meta: bytes) -> bytes:
+    """The first part's meta, naming the joined snapshot's one tensor of pieces where the
+    part's own listed its segments (a train state's ``extra`` list); other meta as is."""
+    try:
+        data = plain_json.loads(meta)
+    except plain_json.PlainJSONError:
+        return meta  # not a train state's: train_state.restore says what is wrong with it
+    extra = data.get("extra") if isinstance(data, dict) else None
+    if not isinstance(extra, list) or not any(isinstance(k, str) and is_pieces(k) for k in extra):
+        return meta
+    data["extra"] = [k for k in extra if not (isinstance(k, str) and is_pieces(k))] + [PIECES]
+    return plain_json.dumps(data)
 
 
 def _check_fits(
