@@ -4,14 +4,16 @@
 
 Each member of a W-member epoch holds its owned pieces of a trained AdamW state of the
 example transformer (examples/transformer.py); every commit it calls
-``sharded_snapshot.commit_pieces``, as ``ShardedOptimizer.step`` does after every step:
-one ``alltoall`` over gloo that sends each peer the part of its state the peer keeps as a
-replica, and the snapshot tensor built from its own pieces and those received. The
+``sharded_snapshot.commit_pieces``, as ``ShardedOptimizer.step`` does after every ZeRO-2
+step and at an epoch's first ZeRO-1 commit (later ZeRO-1 commits step the replicas where
+they are kept, zero/replicas.py): one ``alltoall`` over gloo that sends each peer the part
+of its state the peer keeps as a replica, and the snapshot's segments (views of its own
+pieces and of those received). The
 members are threads of this process over a real gloo group (one ``Communicator`` each),
 so the figure includes the GIL's contention among them; the processes of a job do not
 share one. The first commit fills the epoch's buffers (``Buffers``), the later ones reuse
 them: the table gives the first commit and the median of the rest, per member count, with
-the bytes each member sent and the size of its snapshot tensor.
+the bytes each member sent and the size of its snapshot's pieces.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def measure(size: str, world: int, commits: int) -> dict[str, Any]:
                     comms[rank], state, owners, holds, sizes, KEYS, TIMEOUT, buffers
                 )
                 seconds[rank].append(time.perf_counter() - began)
-                snapshot_bytes[rank] = out.numel()
+                snapshot_bytes[rank] = sum(t.numel() * t.element_size() for t in out)
         except BaseException as err:  # reported below, with the others' figures
             errors.append(err)
 
