@@ -6,7 +6,6 @@ Where it sits: beside sharded.py, which types its collectives with these (the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Protocol
 
@@ -14,29 +13,15 @@ import torch
 import torch.distributed as dist
 
 from keepstep.elastic.comm.rounds import Alloc
+from keepstep.elastic.sharded_snapshot import PieceExchange, PieceSender
 from keepstep.elastic.zero.gather import TensorCollective
 
 __all__ = ["GradCollective", "PieceCollective"]
 
 
-class PieceCollective(TensorCollective, Protocol):
-    """What entering an epoch needs of the ``Communicator``: the gathers and ``alltoall``."""
-
-    def allgather_bytes(
-        self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
-    ) -> list[bytes]: ...
-
-    def alltoall_bytes(
-        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
-    ) -> list[bytes]: ...
-
-    def alltoall_tensors(
-        self,
-        payloads: Sequence[torch.Tensor],
-        max_bytes: int,
-        timeout: timedelta | None = None,
-        into: Alloc | None = None,
-    ) -> list[torch.Tensor]: ...
+class PieceCollective(TensorCollective, PieceExchange, PieceSender, Protocol):
+    """What entering an epoch needs of the ``Communicator``: the gathers and ``alltoall``
+    (``fetch_and_join``'s and ``commit_pieces``' needs together)."""
 
 
 class GradCollective(Protocol):
