@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import keepstep
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.local_device import device
+from keepstep.elastic.rng import CUBLAS_WORKSPACE_CONFIG
 
 
 def test_without_cuda_every_slot_trains_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -24,9 +27,13 @@ def test_with_cuda_the_slot_is_the_gpu_and_becomes_current(
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert device({"LOCAL_RANK": "1"}) == torch.device("cuda", 1)
     assert device({}) == torch.device("cuda", 0)
     assert chosen == [1, 0]
+    # set before CUDA starts, so that cuBLAS is deterministic when init checks it
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE_CONFIG
     with pytest.raises(ConfigError, match=r"LOCAL_RANK=2 but this process sees 2 CUDA device"):
         device({"LOCAL_RANK": "2"})
 

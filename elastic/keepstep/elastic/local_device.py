@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.rng import CUBLAS_WORKSPACE_CONFIG
 
 __all__ = ["device"]
 
@@ -23,7 +24,12 @@ __all__ = ["device"]
 def device(env: Mapping[str, str] | None = None) -> torch.device:
     """GPU ``LOCAL_RANK`` (made the current CUDA device) when CUDA is available, else the
     CPU. ``LOCAL_RANK`` defaults to 0 (a script run on its own); a value that names no
-    visible GPU is refused, naming the count this process sees."""
+    visible GPU is refused, naming the count this process sees.
+
+    It also sets ``CUBLAS_WORKSPACE_CONFIG`` in the process environment when it is unset
+    and CUDA has not started: cuBLAS reads it once, and a script run on its own that moves
+    its model to the GPU before `keepstep.init` would otherwise start cuBLAS with a
+    nondeterministic workspace (which init then refuses)."""
     env = os.environ if env is None else env
     raw = env.get("LOCAL_RANK", "0")
     try:
@@ -34,6 +40,8 @@ def device(env: Mapping[str, str] | None = None) -> torch.device:
         raise ConfigError(f"LOCAL_RANK={raw!r} must be an int >= 0 (the worker's local slot)")
     if not torch.cuda.is_available():
         return torch.device("cpu")
+    if not torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
     count = torch.cuda.device_count()
     if local >= count:
         raise ConfigError(
