@@ -285,7 +285,12 @@ def restore_torch_threads() -> Iterator[None]:
     torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = cudnn
 
 
-def test_fix_determinism_sets_the_gpu_flags(restore_torch_threads: None) -> None:
+def test_fix_determinism_sets_the_gpu_flags(
+    restore_torch_threads: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As at a worker's start: CUDA not started yet (on a GPU machine an earlier test may
+    # have started it, and then fix_determinism rightly refuses an unset variable).
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     torch.backends.cudnn.benchmark = True
     environ: dict[str, str] = {}
     fix_determinism(1, environ)

@@ -12,8 +12,10 @@ Per gradient g of tensor t, with the agreed scale s = 2**k_t held in the compute
     acc[t] += round_half_even(c(g) * s)     then widened to float64 and added
     peak_t  = max |g|                       nan if any element is nan, else inf if any is
 
-One function does both, so compiled (`torch.compile`, Inductor on CUDA) it reads g once and
-updates the float64 sum in place: no float32 scratch copy, no widened copy. Why the bits do
+The sum is one compiled pointwise kernel (`torch.compile`, Inductor on CUDA): it reads g
+once and updates the float64 sum in place, with no float32 scratch copy and no widened
+copy. The peak is one eager reduction (aminmax): Inductor compiles a reduction over a
+dynamic size to run on one thread block, ~1000x slower than a split one on an H200. Why the bits do
 not depend on the device or on compilation: c(g) is exact (float32 holds every bfloat16 and
 float16 value), the product by a power of two is exact unless it is subnormal, and the
 reducer clamps k so that a subnormal product is < 0.5 and rounds to a zero of the same sign
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import types
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,7 +42,23 @@ __all__ = ["DeviceOps", "quantize_add"]
 
 _log = logging.getLogger(__name__)
 
-QuantizeAdd = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+def accumulate(grad: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> None:
+    """acc += round_half_even(grad * scale) in `scale`'s dtype: the part that is compiled.
+
+    `grad` flat and non-empty; `scale` a 0-dim float32 or float64 tensor holding a power
+    of two; `acc` a 1-D float64 view of grad.numel() elements."""
+    acc.add_(torch.round(grad.to(scale.dtype) * scale))
+
+
+def peak(grad: torch.Tensor) -> torch.Tensor:
+    """max |grad| as a 0-dim float64 tensor (nan if any element is nan, else inf if any is):
+    the larger magnitude of the min and the max, in one pass and no |grad| temporary
+    (aminmax and maximum propagate nan). Eager on every path: Inductor runs a reduction
+    over a dynamic size on one thread block (on an H200, 0.9 s for 67M elements against
+    0.5 ms for the fused kernel compiled for the size: bench/reduce_device_cost.py)."""
+    lo, hi = torch.aminmax(grad)
+    return torch.maximum(lo.abs(), hi.abs()).to(torch.float64)
 
 
 def quantize_add(grad: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
@@ -50,16 +69,34 @@ def quantize_add(grad: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> 
     float64 tensor holding a power of two; `acc` a 1-D float64 view of grad.numel() elements.
     """
     x = grad.reshape(-1)
-    acc.add_(torch.round(x.to(scale.dtype) * scale))
-    return torch.amax(torch.abs(x)).to(torch.float64)  # amax propagates nan
+    accumulate(x, scale, acc)
+    return peak(x)
+
+
+# Dynamo specializes a tensor's storage offset of 0 or 1 (as it does sizes): a buffer view
+# at offset 0, 1 and >= 2 are three graphs per dtype. Each class gets its own compiled copy
+# of quantize_add (own code object, so own cache and own limit of 8 graphs): with one graph
+# per gradient dtype each, the four float dtypes never reach the limit, where one shared
+# function would (a ninth graph with fullgraph is an error in the middle of a step).
+Accumulate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+_OFFSET_CLASSES = ("0", "1", "n")
+
+
+def offset_class(view: torch.Tensor) -> int:
+    """Which compiled copy takes a buffer view: its storage offset 0, 1, or more."""
+    return min(int(view.storage_offset()), 2)
 
 
 @functools.cache
-def _compiled() -> QuantizeAdd:
-    """One compiled wrapper per process. Dynamic sizes and flat inputs: one graph per
-    gradient dtype whatever the shapes and buffer offsets (checked on the CPU's Inductor;
-    dynamo allows 8 graphs per function before it falls back to eager ops)."""
-    return torch.compile(quantize_add, dynamic=True, fullgraph=True)
+def _compiled(klass: int) -> Accumulate:
+    """One compiled wrapper per process and offset class. Dynamic sizes and flat inputs:
+    one graph per gradient dtype whatever the shapes and offsets of that class, as long as
+    every call runs with grad mode off (grad mode is part of a graph's guards) and the
+    gradient starts its storage (a view of a bucket goes eager)."""
+    name = f"quantize_add_at_{_OFFSET_CLASSES[klass]}"
+    code = accumulate.__code__.replace(co_name=name, co_qualname=name)
+    fn = types.FunctionType(code, accumulate.__globals__, name)
+    return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -92,24 +129,38 @@ class DeviceOps:
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self._scales: list[torch.Tensor] = []
         self.compiled = False
-        self._fn: QuantizeAdd = quantize_add
+        self._fns: tuple[Accumulate, ...] = ()
         want = device.type == "cuda" if compile is None else compile
         if want:
             try:
-                fn = _compiled()
-                self._warm_up(fn, {d for _, d in specs})
+                fns = tuple(_compiled(k) for k in range(len(_OFFSET_CLASSES)))
+                self._warm_up(fns, specs)
             except Exception as e:  # the compiler's failures have no common type
                 if compile:
                     raise ConfigError(f"compile=True but torch.compile failed: {e!r}") from e
                 _log.warning("exact reduction runs eager torch ops: torch.compile failed: %r", e)
             else:
-                self._fn, self.compiled = fn, True
+                self._fns, self.compiled = fns, True
 
-    def _warm_up(self, fn: QuantizeAdd, dtypes: set[torch.dtype]) -> None:
+    def _warm_up(
+        self, fns: Sequence[Accumulate], specs: Sequence[tuple[torch.Size, torch.dtype]]
+    ) -> None:
+        """Compile now each graph a step will use: per dtype, the offset classes its
+        tensors' buffer views fall in (the buffer starts its storage), with grad mode off as
+        in `add`. Other offsets (a buffer that is itself a view) compile at first use."""
         acc = torch.zeros(40, dtype=torch.float64, device=self._device)
-        for dtype in sorted(dtypes, key=str):
-            scale = torch.ones((), dtype=_compute_dtype(dtype), device=self._device)
-            fn(torch.ones(17, dtype=dtype, device=self._device), scale, acc[3:20])
+        sizes = [s.numel() for s, _ in specs]
+        needed = {
+            (d, min(lo, 2))
+            for (_, d), n, lo in zip(specs, sizes, self._offsets, strict=True)
+            if n > 1
+        }
+        with torch.no_grad():
+            for dtype, klass in sorted(needed, key=str):
+                scale = torch.ones((), dtype=_compute_dtype(dtype), device=self._device)
+                at = (0, 1, 3)[klass]
+                grad = torch.ones(17, dtype=dtype, device=self._device)
+                fns[klass](grad, scale, acc[at : at + 17])
 
     def set_scales(self, scale_vec: torch.Tensor) -> None:
         """The step's per-tensor 2**k as a float64 vector on the device (exact in float32
@@ -126,11 +177,17 @@ class DeviceOps:
         with torch.no_grad():
             for i, g in given:
                 n, lo = self._numels[i], self._offsets[i]
-                # Flat (a copy only if g is not contiguous); size 1 eager, since a dynamic
-                # graph would specialize it: one graph per dtype, not two.
-                fn = self._fn if n > 1 else quantize_add
-                if n:
-                    peaks[i] = fn(g.reshape(-1), self._scales[i], acc[lo : lo + n])
+                if not n:
+                    continue
+                # Flat (a copy only if g is not contiguous). Size 1 and a gradient inside a
+                # larger storage go eager: a dynamic graph would specialize them (more
+                # graphs per dtype). Same bits either way.
+                flat, view = g.reshape(-1), acc[lo : lo + n]
+                fn: Accumulate = accumulate
+                if self._fns and n > 1 and flat.storage_offset() == 0:
+                    fn = self._fns[offset_class(view)]
+                fn(flat, self._scales[i], view)
+                peaks[i] = peak(flat)
             return torch.stack(peaks)
 
     def set_grads(
