@@ -23,7 +23,7 @@ Checks, each true or false in "checks":
       rng_scope: the same micro-batch gives the same loss and gradient bits twice in a row,
       after unrelated allocations and random draws, and in a new process; another
       micro-batch id (same tokens) gives other bits, so dropout really is keyed.
-  The next three sections are in gpu_check_more.py and gpu_check_gloo.py:
+  The next sections are in gpu_check_more.py, gpu_check_gloo.py and gpu_check_job.py:
   snapshot_copy_exact (CUDA only)
       1 GiB of float32 copied device to host, into pinned and into pageable memory: bits
       equal to the source.
@@ -35,14 +35,19 @@ Checks, each true or false in "checks":
       3 child processes over keepstep's gloo Communicator (gradients computed on the
       device): one is SIGKILLed while two wait in a collective; both raise PeerLost,
       rebuild epoch 1 as two and agree, bit for bit, on the parent's own sum.
+  job_trains, job_fresh_process_equal
+      A one-member keepstep job on the device as a user's script runs it (keepstep.device,
+      keepstep.init, AdamW, clipping, autocast), trained 6 steps in each of two fresh
+      processes: both finish and end with the same params_sha256.
 Figures (not checked): the fused reduction's ms per 1e9 parameters beside fp32 gradient
 accumulation into .grad (the issue's target: <= 2x); snapshot_pinned_gb_s,
 snapshot_pageable_gb_s, pinned_vs_pageable, compute_slowdown_under_copy (a matmul loop
 with a pinned copy beside it on another stream, over alone); nccl_init_s,
-nccl_first_allreduce_s, nccl_close_s (close until the aborted group let go), nccl_reinit_s,
-nccl_reinit_allreduce_s, nccl_reinit_close_s; gloo_detect_s (kill to PeerLost),
-gloo_rebuild_s (PeerLost to the next epoch's allreduce done). Sections the device cannot
-run are in "not_covered_here" with the reason.
+nccl_first_allreduce_s, nccl_abort_s (close until the group's abort() returned),
+nccl_close_s (close until the aborted group let go), and the same for the re-init;
+gloo_detect_s (kill to PeerLost), gloo_rebuild_s (PeerLost to the next epoch's allreduce
+done); job_step_s. Sections the device cannot run are in "not_covered_here" with the
+reason.
 """
 
 from __future__ import annotations
@@ -353,6 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception:
             report["checks"][f"reducer_{name}"] = False
             report["errors"][f"reducer_{name}"] = traceback.format_exc()[-3000:]
+        progress(started, f"reducer_{name}", report)
     if device == "cuda":  # compiled, as the issue asks, not a silent eager fallback
         paths = report["details"].get("reducer_normal", {}).get("paths", {})
         report["checks"]["reducer_compiled"] = paths.get("device_default") == "device-compiled"
@@ -363,15 +369,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception:
         report["checks"]["fwd_bwd"] = False
         report["errors"]["fwd_bwd"] = traceback.format_exc()[-3000:]
+    progress(started, "fwd_bwd", report)
     try:
         report["figures"] = figures(device, numel)
     except Exception:
         report["errors"]["figures"] = traceback.format_exc()[-3000:]
+    progress(started, "figures", report)
     try:  # imported here: a torch without the NCCL names keepstep's comm imports fails
         # these sections only (in "errors"), not the ones above
         import gpu_check_more
 
-        gpu_check_more.run(device, report)  # the snapshot copy, NCCL, gloo with a kill
+        gpu_check_more.run(device, report, partial(progress, started))  # copy, NCCL, gloo, job
     except Exception:
         report["errors"]["gpu_check_more"] = traceback.format_exc()[-3000:]
         report["not_covered_here"] = ["snapshot_copy, nccl_one_rank, gloo_kill_rebuild: see errors"]
@@ -380,6 +388,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["ok"] = code == 0
     print(json.dumps(report, indent=2, sort_keys=True))
     return code
+
+
+def progress(started: float, section: str, report: dict[str, Any]) -> None:
+    """One line on stderr as each section ends (its seconds, the checks so far, any error):
+    what a run stopped by a time limit still tells."""
+    failed = sorted(k for k, v in report["checks"].items() if v is not True)
+    print(
+        f"[gpu_check {time.perf_counter() - started:6.1f} s] {section} done; "
+        f"{len(report['checks'])} checks, false: {failed}, errors: {sorted(report['errors'])}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def exit_code(checks: dict[str, bool], errors: dict[str, str]) -> int:

@@ -1,6 +1,7 @@
 """The sections of bench/gpu_check.py that move bytes between memories and processes: the
-snapshot copy, NCCL on one rank, and gloo across processes with a kill and a rebuild (in
-gpu_check_gloo.py, which also runs its child processes).
+snapshot copy, NCCL on one rank, gloo across processes with a kill and a rebuild (in
+gpu_check_gloo.py, which also runs its child processes), and a one-member job trained end
+to end in two fresh processes (gpu_check_job.py).
 
 Where it sits: gpu_check.main calls `run(device, report)` after its own sections. Each
 section starts with its checks false and turns them true as they pass, so one that raises
@@ -35,6 +36,7 @@ if str(REPO / "elastic") not in sys.path:
     sys.path.append(str(REPO / "elastic"))  # after PYTHONPATH's entries: those win
 
 from gpu_check_gloo import gloo_kill_rebuild  # noqa: E402  (beside this file)
+from gpu_check_job import job_end_to_end  # noqa: E402  (beside this file)
 from keepstep.elastic.comm import Communicator  # noqa: E402
 from keepstep.elastic.comm.exit_guard import EXIT_GUARD  # noqa: E402
 from keepstep.elastic.comm.group import EpochSpec, GroupBuild  # noqa: E402
@@ -50,10 +52,16 @@ MATMUL_N, MATMULS = 4096, 40
 NCCL_TIMEOUT = timedelta(seconds=60)  # build, each allreduce, and the abort's release
 NCCL_NUMEL = 1 << 20
 NCCL_FIGURES = (  # per epoch: the figure of each stage's seconds
-    {"init": "nccl_init_s", "allreduce": "nccl_first_allreduce_s", "close": "nccl_close_s"},
+    {
+        "init": "nccl_init_s",
+        "allreduce": "nccl_first_allreduce_s",
+        "abort": "nccl_abort_s",
+        "close": "nccl_close_s",
+    },
     {
         "init": "nccl_reinit_s",
         "allreduce": "nccl_reinit_allreduce_s",
+        "abort": "nccl_reinit_abort_s",
         "close": "nccl_reinit_close_s",
     },
 )
@@ -78,9 +86,14 @@ class Plan:
     cuda_only: bool
 
 
-def run(device: str, report: dict[str, Any]) -> None:
+def run(
+    device: str,
+    report: dict[str, Any],
+    progress: Callable[[str, dict[str, Any]], None] = lambda _name, _report: None,
+) -> None:
     """Run every section the device can, into report's checks, figures, details, errors;
-    list the others in report["not_covered_here"] with the reason."""
+    list the others in report["not_covered_here"] with the reason; ``progress`` is called
+    with each section's name and the report as it ends."""
     report.setdefault("figures", {})
     report["not_covered_here"] = []
     for plan in PLANS:
@@ -96,6 +109,7 @@ def run(device: str, report: dict[str, Any]) -> None:
         report["checks"].update(section.checks)
         report["figures"].update(section.figures)
         report["details"][name] = section.details
+        progress(name, report)
 
 
 # -- the snapshot copy ------------------------------------------------------------------
@@ -221,11 +235,15 @@ def nccl_epoch(
         closing = time.perf_counter()
     finally:
         comm.close()
+    if not link.abort_returned.wait(NCCL_TIMEOUT.total_seconds()):
+        raise RuntimeError(f"epoch {epoch}'s NCCL abort() did not return")
+    aborted = time.perf_counter()
     if not link.released.wait(NCCL_TIMEOUT.total_seconds()):
         raise RuntimeError(f"epoch {epoch}'s NCCL communicator not released after its abort")
     seconds = {
         "init": built - start,
         "allreduce": reduced - built,
+        "abort": aborted - closing,  # close() until the group's abort() returned
         "close": time.perf_counter() - closing,  # close() until the aborted group let go
     }
     return ok, seconds, group
@@ -248,4 +266,5 @@ PLANS = (
         ("gloo_allreduce_equal", "gloo_kill_detected", "gloo_rebuild_equal"),
         cuda_only=False,
     ),
+    Plan(job_end_to_end, ("job_trains", "job_fresh_process_equal"), cuda_only=False),
 )

@@ -1,7 +1,7 @@
 """bench/gpu_check.py on the CPU: every section a CPU can run runs (the gloo processes
-with a kill and a rebuild included), every check is true, the JSON has the fingerprint and
-the figures, the GPU-only sections are listed as not covered; and the exit code turns any
-false check into a failure.
+with a kill and a rebuild included, and a one-member job trained twice), every check is
+true, the JSON has the fingerprint and the figures, the GPU-only sections are listed as
+not covered; and the exit code turns any false check into a failure.
 
 (On a GPU machine: `python3 bench/gpu_check.py`; its JSON goes in the issue note.)
 """
@@ -30,6 +30,8 @@ CHECKS = {
     "gloo_allreduce_equal",
     "gloo_kill_detected",
     "gloo_rebuild_equal",
+    "job_trains",
+    "job_fresh_process_equal",
 }
 GPU_ONLY = ("snapshot_copy", "nccl_one_rank")  # listed as not covered, not failed
 
@@ -61,6 +63,10 @@ def test_the_cpu_run_passes_every_check() -> None:
     assert report["details"]["gloo_kill_rebuild"]["exit_codes"] == {"p0": 0, "p1": 0, "p2": -9}
     assert 0 < report["figures"]["gloo_detect_s"] < 10  # well inside the collective's timeout
     assert report["figures"]["gloo_rebuild_s"] > 0
+    # The job section: two fresh processes trained the same six steps to the same bits.
+    runs = report["details"]["job_end_to_end"]["runs"]
+    assert [r["done"] for r in runs] == [6, 6] and runs[0]["params_device"] == "cpu"
+    assert len({r["params_sha256"] for r in runs}) == 1 and report["figures"]["job_step_s"] > 0
     not_covered = report["not_covered_here"]
     assert [s.split(" ")[0] for s in not_covered] == list(GPU_ONLY)
     assert all(s.endswith(": needs a CUDA device") for s in not_covered)
