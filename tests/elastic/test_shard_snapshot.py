@@ -29,7 +29,12 @@ from keepstep.elastic.shard.layout import pieces_of
 from keepstep.elastic.shard_epoch import epoch_shards
 from keepstep.elastic.sharded import optimizer_sha256
 from keepstep.elastic.sharded_snapshot import fetch_and_join, pieces_tensor
-from keepstep.elastic.snapshot_pieces import index_pieces, pack_pieces, unpack_pieces
+from keepstep.elastic.snapshot_pieces import (
+    index_pieces,
+    indexed_values,
+    pack_pieces,
+    unpack_pieces,
+)
 from keepstep.elastic.snapshot_shard import (
     PieceKey,
     cut_state,
@@ -195,6 +200,26 @@ def test_unpacked_values_share_no_byte_with_the_payload_and_a_step_holds_no_payl
     piece["step"].fill_(9.0)
     assert torch.equal(raw, before)  # the caller's bytes stay the caller's
     assert piece["step"].untyped_storage().nbytes() == 4  # kept state keeps no payload alive
+
+
+@pytest.mark.parametrize("at", range(4))  # where the payload starts: one of them aligned
+def test_indexed_values_are_the_unpacked_values_read_in_place(at: int) -> None:
+    raw = _one_piece()
+    buffer = torch.zeros(at + len(raw), dtype=torch.uint8)
+    buffer[at:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    keys = ELEMENTWISE[torch.optim.Adam]
+    (piece,) = indexed_values(
+        index_pieces(buffer[at:], [3, 10, 0], keys), [3, 10, 0], keys
+    ).values()
+    (want,) = unpack_pieces(raw, [3, 10, 0], keys).values()
+    assert piece.keys() == want.keys() and piece["n"] == want["n"]
+    assert all(torch.equal(piece[k], want[k]) for k in ("exp_avg", "step"))
+    # float32 values read in place where their bytes are aligned, copied where not; a
+    # per-tensor value (the step) is always its own
+    shares = piece["exp_avg"].untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+    body_at = 8 + int.from_bytes(raw[:8], "little")  # exp_avg's bytes start the body
+    assert shares == ((at + body_at) % 4 == 0)
+    assert piece["step"].untyped_storage().nbytes() == 4
 
 
 # ---- the job's glue (sharded_snapshot.py) ------------------------------------------------

@@ -66,13 +66,13 @@ from keepstep.elastic.shard_epoch import EpochShards, epoch_shards
 from keepstep.elastic.shard_figures import ShardFigures, optimizer_sha256, shard_figures
 from keepstep.elastic.sharded_comm import GradCollective, PieceCollective
 from keepstep.elastic.sharded_snapshot import (
-    commit_pieces,
+    exchange_pieces,
     fetch_and_join,
     own_pieces,
     snapshot_entries,
     take_pieces,
 )
-from keepstep.elastic.snapshot_pieces import join_segments, pack_segments, unpack_pieces
+from keepstep.elastic.snapshot_pieces import indexed_values, pack_segments
 from keepstep.elastic.snapshot_shard import PieceKey
 from keepstep.elastic.zero import Ownership, ZeroOptimizer
 from keepstep.elastic.zero.gather import CommGather, TensorCollective
@@ -313,10 +313,9 @@ class ShardedOptimizer:
         their owners (sharded_snapshot.commit_pieces; no member gathers the full state).
         ZeRO-1 keeps the replicas it received, to step them from the next commit on."""
         assert self._comm is not None
-        state = self._own_state()
-        segments = commit_pieces(
+        own, received = exchange_pieces(
             self._comm,
-            state,
+            self._own_state(),
             self._owners,
             self._all_holds,
             self._sizes,
@@ -325,14 +324,16 @@ class ShardedOptimizer:
             self._buffers,
         )
         if self.reducer is None:  # ZeRO-1: every member holds the whole gradient
-            own = own_pieces(
-                state, self._owners, self._all_holds, self._sizes, self.keys, self._comm.rank
-            )
-            every = unpack_pieces(join_segments(segments), self._sizes, self.keys)
-            kept = {k: v for k, v in every.items() if k not in own}
+            # The replicas are what the peers sent (each piece once and none of this
+            # member's own: the exchange checks it), read in place: ReplicaSteps copies.
+            kept = {
+                k: v
+                for payload in received
+                for k, v in indexed_values(payload, self._sizes, self.keys).items()
+            }
             self._replicas = ReplicaSteps(self.optimizer, kept, self.keys)
             self._buffers = Buffers()  # no more exchanges this epoch (the segments hold theirs)
-        return segments
+        return pack_segments(own, received)
 
     def _local(self) -> list[torch.Tensor]:
         """ZeRO-1 after the epoch's first commit: this member's own pieces and the replicas

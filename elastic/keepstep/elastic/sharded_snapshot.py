@@ -35,6 +35,7 @@ from keepstep.elastic.shard.fetch import Announcement, BadAnnouncement, decode, 
 from keepstep.elastic.shard.fetch import limit as announcement_limit
 from keepstep.elastic.shard.layout import Range, pieces_of
 from keepstep.elastic.snapshot_pieces import (
+    Indexed,
     index_pieces,
     join_segments,
     pack_payloads,
@@ -56,6 +57,7 @@ __all__ = [
     "Fetched",
     "commit_pieces",
     "cut_pieces",
+    "exchange_pieces",
     "fetch_and_join",
     "is_pieces",
     "own_pieces",
@@ -139,7 +141,24 @@ def commit_pieces(
     timeout: timedelta,
     buffers: Buffers | None = None,
 ) -> list[torch.Tensor]:
-    """This member's snapshot pieces at a commit, without gathering the full state.
+    """This member's snapshot pieces at a commit, as the snapshot's segments
+    (``pack_segments``): `exchange_pieces`' own pieces and the replicas received."""
+    own, received = exchange_pieces(comm, state, owners, holds, sizes, keys, timeout, buffers)
+    return pack_segments(own, received)
+
+
+def exchange_pieces(
+    comm: PieceSender,
+    state: Mapping[PieceKey, Mapping[str, Any]],
+    owners: Sequence[Sequence[Range]],
+    holds: Sequence[Sequence[Range]],
+    sizes: Sequence[int],
+    keys: frozenset[str],
+    timeout: timedelta,
+    buffers: Buffers | None = None,
+) -> tuple[dict[PieceKey, dict[str, Any]], list[Indexed]]:
+    """What this member's snapshot keeps at a commit, without gathering the full state:
+    its own pieces, and the replicas its peers sent (checked payloads, not copied).
 
     ``state``: the pieces this member steps (``ZeroOptimizer.state_dict``'s, keyed by
     the optimizer's parameter index); per rank,
@@ -150,8 +169,7 @@ def commit_pieces(
     state out, the replicas in); what arrives must be exactly the sender's share of this
     member's holds (``BadMessage`` otherwise), and goes into the snapshot as it came, its
     bytes copied once. Empty parameters' state goes to every member, as ``cut_state``
-    keeps it in every snapshot. A collective; returns the snapshot's payload
-    (``pieces_tensor``'s format) as segments (``pack_segments``): views of ``state`` and
+    keeps it in every snapshot. A collective; what it returns are views of ``state`` and
     of a receive buffer from ``buffers`` (the previous commit's, reused), so neither may
     change until the snapshot has copied them."""
     buffers = buffers or Buffers()
@@ -189,7 +207,7 @@ def commit_pieces(
         seen.update(pieces)
         if theirs is not None:
             received.append(theirs)
-    return pack_segments(own, received)
+    return own, received
 
 
 def own_pieces(

@@ -30,6 +30,7 @@ __all__ = [
     "Indexed",
     "concat_pieces",
     "index_pieces",
+    "indexed_values",
     "join_segments",
     "pack_payloads",
     "pack_pieces",
@@ -39,20 +40,10 @@ __all__ = [
 ]
 
 _HEAD = 8  # bytes of the little-endian header length that starts the payload
+_KINDS = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
 _DTYPES = {
     str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
+    for d in (*_KINDS, torch.int16, torch.int8, torch.uint8, torch.bool)
 }
 _PLAIN = {"bool": bool, "int": int, "float": float}
 
@@ -203,8 +194,24 @@ def unpack_pieces(
     count) copies of their own, so that no kept state holds on to the whole payload."""
     entries, body = _header(_flat(raw))
     checked = list(_checked(entries, sizes, keys))  # all of it, before a byte is copied
-    own = body.clone()  # one copy, starting aligned for any dtype
-    offset = 0
+    return _read(checked, body.clone(), keys)  # one copy, starting aligned for any dtype
+
+
+def indexed_values(
+    indexed: Indexed, sizes: Sequence[int], keys: frozenset[str]
+) -> dict[PieceKey, dict[str, Any]]:
+    """The pieces of an ``index_pieces`` payload as views of its body, nothing copied but
+    per-tensor values and a value not aligned for its dtype: for a consumer that copies
+    what it keeps before the body's buffer is written again."""
+    return _read(list(_checked(indexed.entries, sizes, keys)), indexed.body, keys)
+
+
+def _read(
+    checked: Sequence[tuple[PieceKey, list[_Value]]], body: torch.Tensor, keys: frozenset[str]
+) -> dict[PieceKey, dict[str, Any]]:
+    """The values ``checked`` describes, read from ``body`` in order: views of it, except
+    per-tensor values and values whose bytes are not aligned for their dtype (copies)."""
+    offset, base = 0, body.storage_offset()
     out: dict[PieceKey, dict[str, Any]] = {}
     for key, values in checked:
         piece: dict[str, Any] = {}
@@ -212,16 +219,16 @@ def unpack_pieces(
             if v.dtype is None or v.shape is None:
                 piece[v.name] = v.plain
                 continue
-            if offset + v.nbytes > own.numel():
+            if offset + v.nbytes > body.numel():
                 raise BadMessage(f"parameter {key.param}: the payload ends before {v.name!r}")
-            data = own[offset : offset + v.nbytes]
-            if v.name not in keys or offset % v.dtype.itemsize:
+            data = body[offset : offset + v.nbytes]
+            if v.name not in keys or (base + offset) % v.dtype.itemsize:
                 data = data.clone()  # its own (and aligned for its dtype)
             offset += v.nbytes
             piece[v.name] = data.view(v.dtype).reshape(v.shape)
         out[key] = piece
-    if offset != own.numel():
-        raise BadMessage(f"{own.numel() - offset} bytes left over after the pieces")
+    if offset != body.numel():
+        raise BadMessage(f"{body.numel() - offset} bytes left over after the pieces")
     return out
 
 
