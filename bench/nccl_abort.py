@@ -30,6 +30,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     "keepstep": dict(ENV_FOR_ABORT),
     "blocking_comm": {**ENV_FOR_ABORT, "TORCH_NCCL_USE_COMM_NONBLOCKING": "0"},
     "monitoring_on": {**ENV_FOR_ABORT, "TORCH_NCCL_ENABLE_MONITORING": "1"},
+    # The monitor thread wakes every TORCH_NCCL_COORD_CHECK_MILSEC (1000 by default): if
+    # abort() joins it, a shorter interval is a shorter abort (first GPU run: ~1.0 s).
+    "coord_check_10ms": {**ENV_FOR_ABORT, "TORCH_NCCL_COORD_CHECK_MILSEC": "10"},
     "torch_defaults": {},
 }
 
