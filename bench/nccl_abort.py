@@ -3,6 +3,7 @@ sets for its epochs (comm/nccl_policy.ENV_FOR_ABORT) and variants of it: each in
 process, since torch reads these variables when a group is built.
 
     python3 bench/nccl_abort.py          # on a CUDA machine; prints one JSON object
+                                         # (exit 1 if a variant failed: its stderr's end)
 
 Per variant: the group's build and eager connect, a first allreduce, and ``abort()``
 (seconds), on a one-rank legacy ProcessGroupNCCL (or NCCL2 where torch has it is not
@@ -76,7 +77,7 @@ def main() -> int:
         lines = done.stdout.strip().splitlines()
         out[name] = json.loads(lines[-1]) if done.returncode == 0 and lines else done.stderr[-800:]
     print(json.dumps(out, indent=1))
-    return 0
+    return 1 if any(isinstance(v, str) for v in out.values()) else 0  # a variant failed
 
 
 if __name__ == "__main__":
