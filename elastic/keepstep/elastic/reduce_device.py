@@ -75,7 +75,7 @@ def quantize_add(grad: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> 
 
 # Dynamo specializes a tensor's storage offset of 0 or 1 (as it does sizes): a buffer view
 # at offset 0, 1 and >= 2 are three graphs per dtype. Each class gets its own compiled copy
-# of quantize_add (own code object, so own cache and own limit of 8 graphs): with one graph
+# of `accumulate` (own code object, so own cache and own limit of 8 graphs): with one graph
 # per gradient dtype each, the four float dtypes never reach the limit, where one shared
 # function would (a ninth graph with fullgraph is an error in the middle of a step).
 Accumulate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -93,7 +93,7 @@ def _compiled(klass: int) -> Accumulate:
     one graph per gradient dtype whatever the shapes and offsets of that class, as long as
     every call runs with grad mode off (grad mode is part of a graph's guards) and the
     gradient starts its storage (a view of a bucket goes eager)."""
-    name = f"quantize_add_at_{_OFFSET_CLASSES[klass]}"
+    name = f"accumulate_at_{_OFFSET_CLASSES[klass]}"
     code = accumulate.__code__.replace(co_name=name, co_qualname=name)
     fn = types.FunctionType(code, accumulate.__globals__, name)
     return torch.compile(fn, dynamic=True, fullgraph=True)
