@@ -4,7 +4,7 @@
 
 Each member of a W-member epoch holds its owned pieces of a trained AdamW state of the
 example transformer (examples/transformer.py); every commit it calls
-``sharded_snapshot.commit_pieces``, as ``ShardedOptimizer.step`` does after every ZeRO-2
+``sharded_snapshot.exchange_pieces``, as ``ShardedOptimizer.step`` does after every ZeRO-2
 step and at an epoch's first ZeRO-1 commit (later ZeRO-1 commits step the replicas where
 they are kept, zero/replicas.py): one ``alltoall`` over gloo that sends each peer the part
 of its state the peer keeps as a replica, and the snapshot's segments (views of its own
@@ -32,7 +32,8 @@ from torch._C._distributed_c10d import HashStore
 
 from keepstep.elastic.comm.communicator import Communicator
 from keepstep.elastic.shard_epoch import epoch_shards
-from keepstep.elastic.sharded_snapshot import Buffers, commit_pieces
+from keepstep.elastic.sharded_snapshot import Buffers, exchange_pieces
+from keepstep.elastic.snapshot_pieces import pack_segments
 from keepstep.elastic.snapshot_shard import cut_state
 from keepstep.elastic.zero import ELEMENTWISE
 
@@ -94,9 +95,10 @@ def measure(size: str, world: int, commits: int) -> dict[str, Any]:
         try:
             for _ in range(commits):
                 began = time.perf_counter()
-                out = commit_pieces(
+                own, received = exchange_pieces(
                     comms[rank], state, owners, holds, sizes, KEYS, TIMEOUT, buffers
                 )
+                out = pack_segments(own, received)
                 seconds[rank].append(time.perf_counter() - began)
                 snapshot_bytes[rank] = sum(t.numel() * t.element_size() for t in out)
         except BaseException as err:  # reported below, with the others' figures

@@ -1,7 +1,7 @@
-"""A sharded commit's exchange (sharded_snapshot.commit_pieces) and the buffers under it.
+"""A sharded commit's exchange (sharded_snapshot.exchange_pieces) and the buffers under it.
 
 Members on threads of this process: each steps its owned pieces of a trained Adam's
-state, and after ``commit_pieces`` each one's snapshot payload (its segments, joined)
+state, and after ``exchange_pieces`` each one's snapshot payload (its segments, joined)
 holds exactly what the epoch's layout says it keeps (its own chunks and a replica of
 another node's), bit for bit, as if cut from the full state. The segments are views of
 the state and of the receive buffer, which the epoch reuses commit after commit; a peer
@@ -28,7 +28,7 @@ from keepstep.elastic.shard.layout import pieces_of
 from keepstep.elastic.shard_epoch import epoch_shards
 from keepstep.elastic.sharded_snapshot import (
     Buffers,
-    commit_pieces,
+    exchange_pieces,
     is_pieces,
     pieces_tensor,
     snapshot_entries,
@@ -117,9 +117,10 @@ def _commit_all(
     def run(rank: int) -> None:
         state = _own_state(full, sizes, owners[rank], rank == 0) if states is None else states[rank]
         try:
-            out[rank] = commit_pieces(
+            own, received = exchange_pieces(
                 wires[rank], state, owners, holds, sizes, KEYS, T, buffers[rank]
             )
+            out[rank] = pack_segments(own, received)
         except BadMessage as err:
             out[rank] = err
 

@@ -82,9 +82,9 @@ Accumulate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 _OFFSET_CLASSES = ("0", "1", "n")
 
 
-def offset_class(view: torch.Tensor) -> int:
-    """Which compiled copy takes a buffer view: its storage offset 0, 1, or more."""
-    return min(int(view.storage_offset()), 2)
+def offset_class(offset: int) -> int:
+    """Which compiled copy takes a buffer view at this storage offset: 0, 1, or more."""
+    return min(offset, 2)
 
 
 @functools.cache
@@ -149,10 +149,9 @@ class DeviceOps:
         tensors' buffer views fall in (the buffer starts its storage), with grad mode off as
         in `add`. Other offsets (a buffer that is itself a view) compile at first use."""
         acc = torch.zeros(40, dtype=torch.float64, device=self._device)
-        sizes = [s.numel() for s, _ in specs]
         needed = {
-            (d, min(lo, 2))
-            for (_, d), n, lo in zip(specs, sizes, self._offsets, strict=True)
+            (d, offset_class(lo))
+            for (_, d), n, lo in zip(specs, self._numels, self._offsets, strict=True)
             if n > 1
         }
         with torch.no_grad():
@@ -185,7 +184,7 @@ class DeviceOps:
                 flat, view = g.reshape(-1), acc[lo : lo + n]
                 fn: Accumulate = accumulate
                 if self._fns and n > 1 and flat.storage_offset() == 0:
-                    fn = self._fns[offset_class(view)]
+                    fn = self._fns[offset_class(int(view.storage_offset()))]
                 fn(flat, self._scales[i], view)
                 peaks[i] = peak(flat)
             return torch.stack(peaks)

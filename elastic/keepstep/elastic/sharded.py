@@ -11,7 +11,7 @@ other collective of the step and the step is not committed.
       -> ZeroOptimizer(..., ownership of its chunks, CommGather(comm))
       -> each member fetches the pieces its windows need (fetch_and_join)
     first commit  -> zero.step() -> each owner sends its state to the replica holders
-                  -> the snapshot keeps this member's pieces (commit_pieces)
+                  -> the snapshot keeps this member's pieces (exchange_pieces)
     later commits -> ZeRO-1: the replicas are stepped where they are kept (zero/replicas.py)
                      and nothing is sent; ZeRO-2: as the first (no member holds others'
                      gradients)
@@ -310,7 +310,7 @@ class ShardedOptimizer:
 
     def _exchange(self) -> list[torch.Tensor]:
         """This member's snapshot pieces: its own state, and the replicas it keeps from
-        their owners (sharded_snapshot.commit_pieces; no member gathers the full state).
+        their owners (sharded_snapshot.exchange_pieces; no member gathers the full state).
         ZeRO-1 keeps the replicas it received, to step them from the next commit on."""
         assert self._comm is not None
         own, received = exchange_pieces(

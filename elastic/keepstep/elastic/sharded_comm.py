@@ -21,7 +21,7 @@ __all__ = ["GradCollective", "PieceCollective"]
 
 class PieceCollective(TensorCollective, PieceExchange, PieceSender, Protocol):
     """What entering an epoch needs of the ``Communicator``: the gathers and ``alltoall``
-    (``fetch_and_join``'s and ``commit_pieces``' needs together)."""
+    (``fetch_and_join``'s and ``exchange_pieces``' needs together)."""
 
 
 class GradCollective(Protocol):

@@ -2,7 +2,7 @@
 
 Where it sits: between sharded.py (the job's ZeRO-1/2) and the snapshot store. At a
 commit each member sends its peers the parts of its own state they keep as replicas
-(``commit_pieces``: one ``alltoall``, no full gather), and what it keeps by the epoch's
+(``exchange_pieces``: one ``alltoall``, no full gather), and what it keeps by the epoch's
 chunked layout (shard_epoch.py: its own chunks and one replica of another node's) goes
 into the snapshot in the checked wire format of snapshot_pieces.py, as the segments of
 that payload (``extra/shard_pieces.00000``, ``.00001``, ...: the header, then views of the
@@ -40,7 +40,6 @@ from keepstep.elastic.snapshot_pieces import (
     join_segments,
     pack_payloads,
     pack_pieces,
-    pack_segments,
     pack_tensor,
     unpack_pieces,
 )
@@ -55,7 +54,6 @@ __all__ = [
     "PIECES",
     "Buffers",
     "Fetched",
-    "commit_pieces",
     "cut_pieces",
     "exchange_pieces",
     "fetch_and_join",
@@ -70,8 +68,8 @@ PIECES = "shard_pieces"  # the snapshot's extra/ tensors holding this member's p
 
 
 def snapshot_entries(segments: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This member's pieces (``commit_pieces``' segments) as a snapshot's extra tensors,
-    ``PIECES.00000``, ``PIECES.00001``, ... in order."""
+    """This member's pieces (``pack_segments`` of what ``exchange_pieces`` returns) as a
+    snapshot's extra tensors, ``PIECES.00000``, ``PIECES.00001``, ... in order."""
     return {f"{PIECES}.{i:05d}": segment for i, segment in enumerate(segments)}
 
 
@@ -118,7 +116,7 @@ def pieces_tensor(
 
 
 class PieceSender(Protocol):
-    """What ``commit_pieces`` needs of the epoch's ``Communicator``."""
+    """What ``exchange_pieces`` needs of the epoch's ``Communicator``."""
 
     rank: int
 
@@ -129,22 +127,6 @@ class PieceSender(Protocol):
         timeout: timedelta | None = None,
         into: Alloc | None = None,
     ) -> list[torch.Tensor]: ...
-
-
-def commit_pieces(
-    comm: PieceSender,
-    state: Mapping[PieceKey, Mapping[str, Any]],
-    owners: Sequence[Sequence[Range]],
-    holds: Sequence[Sequence[Range]],
-    sizes: Sequence[int],
-    keys: frozenset[str],
-    timeout: timedelta,
-    buffers: Buffers | None = None,
-) -> list[torch.Tensor]:
-    """This member's snapshot pieces at a commit, as the snapshot's segments
-    (``pack_segments``): `exchange_pieces`' own pieces and the replicas received."""
-    own, received = exchange_pieces(comm, state, owners, holds, sizes, keys, timeout, buffers)
-    return pack_segments(own, received)
 
 
 def exchange_pieces(
@@ -171,7 +153,8 @@ def exchange_pieces(
     bytes copied once. Empty parameters' state goes to every member, as ``cut_state``
     keeps it in every snapshot. A collective; what it returns are views of ``state`` and
     of a receive buffer from ``buffers`` (the previous commit's, reused), so neither may
-    change until the snapshot has copied them."""
+    change until the snapshot has copied them; ``pack_segments(own, received)`` is the
+    snapshot's payload as segments."""
     buffers = buffers or Buffers()
     offsets = (0, *accumulate(sizes))
     me = comm.rank
@@ -218,7 +201,7 @@ def own_pieces(
     keys: frozenset[str],
     rank: int,
 ) -> dict[PieceKey, dict[str, Any]]:
-    """What of its own state (``commit_pieces``' ``state``) rank ``rank``'s snapshot keeps:
+    """What of its own state (``exchange_pieces``' ``state``) rank ``rank``'s snapshot keeps:
     the pieces its holds meet its owned ranges in, and any empty parameter's state."""
     offsets = (0, *accumulate(sizes))
     ranges = _meet(merge(holds[rank]), merge(owners[rank]))

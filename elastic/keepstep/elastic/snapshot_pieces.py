@@ -40,10 +40,9 @@ __all__ = [
 ]
 
 _HEAD = 8  # bytes of the little-endian header length that starts the payload
-_KINDS = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32)
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (*_KINDS, torch.int16, torch.int8, torch.uint8, torch.bool)
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in "float64 float32 float16 bfloat16 int64 int32 int16 int8 uint8 bool".split()
 }
 _PLAIN = {"bool": bool, "int": int, "float": float}
 

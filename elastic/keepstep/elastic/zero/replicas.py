@@ -4,7 +4,7 @@ Where it sits: beside ``ZeroOptimizer`` in the job's sharded step (sharded.py). 
 member of a ZeRO-1 epoch holds the whole reduced gradient and the same parameters, so the
 member that keeps a replica of another's pieces can step them itself, as their owner
 does, instead of receiving their state at every commit. It gets them once, from the
-epoch's first commit (the exchange of sharded_snapshot.commit_pieces), and from then on
+epoch's first commit (the exchange of sharded_snapshot.exchange_pieces), and from then on
 steps them before the owners' step and the parameter gather (which reads the parameters
 before they change), on copies of the parameters' windows: the owner's copy of every
 parameter wins, and nothing here writes one.
