@@ -29,6 +29,18 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# A multi-process test (marked slow) that sets no time limit of its own gets this one
+# instead of the session's 120 s: CI runs two test sessions at once on a small machine, and
+# such a test may then take twice its time on an idle one.
+SLOW_TIMEOUT = 300.0
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT))
+
+
 @pytest.fixture(scope="session")
 def etcd_binary() -> str:
     """The etcd to test against: $KEEPSTEP_ETCD_BIN (scripts/test sets it), else the version
