@@ -65,6 +65,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("nnodes-word", [*RUN, "--nnodes", "many", "{script}"], "'many': must be a node count"),
     ("min-twice", [*RUN, "--nnodes", "1:2", "--min-nodes", "1", "{script}"], "give one"),
     ("min-above", [*RUN, "--nnodes", "2", "--min-nodes", "3", "{script}"], "--min-nodes 3"),
+    ("grace", [*RUN, "--nnodes", "1:2", "--admission-grace", "soon", "{script}"], "'soon': must"),
     ("max-restarts", [*TWO, "--max-restarts", "-1", "{script}"], "--max-restarts/--max_restarts"),
     ("module-name", [*TWO, "-m", "1bad.mod"], "-m '1bad.mod' is not a module name"),
     ("etcd-members", [*TWO, "--etcd-members", "2", "{script}"], "invalid choice: 2"),

@@ -46,6 +46,20 @@ def test_nnodes_is_a_count_or_a_range(etcd_binary: str) -> None:
         config(etcd_binary, "--nnodes", "2:4", "--min-nodes", "3", *JOB, MLP)
 
 
+def test_the_admission_grace_reaches_every_agent(etcd_binary: str, tmp_path: Path) -> None:
+    """How long the first epoch waits for all nodes before it starts with the minimum."""
+    assert config(etcd_binary, "--nnodes", "2:4", *JOB, MLP).admission_grace == 30.0
+    cfg = config(etcd_binary, "--nnodes", "2:4", "--admission-grace", "90", *JOB, MLP)
+    assert cfg.admission_grace == 90.0
+    agent = launch_run.agent_config(
+        cfg, job="j", node="n1", etcd="127.0.0.1:2379", etcd_tls=None, host="127.0.0.1",
+        expected_nodes=4, resume_blob=None, resume_step=0,
+    )  # fmt: skip
+    assert (agent.admission_grace, agent.min_nodes, agent.expected_nodes) == (90.0, 2, 4)
+    with pytest.raises(ConfigError, match="--admission-grace -1 must be"):
+        launch_run.RunConfig(**{**vars(cfg), "admission_grace": -1})
+
+
 def test_nproc_per_node_words_count_cuda_devices() -> None:
     env = {"CUDA_VISIBLE_DEVICES": ""}
     assert resolve_nproc(3, lambda: 8, env) == 3

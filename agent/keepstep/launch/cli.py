@@ -65,13 +65,22 @@ def register(sub: Any) -> None:
         required=True,
         metavar="N|MIN:MAX",
         help="nodes to start (MAX); with MIN:MAX the job starts with MIN nodes if not all "
-        "are ready after 30 s (like --min-nodes), and then trains on whatever nodes survive",
+        "are ready after --admission-grace (like --min-nodes), and then trains on whatever "
+        "nodes survive",
     )
     run.add_argument(
         "--min-nodes",
         type=count,
         metavar="MIN",
         help="the MIN of --nnodes MIN:MAX, given alone [--nnodes]",
+    )
+    run.add_argument(
+        "--admission-grace",
+        type=seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="how long the first epoch waits for all nodes before it starts with at least "
+        "--min-nodes (counted from each agent's start) [30]",
     )
     run.add_argument(
         "--nproc-per-node",
@@ -261,6 +270,7 @@ def run_config(args: argparse.Namespace, env: dict[str, str]) -> RunConfig:
         nodes=high,
         nproc_per_node=nproc,
         min_nodes=min_nodes,
+        admission_grace=args.admission_grace,
         global_batch=args.global_batch,
         micro_batch=args.micro_batch,
         steps=args.steps,

@@ -330,6 +330,7 @@ def agent_config(
         ),
         expected_nodes=expected_nodes,
         min_nodes=min(cfg.min_nodes, expected_nodes),
+        admission_grace=cfg.admission_grace,
         lease_ttl=cfg.lease_ttl,
         heartbeat_timeout=cfg.heartbeat_timeout,
         warm_spare=cfg.warm_spare,

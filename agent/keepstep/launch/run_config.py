@@ -41,6 +41,7 @@ class RunConfig:
     etcd_binary: str
     nproc_per_node: int = 1
     min_nodes: int = 1
+    admission_grace: float = 30.0  # the first epoch waits this long for all nodes
     seed: int = 0
     mode: str = "exact"
     faults: tuple[FaultSpec, ...] = ()
@@ -85,6 +86,9 @@ class RunConfig:
             raise ConfigError(
                 f"--min-nodes {self.min_nodes} must be between 1 and --nnodes {self.nodes}"
             )
+        g = self.admission_grace
+        if isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g) or g < 0:
+            raise ConfigError(f"--admission-grace {g!r} must be a number of seconds >= 0")
         if self.steps < 1:
             raise ConfigError(f"--steps {self.steps} must be >= 1")
         if not _whole(self.seed, 0):
