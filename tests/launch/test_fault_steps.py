@@ -48,6 +48,7 @@ def test_every_fault_kind_lands_at_its_step_with_short_steps(tmp_path: Path) -> 
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "keepstep", "run", "--nodes", "5", "--min-nodes", "1",
+        "--admission-grace", "200",  # all five from the first step, however loaded the machine
         "--global-batch", str(GB), "--micro-batch", str(MB), "--steps", str(STEPS),
         "--seed", str(SEED), "--run-dir", str(run_dir), "--timeout", "240",
         *(arg for fault in FAULTS for arg in ("--fault", fault)),

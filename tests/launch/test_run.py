@@ -50,6 +50,10 @@ def keepstep_run(
         str(run_dir),
         "--timeout",
         str(timeout - 10),
+        # Every node starts at once: the first epoch waits for all of them, however loaded
+        # the machine (with --min-nodes it would start without the slow ones after 30 s).
+        "--admission-grace",
+        str(timeout - 20),
         *args,
         MLP,
         "--sleep",

@@ -70,6 +70,8 @@ def test_tracked_state_survives_every_kind_of_fault(
         "4",
         "--min-nodes",
         "2",
+        "--admission-grace",  # all four from the first step, however loaded the machine
+        "120",
         "--global-batch",
         str(GB),
         "--micro-batch",

@@ -38,6 +38,7 @@ def test_a_node_slowed_for_long_is_drained_and_the_bits_stay(tmp_path: Path) -> 
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "keepstep", "run", "--nnodes", "4", "--min-nodes", "2",
+        "--admission-grace", "120",
         "--global-batch", str(GB), "--micro-batch", str(MB), "--steps", str(STEPS),
         "--seed", "3", "--run-dir", str(run_dir), "--timeout", "150", "--drain-slow", "0.25:3",
         "--fault", "slow-node:1@step=1:factor=10", BUSY, "--work", "100",

@@ -129,6 +129,7 @@ def ray_run(
         script_args=("--sleep", str(sleep)),
         nodes=nodes,
         min_nodes=2,
+        admission_grace=150,  # every node from the first step, however loaded the machine
         global_batch=GB,
         micro_batch=MB,
         steps=STEPS,

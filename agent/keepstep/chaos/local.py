@@ -69,6 +69,9 @@ class LocalTarget:
             "--nodes", str(job.nodes),
             "--nproc-per-node", str(job.nproc_per_node),
             "--min-nodes", str(job.min_nodes),
+            # The harness starts every node at once and its scenarios count on all of them
+            # from the first step: the first epoch waits for them, however loaded the machine.
+            "--admission-grace", str(job.timeout),
             "--global-batch", str(job.global_batch),
             "--micro-batch", str(job.micro_batch),
             "--steps", str(job.steps),
