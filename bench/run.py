@@ -45,6 +45,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("d_model", "layers", "heads", "seq", "global_batch", "micro_batch", "steps"):
         sizes.add_argument("--" + name.replace("_", "-"), type=int)
     sizes.add_argument("--seed", type=int, help="data and dropout seed")
+    sizes.add_argument("--nodes", type=int, help="nodes each system starts with")
+    sizes.add_argument("--min-nodes", type=int, help="nodes a job may shrink to")
     sizes.add_argument("--schedule-seed", type=int)
     sizes.add_argument("--repeats", type=int, help="interleaved rounds of every system")
     sizes.add_argument(
@@ -84,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             steps=args.steps,
             seed=args.seed,
             schedule_seed=args.schedule_seed,
+            nodes=args.nodes,
+            min_nodes=args.min_nodes,
             repeats=args.repeats,
             torchft_grad_sync=args.torchft_grad_sync,
             systems=tuple(System(s) for s in args.systems.split(",")) if args.systems else None,

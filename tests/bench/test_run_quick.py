@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 SYSTEMS = ("ddp", "keepstep", "torchrun", "torchft")
 TINY = [
     "--steps", "24", "--d-model", "16", "--layers", "1", "--heads", "1", "--seq", "8",
-    "--global-batch", "20", "--micro-batch", "4",
+    "--global-batch", "20", "--micro-batch", "4", "--nodes", "3",
 ]  # fmt: skip
 
 
@@ -41,6 +41,7 @@ def test_quick_reports_every_system_and_figure(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     assert report["command"].startswith("bench/run --quick")
     assert report["machine"]["cores"] >= 1
+    assert report["config"]["nodes"] == 3  # --nodes given over the preset's 4
     assert [f["kind"] for f in report["schedule"]] == ["kill-node", "kill-worker", "join-node"]
     assert set(report["systems"]) == set(SYSTEMS)
     for name in SYSTEMS:
