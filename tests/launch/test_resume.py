@@ -96,9 +96,10 @@ def test_resume_from_a_durable_checkpoint(
     first = run(tmp_path / "a", FIRST, env, "--checkpoint", url, "--checkpoint-every", "5")
     assert first["steps"] == FIRST
     steps = [c.step for c in list_checkpoints(url, 30.0, options)]
-    # Due every 5 steps and at the last; a slow store may skip one (the newest pending
-    # write replaces an older one), and keep=2 prunes the rest.
-    assert steps[-1] == FIRST and len(steps) == 2 and steps[0] in (5, 10)
+    # Due every 5 steps and at the last; a slow store may skip one or take it late (the
+    # newest snapshot replaces a pending write: step 7 for the one due at 5 on a loaded
+    # machine), and keep=2 prunes the rest.
+    assert steps[-1] == FIRST and len(steps) == 2 and 5 <= steps[0] < FIRST, steps
     second = run(tmp_path / "b", TOTAL, env, "--resume", url)
     assert second["params_sha256"] == reference
     assert second["start_step"] == FIRST
