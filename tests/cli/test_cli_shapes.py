@@ -46,7 +46,7 @@ def test_nnodes_is_a_count_or_a_range(etcd_binary: str) -> None:
         config(etcd_binary, "--nnodes", "2:4", "--min-nodes", "3", *JOB, MLP)
 
 
-def test_the_admission_grace_reaches_every_agent(etcd_binary: str, tmp_path: Path) -> None:
+def test_the_admission_grace_reaches_every_agent(etcd_binary: str) -> None:
     """How long the first epoch waits for all nodes before it starts with the minimum."""
     assert config(etcd_binary, "--nnodes", "2:4", *JOB, MLP).admission_grace == 30.0
     cfg = config(etcd_binary, "--nnodes", "2:4", "--admission-grace", "90", *JOB, MLP)

@@ -86,18 +86,18 @@ class RunConfig:
             raise ConfigError(
                 f"--min-nodes {self.min_nodes} must be between 1 and --nnodes {self.nodes}"
             )
-        g = self.admission_grace
-        if isinstance(g, bool) or not isinstance(g, int | float) or not math.isfinite(g) or g < 0:
-            raise ConfigError(f"--admission-grace {g!r} must be a number of seconds >= 0")
+        if not _seconds(self.admission_grace) or self.admission_grace < 0:
+            raise ConfigError(
+                f"--admission-grace {self.admission_grace!r} must be a number of seconds >= 0"
+            )
         if self.steps < 1:
             raise ConfigError(f"--steps {self.steps} must be >= 1")
         if not _whole(self.seed, 0):
             raise ConfigError(f"--seed {self.seed!r} must be an integer >= 0")
         if self.mode not in ("exact", "fast"):
             raise ConfigError(f"--mode {self.mode!r}; allowed: exact, fast")
-        t = self.timeout
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t <= 0:
-            raise ConfigError(f"--timeout {t!r} must be a number of seconds > 0")
+        if not _seconds(self.timeout) or self.timeout <= 0:
+            raise ConfigError(f"--timeout {self.timeout!r} must be a number of seconds > 0")
         if not _whole(self.max_restarts, 0):
             raise ConfigError(f"--max-restarts {self.max_restarts!r} must be an integer >= 0")
         if self.module:
@@ -142,6 +142,11 @@ class RunConfig:
         if self.drain_slow is not None:
             env["KEEPSTEP_DRAIN_SLOW"] = str(DrainSlow.parse(self.drain_slow))
         return env
+
+
+def _seconds(value: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _whole(value: object, minimum: int) -> bool:
