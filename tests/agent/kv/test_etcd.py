@@ -165,16 +165,38 @@ def test_calls_to_a_killed_server_fail_within_their_timeout(server: EtcdServer) 
         assert err is None and took < 1.5
 
 
+def stop(pid: int, timeout: float = 5.0) -> None:
+    """SIGSTOP `pid` and wait until every thread of it is stopped: kill() returns once the
+    signal is queued, and a thread of a loaded machine may still serve a request then."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except FileNotFoundError:
+                continue  # a thread that ended meanwhile
+            states.append(stat.rsplit(")", 1)[1].split()[0])
+        if all(state in ("T", "t") for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} not stopped after {timeout} s: {states}"
+        time.sleep(0.01)
+
+
 def test_calls_to_a_frozen_server_time_out(server: EtcdServer) -> None:
     kv = EtcdKV(server.endpoint, timeout=0.5)
     kv.put("/k", b"v", 1.0)
     cancel = kv.watch_prefix("/w/", lambda e: None)
-    os.kill(server.pid, signal.SIGSTOP)  # alive but silent: the case a deadline exists for
+    stop(server.pid)  # alive but silent: the case a deadline exists for
     try:
-        for call in (lambda: kv.get("/k", 0.5), lambda: kv.put("/k", b"w", 0.5)):
+        for name, call in (
+            ("get", lambda: kv.get("/k", 0.5)),
+            ("put", lambda: kv.put("/k", b"w", 0.5)),
+        ):
             err, took = timed(call)
-            assert isinstance(err, KVTimeout), err
-            assert 0.4 < took < 1.5
+            assert isinstance(err, KVTimeout), f"{name} gave {err!r} after {took:.2f} s"
+            assert 0.4 < took < 1.5, f"{name} timed out after {took:.2f} s"
         err, took = timed(lambda: kv.watch_prefix("/v/", lambda e: None))
         assert isinstance(err, KVTimeout) and took < 1.5
         err, took = timed(cancel)
