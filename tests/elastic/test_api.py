@@ -228,6 +228,10 @@ def test_commit_returns_what_the_job_applies() -> None:
     assert controller.commits == []  # ...the job reports it when it takes the result
     step = next(steps)
     assert [c.step for c in controller.commits] == [0]
+    # The reported record adds the snapshot's seconds, wall and CPU, to the step's.
+    reported = controller.commits[0]
+    assert 0 < result.record.cpu_s <= reported.cpu_s
+    assert result.record.step_s <= reported.step_s
     with pytest.raises(ConfigError, match="has a record iff it committed"):
         CommitResult(StepOutcome.RETRY, record=result.record)
     assert not CommitResult(StepOutcome.RETRY)

@@ -97,6 +97,7 @@ class CommitRecord:
     metrics: Mapping[str, float] = field(default_factory=dict)  # step.log, reduced
     compute_s: float = 0.0
     new_weights: Mapping[str, float] = field(default_factory=dict)
+    cpu_s: float = 0.0  # this process's CPU seconds over step_s, every thread's
 
 
 class Controller(Protocol):
@@ -245,6 +246,7 @@ class ScheduleController:
                 str(c.step): dict(c.new_weights) for c in self.commits if c.new_weights
             },
             "step_seconds": [c.step_s for c in self.commits],
+            "step_cpu_seconds": [c.cpu_s for c in self.commits],
             "drain_requests": [r.__dict__ for r in self.drain_requests],
             # A step committed again after a rollback: its last commit is the one that stands.
             "metrics_by_step": {str(c.step): dict(c.metrics) for c in self.commits if c.metrics},

@@ -189,14 +189,13 @@ class Job:
         """Act on how step `index` ended; return the overflow retries in a row so far."""
         if result.outcome is StepOutcome.COMMITTED:
             assert result.record is not None
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             self._snapshot()  # the loop body has ended: what it advanced for this step is in
-            started = time.perf_counter() - t0
+            started, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             record, weights = result.record, self.planner.committed(index, result.compute_s)
             step_s, snapshot_s = record.step_s + started, record.snapshot_s + started
-            self.controller.on_commit(
-                replace(record, step_s=step_s, snapshot_s=snapshot_s, new_weights=weights)
-            )
+            record = replace(record, step_s=step_s, snapshot_s=snapshot_s, cpu_s=record.cpu_s + cpu)
+            self.controller.on_commit(replace(record, new_weights=weights))
             self.planner.ask_drain(self.controller.request_drain)  # if too slow: slow_drain.py
             return 0
         # The step is repeated: the loop body must not have advanced tracked state in it.

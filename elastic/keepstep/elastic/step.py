@@ -121,6 +121,7 @@ class Step:
         self._current: int | None = None
         self._backward_done = False
         self._started = time.perf_counter()
+        self._cpu_started = time.process_time()
         self._compute_s = 0.0  # the loop body's seconds (see the module docstring)
         names = job.config.metrics
         self._metrics = StepMetrics(names, job.config.n_micro) if names else None
@@ -297,6 +298,7 @@ class Step:
             skipped=skipped,
             metrics=metrics,
             compute_s=compute_s[comm.me],
+            cpu_s=time.process_time() - self._cpu_started,
         )
         if job.board is not None and metrics and job.is_leader:
             job.board.write(self.index, metrics)
