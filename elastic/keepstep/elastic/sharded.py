@@ -147,6 +147,9 @@ class ShardedOptimizer:
         # ZeRO-1, from the epoch's second commit: the replicas this member keeps, stepped
         # here (zero/replicas.py) instead of sent by their owners at every commit.
         self._replicas: ReplicaSteps | None = None
+        # ZeRO-1: the last `_local` segments (views of the live state, so they read each
+        # step's values) and the identity of every state value they view.
+        self._segments: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
         self._timeout = timedelta(seconds=60)
         self._restored = b""  # the pieces of the snapshot just restored
         self.enter_s = 0.0  # how long the last `enter` took (the recovery's reshard phase)
@@ -226,7 +229,7 @@ class ShardedOptimizer:
     def leave(self) -> None:
         """Drop the epoch's shards (its communicator is closed)."""
         self.zero = self._comm = None
-        self._pieces = self._replicas = None
+        self._pieces = self._replicas = self._segments = None
         self.grad_shard, self._sums, self._grads = None, None, None
 
     # -- ZeRO-2: the reduction ----------------------------------------------------------
@@ -337,8 +340,16 @@ class ShardedOptimizer:
 
     def _local(self) -> list[torch.Tensor]:
         """ZeRO-1 after the epoch's first commit: this member's own pieces and the replicas
-        it stepped, as the exchange would have given them, with nothing sent."""
-        assert self._comm is not None and self._replicas is not None
+        it stepped, as the exchange would have given them, with nothing sent. Segments view
+        the state, which the optimizers update in place: while it holds the same value
+        objects, the last commit's segments read this one's values (not cut again)."""
+        assert self._comm is not None and self._replicas is not None and self.zero is not None
+        states = (*self.zero.inner.state.values(), *self._replicas.inner.state.values())
+        values = [v for state in states for v in state.values()]
+        # A plain value (not a tensor) sits in the header itself: then cut every time.
+        ids = tuple(map(id, values)) if all(isinstance(v, torch.Tensor) for v in values) else ()
+        if ids and self._segments is not None and self._segments[0] == ids:
+            return list(self._segments[1])
         own = own_pieces(
             self._own_state(),
             self._owners,
@@ -347,7 +358,9 @@ class ShardedOptimizer:
             self.keys,
             self._comm.rank,
         )
-        return pack_segments({**own, **self._replicas.pieces()})
+        segments = pack_segments({**own, **self._replicas.pieces()})
+        self._segments = (ids, segments) if ids else None  # holding them keeps the ids unique
+        return list(segments)
 
     def for_snapshot(
         self, extra: Mapping[str, torch.Tensor]
