@@ -3,9 +3,11 @@
     scripts/env python bench/shard_recovery_bytes.py [--sizes transformer|random]
 
 For each job shape (nodes x workers per node) and each node lost in turn: the epoch's
-shards before (``keepstep.elastic.shard_epoch.epoch_shards``, what the job uses), the
-survivors' holdings (own chunks and replicas), the shards after, and the disjoint fetch
-plan between them (``shard.fetch.plan_fetches``, what the job runs). Prints, per shape,
+shards before (``keepstep.elastic.shard_epoch.epoch_shards``, cut into the chunk count a
+first epoch of that shape agrees, ``agreed_chunks``: what the job uses), the survivors'
+holdings (own chunks and replicas), the shards after (derived from those before, as the
+job does), and the disjoint fetch plan between them (``shard.fetch.plan_fetches``, what
+the job runs). Prints, per shape, the chunk count,
 the elements moved over the lost elements (ideal: at most 1; the issue's target 1.1)
 worst and mean over the lost nodes, the most any one member sends over an even share
 of the lost elements, and the time to compute shards and plan. Pure: no processes.
@@ -19,7 +21,7 @@ import random
 import time
 
 from keepstep.elastic.shard.fetch import Announcement, plan_fetches
-from keepstep.elastic.shard_epoch import epoch_shards
+from keepstep.elastic.shard_epoch import agreed_chunks, epoch_shards
 
 SHAPES = [(2, 1), (4, 1), (4, 2), (8, 1), (8, 2), (16, 1), (32, 1), (64, 1)]
 
@@ -35,12 +37,13 @@ def transformer_sizes(d: int = 1024, layers: int = 12, vocab: int = 32000) -> li
 def one_shape(sizes: list[int], nodes: int, per_node: int) -> dict[str, float]:
     members = [f"n{n}/{i}" for n in range(nodes) for i in range(per_node)]
     start = time.perf_counter()
-    before = epoch_shards(sizes, members)
+    chunks = agreed_chunks(members, ())  # a first epoch's count, kept after a loss
+    before = epoch_shards(sizes, members, chunks=chunks)
     ratios, sender_ratios, plan_s = [], [], []
     for lost_node in range(nodes):
         survivors = [m for m in members if not m.startswith(f"n{lost_node}/")]
         t0 = time.perf_counter()
-        after = epoch_shards(sizes, survivors)
+        after = epoch_shards(sizes, survivors, before, agreed_chunks(survivors, [chunks]))
         plan = plan_fetches([Announcement(before.held[m], after.owned[m]) for m in survivors])
         plan_s.append(time.perf_counter() - t0)
         assert plan.lost == (), plan.lost[:3]
@@ -50,6 +53,7 @@ def one_shape(sizes: list[int], nodes: int, per_node: int) -> dict[str, float]:
         sender_ratios.append(max(sent) / (lost / len(survivors)))
     return {
         "members": len(members),
+        "chunks": chunks,
         "moved_over_lost_max": round(max(ratios), 4),
         "moved_over_lost_mean": round(sum(ratios) / len(ratios), 4),
         "max_sender_over_even_share": round(max(sender_ratios), 3),

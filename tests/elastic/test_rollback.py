@@ -167,22 +167,23 @@ def test_a_view_travels_as_compact_bounded_json() -> None:
         "cudnn": "91002",
         "torch": "2.15.0+cu129",
     }
-    told = MemberView(False, 2**62, view.held, fingerprint)
+    told = MemberView(False, 2**62, view.held, fingerprint, chunks=1 << 23)
     assert len(told.encode()) <= VIEW_MAX_BYTES
     assert MemberView.decode(told.encode(), 0) == told
+    assert MemberView.decode(told.encode(), 0).chunks == 1 << 23  # a sharded epoch's count
 
 
 BAD_VIEWS: list[tuple[bytes, str]] = [
     (b"\xff\xfe", "rank 3's view is not JSON"),
     (b"{not json", "rank 3's view is not JSON"),
-    (b"[]", "rank 3's view must have fresh, done, held (and numerics), got list"),
+    (b"[]", "rank 3's view must have fresh, done, held (and numerics, chunks), got list"),
     (
         b'{"fresh":false,"done":1}',
-        "rank 3's view must have fresh, done, held (and numerics), got ['done', 'fresh']",
+        "rank 3's view must have fresh, done, held (and numerics, chunks), got ['done', 'fresh']",
     ),
     (
         b'{"fresh":false,"done":1,"held":[1],"extra":0}',
-        "(and numerics), got ['done', 'extra', 'fresh', 'held']",
+        "(and numerics, chunks), got ['done', 'extra', 'fresh', 'held']",
     ),
     (b'{"fresh":0,"done":1,"held":[1]}', "rank 3's view: fresh=0 must be a bool"),
     (b'{"fresh":false,"done":-1,"held":[]}', "rank 3's view: done=-1 must be an int in [0, 2**62]"),
@@ -194,6 +195,10 @@ BAD_VIEWS: list[tuple[bytes, str]] = [
     (b'{"fresh":false,"done":1,"held":[],"numerics":[1]}', "rank 3's view: numerics=[1] must"),
     (b'{"fresh":false,"done":1,"held":[],"numerics":{"a":1.5}}', "numerics={'a': 1.5} must"),
     (b'{"fresh":false,"done":1,"held":[1,"0"]}', "rank 3's view: held=(1, '0') must hold ints"),
+    (b'{"fresh":false,"done":1,"held":[],"chunks":0}', "rank 3's view: chunks=0 must be an int"),
+    (b'{"fresh":false,"done":1,"held":[],"chunks":true}', "chunks=True must be an int in [1, "),
+    (b'{"fresh":false,"done":1,"held":[],"chunks":4.0}', "chunks=4.0 must be an int in [1, "),
+    (b'{"fresh":false,"done":1,"held":[],"chunks":8388609}', "chunks=8388609 must be an int"),
     (
         b'{"fresh":false,"done":1,"held":[' + b",".join([b"1"] * 17) + b"]}",
         "must be a tuple of at most 16 steps",

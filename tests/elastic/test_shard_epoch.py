@@ -7,11 +7,13 @@ from bisect import bisect_right
 from collections.abc import Iterable
 from itertools import accumulate
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keepstep.elastic.shard import Range, make_chunk_layout, place_replicas
-from keepstep.elastic.shard_epoch import JOB_CHUNKS, epoch_shards
+from keepstep.elastic.shard.chunks import MAX_CHUNKS
+from keepstep.elastic.shard_epoch import JOB_CHUNKS, agreed_chunks, epoch_shards, job_chunks
 from keepstep.elastic.snapshot_shard import merge
 from keepstep.elastic.zero import ALIGN
 
@@ -74,3 +76,56 @@ def test_an_epoch_derived_from_the_last_has_the_shards_of_a_fresh_one(
         assert shards == epoch_shards(sizes, members)
     members = sorted({*members, "n9/0"})
     assert epoch_shards(sizes, members, shards) == epoch_shards(sizes, members)
+
+
+@pytest.mark.parametrize(
+    ("nodes", "chunks"),
+    [
+        (1, 1024),
+        (8, 1024),
+        (16, 1024),
+        (17, 2048),
+        (32, 2048),
+        (33, 4096),
+        (64, 4096),
+        (65, 8192),
+        (1000, 65536),
+        (10**6, MAX_CHUNKS),
+    ],
+)
+def test_a_job_cuts_more_chunks_as_its_nodes_outgrow_them(nodes: int, chunks: int) -> None:
+    assert job_chunks(nodes) == chunks
+    if JOB_CHUNKS < chunks < MAX_CHUNKS:  # past 16 nodes: 64 to 127 chunks a node
+        assert 64 * nodes <= chunks < 128 * nodes
+
+
+def test_the_agreed_count_is_the_largest_any_member_cut_unless_the_epoch_outgrew_it() -> None:
+    eight = [f"n{n}/{i}" for n in range(8) for i in range(2)]  # 8 nodes, 16 members
+    assert agreed_chunks(eight, ()) == 1024  # a first epoch: its nodes' count
+    assert agreed_chunks(eight, [None] * 16) == 1024
+    # After a loss (40 nodes -> 8) the survivors keep what they cut; a restarted worker
+    # (None: it entered no epoch yet) takes the others' count.
+    assert agreed_chunks(eight, [4096, None, *[4096] * 14]) == 4096
+    forty = [f"n{n}/0" for n in range(40)]
+    assert agreed_chunks(forty, [1024] * 39 + [None]) == 4096  # outgrown at a join
+    assert agreed_chunks(["m0", "m1"], [None, 2048]) == 2048  # local names: a node each
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(0, 5000), min_size=1, max_size=8),
+    st.integers(2, 5),
+    st.sampled_from([1, 3, 8, 1024, 4096]),
+)
+def test_shards_are_cut_into_the_chunks_given_and_derive_only_from_the_same(
+    sizes: list[int], nodes: int, chunks: int
+) -> None:
+    members = [f"n{n}/0" for n in range(nodes)]
+    shards = epoch_shards(sizes, members, chunks=chunks)
+    units = sum(-(-n // ALIGN) for n in sizes)
+    assert shards.chunks == chunks
+    assert shards.layout is not None and shards.layout.chunk == ALIGN * max(1, -(-units // chunks))
+    survivors = members[1:]
+    for other in (chunks, 2 * chunks):  # derived from the last epoch, or cut afresh
+        after = epoch_shards(sizes, survivors, shards, other)
+        assert after == epoch_shards(sizes, survivors, chunks=other) and after.chunks == other

@@ -20,7 +20,8 @@ from keepstep.elastic import ConfigError, JobConfig
 from keepstep.elastic.config import Shard
 from keepstep.elastic.errors import BadMessage, KeepstepError, PeerLost
 from keepstep.elastic.shard.layout import pieces_of
-from keepstep.elastic.sharded import CommGather, optimizer_sha256, ownership_for
+from keepstep.elastic.shard_epoch import ownership_for
+from keepstep.elastic.sharded import CommGather, optimizer_sha256
 from keepstep.elastic.sharded_checkpoint import holds_pieces_named
 from keepstep.elastic.zero import ALIGN, ZeroOptimizer
 

@@ -376,7 +376,8 @@ class Job:
     def _agree_and_restore(self, comm: Communicator) -> bool:
         """Roll every member to the same committed step; return True if state came by wire."""
         self.snapshots.wait()
-        mine = MemberView(self.fresh, self.done, tuple(i.step for i in self.snapshots.infos()))
+        held, sharded = tuple(i.step for i in self.snapshots.infos()), self.sharded
+        mine = MemberView(self.fresh, self.done, held, chunks=sharded.chunks if sharded else None)
         device = self.params[0].device
         views = exchange_views(comm, mine, self.collective_timeout, self.config.mode, device)
         decision = resume_plan(views)
@@ -394,5 +395,6 @@ class Job:
         self.done = resume
         self.fresh = False
         if self.sharded is not None:  # its shards are cut from the full state just restored
-            self.sharded.enter(comm, comm.members, self.collective_timeout)
+            chunks = [v.chunks for v in views]
+            self.sharded.enter(comm, comm.members, self.collective_timeout, chunks)
         return received and self.done > 0

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotMissing
+from keepstep.elastic.shard.chunks import MAX_CHUNKS
 
 # A view is a few hundred bytes (the numerics fingerprint is most of it); the bound keeps a
 # confused or hostile peer from making every member allocate what it announces.
@@ -39,13 +40,16 @@ class MemberView:
     ``fresh``: it started without state of its own (a new joiner, or every member at a cold
     start); ``done``: the steps committed in the state it trains with; ``held``: the steps
     of its valid snapshots, newest first; ``numerics``: its numerics fingerprint as
-    ``NumericsFingerprint.as_dict()`` (numerics.py checks it; None: not told).
+    ``NumericsFingerprint.as_dict()`` (numerics.py checks it; None: not told); ``chunks``:
+    the chunk count its last sharded epoch cut the optimizer state into (shard_epoch.py
+    agrees the next one from these; None: it entered none).
     """
 
     fresh: bool
     done: int
     held: tuple[int, ...]
     numerics: Mapping[str, str | int] | None = None
+    chunks: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.fresh, bool):
@@ -65,12 +69,17 @@ class MemberView:
             raise ConfigError(
                 f"numerics={n!r} must be a mapping of at most {_MAX_NUMERICS} names to strs or ints"
             )
+        c = self.chunks
+        if c is not None and not (type(c) is int and 1 <= c <= MAX_CHUNKS):
+            raise ConfigError(f"chunks={c!r} must be an int in [1, {MAX_CHUNKS}] (or None)")
 
     def encode(self) -> bytes:
         """The view as it travels: compact JSON, at most ``VIEW_MAX_BYTES``."""
         data: dict[str, object] = {"fresh": self.fresh, "done": self.done, "held": list(self.held)}
         if self.numerics is not None:
             data["numerics"] = dict(self.numerics)
+        if self.chunks is not None:
+            data["chunks"] = self.chunks
         return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
@@ -82,16 +91,18 @@ class MemberView:
         except (UnicodeDecodeError, ValueError) as error:
             raise BadMessage(f"rank {rank}'s view is not JSON: {error}") from None
         fields = {"fresh", "done", "held"}
-        if not isinstance(obj, dict) or not fields <= set(obj) <= fields | {"numerics"}:
+        if not isinstance(obj, dict) or not fields <= set(obj) <= fields | {"numerics", "chunks"}:
             got = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
             raise BadMessage(
-                f"rank {rank}'s view must have fresh, done, held (and numerics), got {got}"
+                f"rank {rank}'s view must have fresh, done, held (and numerics, chunks), got {got}"
             )
         held = obj["held"]
         if not isinstance(held, list):
             raise BadMessage(f"rank {rank}'s view: held={held!r} must be a list of steps")
         try:
-            return cls(obj["fresh"], obj["done"], tuple(held), obj.get("numerics"))
+            return cls(
+                obj["fresh"], obj["done"], tuple(held), obj.get("numerics"), obj.get("chunks")
+            )
         except ConfigError as error:
             raise BadMessage(f"rank {rank}'s view: {error}") from None
 

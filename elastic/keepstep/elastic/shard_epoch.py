@@ -6,15 +6,18 @@ sizes and the member set gives both the elements each member steps (``owned``) a
 elements its snapshot keeps (``held``: its own chunks and one replica of another node's).
 
 Chunks for the life of a job
-    Every epoch cuts the same ``JOB_CHUNKS`` chunks, whatever its membership, so the
-    chunked layout's promise holds across epochs: after a node is lost, the new owner of
-    each lost chunk is (mostly) the member that kept its replica, and recovery moves
-    little more than that (tests/elastic/test_shard_fetch.py). 1,024 keeps the pieces a
-    member steps few (about 1,024 / W) and its load within ~10% of an even share. It
-    suits jobs of up to ~16 nodes: ``bench/shard_recovery_bytes.py`` moves 0-0.15x the
-    lost elements at 2-8 nodes, 0.43x at 16, 0.64x at 32 and 2.3x at 64, where 16 chunks
-    a node leave the load bound to force moves (a count chosen from the job's largest
-    size would keep ~512 a node).
+    Epochs cut the same chunks whatever their membership, so the chunked layout's promise
+    holds across epochs: after a node is lost, the new owner of each lost chunk is
+    (mostly) the member that kept its replica, and recovery moves little more than that
+    (tests/elastic/test_shard_fetch.py). How many: ``job_chunks`` of the epoch's nodes,
+    1,024 up to 16 nodes and doubled each time the nodes double past that, so a node
+    keeps 64-128 chunks (more below 16 nodes) and its load stays within ~10% of an even
+    share, while a member steps few pieces (about 1,024 / W at small W). The count only grows: ``agreed_chunks`` takes the
+    largest any member's last epoch cut (each member's ``MemberView`` says it), so a loss
+    keeps the chunks and a join cuts anew only when the job outgrows them (one move of
+    most of the state, at a planned change). ``bench/shard_recovery_bytes.py``, worst
+    loss: 0-0.14x the lost elements moved at 2-8 nodes, 0.43x at 16, 0.32x at 32 and
+    0.38x at 64 (with 1,024 chunks at 64 nodes, 16 a node, the load bound forced 2.3x).
 
 Tensor-aligned chunks
     The layout cuts a flattening in which every parameter starts on a multiple of
@@ -31,12 +34,39 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 from keepstep.elastic.shard import ChunkLayout, make_chunk_layout, place_replicas
+from keepstep.elastic.shard.chunks import MAX_CHUNKS
 from keepstep.elastic.shard.layout import Range, join_touching
 from keepstep.elastic.zero import ALIGN, Ownership
 
-__all__ = ["JOB_CHUNKS", "EpochShards", "as_node", "epoch_shards"]
+__all__ = [
+    "JOB_CHUNKS",
+    "EpochShards",
+    "agreed_chunks",
+    "as_node",
+    "epoch_shards",
+    "job_chunks",
+    "ownership_for",
+]
 
-JOB_CHUNKS = 1024
+JOB_CHUNKS = 1024  # the fewest chunks: a job of up to 16 nodes
+_PER_NODE = 64  # the fewest chunks a node keeps (below twice that), past 16 nodes
+
+
+def job_chunks(nodes: int) -> int:
+    """The chunk count for an epoch of ``nodes`` nodes: ``JOB_CHUNKS``, doubled until each
+    node has at least ``_PER_NODE`` chunks (and so fewer than twice that)."""
+    chunks = JOB_CHUNKS
+    while chunks < _PER_NODE * nodes and chunks < MAX_CHUNKS:
+        chunks *= 2
+    return chunks
+
+
+def agreed_chunks(members: Sequence[str], last: Sequence[int | None]) -> int:
+    """The chunk count of an epoch of ``members``, from what each one's last sharded epoch
+    cut (``last``, from every member's view; None: none): the most of those, or more when
+    the epoch has outgrown them. Every member computes it from the same views."""
+    nodes = len({as_node(m) for m in members})
+    return max([job_chunks(nodes), *(c for c in last if c is not None)])
 
 
 def as_node(member: str) -> str:
@@ -54,24 +84,34 @@ class EpochShards:
     owned: dict[str, tuple[Range, ...]]
     held: dict[str, tuple[Range, ...]]
     layout: ChunkLayout | None = field(default=None, compare=False, repr=False)
+    chunks: int = JOB_CHUNKS  # the chunk count it was cut with
 
     def ownership(self, ranks: Sequence[str]) -> Ownership:
         """The owned ranges in rank order (``ranks``: the communicator's members)."""
         return Ownership(self.sizes, tuple(self.owned[m] for m in ranks))
 
 
+def ownership_for(sizes: Sequence[int], members: Sequence[str]) -> Ownership:
+    """Who owns which elements in a first epoch of ``members`` (in rank order)."""
+    return epoch_shards(sizes, members, chunks=agreed_chunks(members, ())).ownership(members)
+
+
 def epoch_shards(
-    sizes: Sequence[int], members: Sequence[str], before: EpochShards | None = None
+    sizes: Sequence[int],
+    members: Sequence[str],
+    before: EpochShards | None = None,
+    chunks: int = JOB_CHUNKS,
 ) -> EpochShards:
-    """The shards of the epoch of ``members``; see the module docstring. ``before``: the
-    last epoch's, whose layout the new one is derived from when members only left (a
-    loss, a drain): the same shards as a fresh layout's at a fraction of the CPU, which
-    every member spends at every epoch it enters."""
+    """The shards of the epoch of ``members``, its state cut into about ``chunks`` chunks
+    (``agreed_chunks``); see the module docstring. ``before``: the last epoch's, whose
+    layout the new one is derived from when members only left (a loss, a drain) with the
+    same chunks: the same shards as a fresh layout's at a fraction of the CPU, which every
+    member spends at every epoch it enters."""
     real = (0, *accumulate(sizes))
     padded_sizes = [-(-n // ALIGN) * ALIGN for n in sizes]
     padded = (0, *accumulate(padded_sizes))
     units = padded[-1] // ALIGN
-    chunk = ALIGN * max(1, -(-units // JOB_CHUNKS))
+    chunk = ALIGN * max(1, -(-units // chunks))
     names = {m: as_node(m) for m in members}
     last = before.layout if before is not None else None
     if last is not None and last.sizes == tuple(padded_sizes) and last.chunk == chunk:
@@ -102,4 +142,5 @@ def epoch_shards(
         owned={m: unpad(owns.get(n, ())) for m, n in names.items()},
         held={m: unpad(keeps.get(n, ())) for m, n in names.items()},
         layout=layout,
+        chunks=chunks,
     )

@@ -7,7 +7,7 @@ owns, keeps optimizer state for those only, and the parameters are all-gathered 
 epoch's ``Communicator`` (``CommGather``), so a lost peer raises ``PeerLost`` like any
 other collective of the step and the step is not committed.
 
-    epoch entered -> restore the snapshot -> epoch_shards(sizes, members)
+    epoch entered -> restore the snapshot -> epoch_shards(sizes, members, agreed chunks)
       -> ZeroOptimizer(..., ownership of its chunks, CommGather(comm))
       -> each member fetches the pieces its windows need (fetch_and_join)
     first commit  -> zero.step() -> each owner sends its state to the replica holders
@@ -23,13 +23,6 @@ ZeRO-2
     reduction gives them. Clipping and the script's hooks read the whole gradient, so a
     job with them all-gathers it first (``grads_for_update``); otherwise the shard
     optimizer holds the gradient, where a grad scaler unscales it.
-
-Layout
-    Every epoch cuts the state into the same chunks and owns them by the chunked layout
-    (shard_epoch.py, shard/chunks.py): after a node is lost, the owner of each lost chunk
-    is (mostly) the member that kept its replica, so recovery moves little more than the
-    lost chunks' replicas that their new owners lack (``tests/elastic/test_shard_fetch.py``
-    bounds it by the lost elements).
 
 Snapshots
     A member's snapshot keeps its own chunks and one replica of another node's, about
@@ -62,7 +55,7 @@ from keepstep.elastic.errors import ConfigError, KeepstepError
 from keepstep.elastic.reduce_base import ReduceDone, ReduceOutcome, Settled
 from keepstep.elastic.reduce_exact import ExactReducer
 from keepstep.elastic.shard.layout import Range
-from keepstep.elastic.shard_epoch import EpochShards, epoch_shards
+from keepstep.elastic.shard_epoch import EpochShards, agreed_chunks, epoch_shards
 from keepstep.elastic.shard_figures import ShardFigures, optimizer_sha256, shard_figures
 from keepstep.elastic.sharded_comm import GradCollective, PieceCollective
 from keepstep.elastic.sharded_snapshot import (
@@ -74,7 +67,7 @@ from keepstep.elastic.sharded_snapshot import (
 )
 from keepstep.elastic.snapshot_pieces import indexed_values, pack_segments
 from keepstep.elastic.snapshot_shard import PieceKey
-from keepstep.elastic.zero import Ownership, ZeroOptimizer
+from keepstep.elastic.zero import ZeroOptimizer
 from keepstep.elastic.zero.gather import CommGather, TensorCollective
 from keepstep.elastic.zero.grads import GradShard
 from keepstep.elastic.zero.optimizers import check_supported
@@ -89,17 +82,9 @@ __all__ = [
     "ShardedOptimizer",
     "TensorCollective",
     "optimizer_sha256",
-    "ownership_for",
     "shard_figures",
     "sharded_optimizer",
 ]
-
-
-def ownership_for(sizes: Sequence[int], members: Sequence[str]) -> Ownership:
-    """Who owns which elements in the epoch of ``members`` (sorted: the communicator's rank
-    order): the chunks of ``epoch_shards``, many ranges per member, each starting on an
-    ``ALIGN`` boundary of its tensor so windows are the pieces themselves."""
-    return epoch_shards(sizes, members).ownership(members)
 
 
 class ShardedOptimizer:
@@ -137,8 +122,7 @@ class ShardedOptimizer:
         # Per rank of the epoch: what it steps and what its snapshots keep (optimizer order).
         self._owners: list[list[Range]] = []
         self._all_holds: list[tuple[Range, ...]] = []
-        # The last epoch's shards: the next epoch's layout is derived from them.
-        self._shards: EpochShards | None = None
+        self._shards: EpochShards | None = None  # the last epoch's: the next is derived from it
         self._keeping: EpochShards | None = None
         job_index = {id(p): t for t, p in enumerate(self.params)}
         self._opt_of = {job_index[id(p)]: i for i, p in enumerate(mine) if id(p) in job_index}
@@ -147,8 +131,7 @@ class ShardedOptimizer:
         # ZeRO-1, from the epoch's second commit: the replicas this member keeps, stepped
         # here (zero/replicas.py) instead of sent by their owners at every commit.
         self._replicas: ReplicaSteps | None = None
-        # ZeRO-1: the last `_local` segments (views of the live state, so they read each
-        # step's values) and the identity of every state value they view.
+        # ZeRO-1: the last `_local` segments (views of the live state) and their values' ids.
         self._segments: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
         self._timeout = timedelta(seconds=60)
         self._restored = b""  # the pieces of the snapshot just restored
@@ -162,15 +145,27 @@ class ShardedOptimizer:
         self._restored = b"" if raw is None else raw.numpy().tobytes()
         return extra
 
-    def enter(self, comm: PieceCollective, members: Sequence[str], timeout: timedelta) -> None:
-        """Build the epoch's shards. The job restored the snapshot just before: a full one
-        (step 0) left the state in the script's optimizer, which the ZeroOptimizer cuts
-        from and clears; one of pieces left them here, and each member fetches the pieces
-        its windows need from their holders (a collective: ``StateShapeError`` if an
-        element has no live copy)."""
+    @property
+    def chunks(self) -> int | None:  # the last epoch's chunk count, for the member's view
+        return None if self._shards is None else self._shards.chunks
+
+    def enter(
+        self,
+        comm: PieceCollective,
+        members: Sequence[str],
+        timeout: timedelta,
+        last_chunks: Sequence[int | None] = (),
+    ) -> None:
+        """Build the epoch's shards, cut into the chunks agreed from every member's last
+        (``last_chunks``, from the views: shard_epoch.agreed_chunks). The job restored the
+        snapshot just before: a full one (step 0) left the state in the script's optimizer,
+        which the ZeroOptimizer cuts from and clears; one of pieces left them here, and each
+        member fetches the pieces its windows need from their holders (a collective:
+        ``StateShapeError`` if an element has no live copy)."""
         self.leave()
         started = time.perf_counter()
-        shards = epoch_shards([p.numel() for p in self.params], members, self._shards)
+        chunks = agreed_chunks(members, last_chunks)
+        shards = epoch_shards([p.numel() for p in self.params], members, self._shards, chunks)
         self.zero = ZeroOptimizer(
             self.params,
             self.optimizer,
@@ -183,7 +178,11 @@ class ShardedOptimizer:
             self.grad_shard = GradShard(self.zero.ownership, lo, self.zero.windows, comm.rank)
         # Snapshots cut pieces in the optimizer's parameter order: the same shards when
         # that is the job's order (the usual case), so a member keeps its own chunks.
-        keeping = shards if self._same_order else epoch_shards(self._sizes, members, self._keeping)
+        keeping = (
+            shards
+            if self._same_order
+            else epoch_shards(self._sizes, members, self._keeping, chunks)
+        )
         self._shards, self._keeping = shards, keeping
         self._all_holds = [keeping.held[m] for m in members]
         offsets = [0, *accumulate(self._sizes)]
@@ -204,8 +203,9 @@ class ShardedOptimizer:
         self.received_bytes = got.received_bytes
         self.enter_s = time.perf_counter() - started
         log.info(
-            "epoch shards in %.3f s: layout and shard optimizer %.3f s, fetch and join %.3f s "
-            "(%d B received), load %.3f s",
+            "epoch shards (%d chunks) in %.3f s: layout and shard optimizer %.3f s, fetch and "
+            "join %.3f s (%d B received), load %.3f s",
+            chunks,
             self.enter_s,
             built - started,
             fetched - built,
