@@ -12,12 +12,13 @@ Chunks for the life of a job
     (tests/elastic/test_shard_fetch.py). How many: ``job_chunks`` of the epoch's nodes,
     1,024 up to 16 nodes and doubled each time the nodes double past that, so a node
     keeps 64-128 chunks (more below 16 nodes) and its load stays within ~10% of an even
-    share, while a member steps few pieces (about 1,024 / W at small W). The count only grows: ``agreed_chunks`` takes the
-    largest any member's last epoch cut (each member's ``MemberView`` says it), so a loss
-    keeps the chunks and a join cuts anew only when the job outgrows them (one move of
-    most of the state, at a planned change). ``bench/shard_recovery_bytes.py``, worst
-    loss: 0-0.14x the lost elements moved at 2-8 nodes, 0.43x at 16, 0.32x at 32 and
-    0.38x at 64 (with 1,024 chunks at 64 nodes, 16 a node, the load bound forced 2.3x).
+    share, while a member steps few pieces (about 1,024 / W at small W). The count only
+    grows: ``agreed_chunks`` takes the largest any member's last epoch cut (each member's
+    ``MemberView`` says it), so a loss keeps the chunks and a join cuts anew only when the
+    job outgrows them (one move of most of the state, at a planned change).
+    ``bench/shard_recovery_bytes.py``, worst loss: 0-0.14x the lost elements moved at 2-8
+    nodes, 0.43x at 16, 0.32x at 32 and 0.38x at 64 (with 1,024 chunks at 64 nodes, 16 a
+    node, the load bound forced 2.3x).
 
 Tensor-aligned chunks
     The layout cuts a flattening in which every parameter starts on a multiple of
