@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from keepstep.agent.kv import KVError, KVTimeout, WatchEvent
+from keepstep.agent.kv import KVError, KVTimeout, KVUnavailable, WatchEvent
 from keepstep.agent.kv.etcd import EtcdKV, parse_endpoint, range_end
 from keepstep.elastic.errors import ConfigError
 from keepstep.launch.etcd_server import EtcdServer, EtcdServerError, find_etcd, member_args
@@ -241,6 +241,44 @@ def test_watch_survives_a_server_restart_without_gaps_or_repeats(server: EtcdSer
         ("delete", "/w/1", None),
     ]
     assert [e.revision for e in seen] == sorted({e.revision for e in seen})
+
+
+def test_a_watch_opened_while_etcd_is_unreachable_is_retried_until_its_timeout(
+    server: EtcdServer,
+) -> None:
+    kv = EtcdKV(server.endpoint, timeout=15.0)
+    kv.put("/w/0", b"old", 2.0)
+    server.kill()
+    seen: list[WatchEvent] = []
+    opened: list[Callable[[], None] | BaseException] = []
+
+    def open_watch() -> None:
+        try:
+            opened.append(kv.watch_prefix("/w/", seen.append))
+        except BaseException as error:  # reported below
+            opened.append(error)
+
+    thread = threading.Thread(target=open_watch)
+    thread.start()
+    time.sleep(1.0)  # its first tries meet a closed port (UNAVAILABLE)
+    assert opened == []  # still trying, not failed
+    server.restart()
+    thread.join(20.0)
+    assert len(opened) == 1 and callable(opened[0]), opened
+    kv.put("/w/1", b"new", 5.0)
+    deadline = time.monotonic() + 10.0
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.02)
+    opened[0]()
+    assert [(e.kind, e.key, e.value) for e in seen] == [("put", "/w/1", b"new")]
+    # Still unreachable when its timeout ends: the cause is named, within the timeout.
+    server.kill()
+    short = EtcdKV(server.endpoint, timeout=1.0)
+    err, took = timed(lambda: short.watch_prefix("/w/", seen.append))
+    assert isinstance(err, KVUnavailable) and "UNAVAILABLE" in str(err), err
+    assert took < 2.0
+    short.close()
+    kv.close()
 
 
 class CountingLeases:

@@ -71,6 +71,7 @@ class EtcdWatch:
         self._stop = threading.Event()
         self._created = threading.Event()
         self._first_error: KVError | None = None
+        self._unreachable: KVError | None = None  # why the last try to open it failed
         self._lock = threading.Lock()
         self._call: Any = None
         self._stream_done: threading.Event | None = None
@@ -82,6 +83,8 @@ class EtcdWatch:
         """Return once etcd confirmed the watch: every later write will be seen."""
         self._thread.start()
         if not self._created.wait(timeout):
+            if self._unreachable is not None:  # etcd never answered: say why
+                raise self._unreachable
             raise KVTimeout(f"watch {self._prefix!r}: etcd did not confirm within {timeout} s")
         if self._first_error is not None:
             raise self._first_error
@@ -107,17 +110,24 @@ class EtcdWatch:
                 if self._stop.is_set():
                     return
                 if not self._created.is_set():
-                    self._first_error = rpc_error(f"watch {self._prefix!r}", err, 0)
-                    self._created.set()
-                    return
-                failures += 1
-                log.log(
-                    logging.WARNING if failures == 1 else logging.DEBUG,
-                    "watch %r lost its stream (%s); reopening at revision %s",
-                    self._prefix,
-                    err.code().name,
-                    self._next_revision,
-                )
+                    error = rpc_error(f"watch {self._prefix!r}", err, 0)
+                    if err.code() != grpc.StatusCode.UNAVAILABLE:
+                        self._first_error = error
+                        self._created.set()
+                        return
+                    # Not reached yet (etcd starting, or a handshake that failed on a loaded
+                    # machine): tried again until `start` gives up, as reads are.
+                    self._unreachable = error
+                    log.debug("opening watch %r: %s; trying again", self._prefix, error)
+                else:
+                    failures += 1
+                    log.log(
+                        logging.WARNING if failures == 1 else logging.DEBUG,
+                        "watch %r lost its stream (%s); reopening at revision %s",
+                        self._prefix,
+                        err.code().name,
+                        self._next_revision,
+                    )
             if self._stop.wait(backoff):
                 return
             backoff = min(2 * backoff, 1.0)
