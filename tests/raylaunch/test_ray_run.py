@@ -144,6 +144,8 @@ def ray_run(
 
 def check(summary: dict[str, Any], reference: str, tmp: Path) -> None:
     assert summary["failures"] == []
+    # A node lost without a fault says how (its actor's state and why, the launcher's notes).
+    assert summary["ray"]["lost_without_fault"] == [], summary["ray"]
     assert summary["params_sha256"] == reference
     assert summary["steps"] == STEPS
     samples = summary["samples"]
@@ -226,5 +228,5 @@ def test_an_added_raylet_grows_the_job(
     assert [(r["node"], r["rolled_back_steps"]) for r in join] == [("n3", 0)], summary["recoveries"]
     nodes = summary["ray"]["nodes"]
     assert nodes["n3"]["ray_node"] not in before  # on the raylet added mid-run
-    assert summary["agent_exit_codes"] == {f"n{i}": 0 for i in range(4)}
+    assert summary["agent_exit_codes"] == {f"n{i}": 0 for i in range(4)}, summary["ray"]
     assert summary["faults"][0]["node"] == "n3"
