@@ -11,6 +11,11 @@ the job runs). Prints, per shape, the chunk count,
 the elements moved over the lost elements (ideal: at most 1; the issue's target 1.1)
 worst and mean over the lost nodes, the most any one member sends over an even share
 of the lost elements, and the time to compute shards and plan. Pure: no processes.
+
+ZeRO-1 also fetches, entering, the replicas each survivor keeps in the new epoch (it
+steps them from the first commit on instead of receiving them at every commit): the
+"with_replicas" figures are the elements that plan moves over what the lost node held
+(its own chunks and the replicas it kept, each of which needs a new keeper: ideal 1).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 
 from keepstep.elastic.shard.fetch import Announcement, plan_fetches
 from keepstep.elastic.shard_epoch import agreed_chunks, epoch_shards
+from keepstep.elastic.snapshot_shard import merge
 
 SHAPES = [(2, 1), (4, 1), (4, 2), (8, 1), (8, 2), (16, 1), (32, 1), (64, 1)]
 
@@ -39,7 +45,7 @@ def one_shape(sizes: list[int], nodes: int, per_node: int) -> dict[str, float]:
     start = time.perf_counter()
     chunks = agreed_chunks(members, ())  # a first epoch's count, kept after a loss
     before = epoch_shards(sizes, members, chunks=chunks)
-    ratios, sender_ratios, plan_s = [], [], []
+    ratios, sender_ratios, plan_s, replica_ratios = [], [], [], []
     for lost_node in range(nodes):
         survivors = [m for m in members if not m.startswith(f"n{lost_node}/")]
         t0 = time.perf_counter()
@@ -51,12 +57,20 @@ def one_shape(sizes: list[int], nodes: int, per_node: int) -> dict[str, float]:
         sent = [plan.sent(s) for s in range(len(survivors))]
         ratios.append(sum(sent) / lost)
         sender_ratios.append(max(sent) / (lost / len(survivors)))
+        kept = [merge([*after.owned[m], *after.held[m]]) for m in survivors]
+        full = plan_fetches(
+            [Announcement(before.held[m], k) for m, k in zip(survivors, kept, strict=True)]
+        )
+        held = sum(r.size for m in members if m not in survivors for r in before.held[m])
+        replica_ratios.append(sum(full.sent(s) for s in range(len(survivors))) / held)
     return {
         "members": len(members),
         "chunks": chunks,
         "moved_over_lost_max": round(max(ratios), 4),
         "moved_over_lost_mean": round(sum(ratios) / len(ratios), 4),
         "max_sender_over_even_share": round(max(sender_ratios), 3),
+        "with_replicas_over_lost_held_max": round(max(replica_ratios), 4),
+        "with_replicas_over_lost_held_mean": round(sum(replica_ratios) / len(replica_ratios), 4),
         "first_shards_s": round(plan_s[0] if plan_s else 0.0, 4),
         "shards_and_plan_s_mean": round(sum(plan_s) / len(plan_s), 4),
         "total_s": round(time.perf_counter() - start, 2),

@@ -28,7 +28,7 @@ from keepstep.elastic.shard import Range, make_chunk_layout, make_layout, node_o
 from keepstep.elastic.shard.layout import pieces_of
 from keepstep.elastic.shard_epoch import epoch_shards
 from keepstep.elastic.sharded import optimizer_sha256
-from keepstep.elastic.sharded_snapshot import fetch_and_join, pieces_tensor
+from keepstep.elastic.sharded_snapshot import fetch_and_join, pieces_tensor, replica_keys
 from keepstep.elastic.snapshot_pieces import (
     index_pieces,
     indexed_values,
@@ -272,7 +272,11 @@ def _windows(need: list[Range], sizes: list[int]) -> list[PieceKey]:
 
 
 def _enter(
-    raws: list[bytes], needs: list[list[Range]], sizes: list[int], hub: Any = None
+    raws: list[bytes],
+    needs: list[list[Range]],
+    sizes: list[int],
+    hub: Any = None,
+    replicas: list[list[PieceKey]] | None = None,
 ) -> list[Any]:
     """fetch_and_join on every member at once: each one's Fetched, or the error it raised."""
     hub = hub or _Hub(len(raws))
@@ -283,7 +287,13 @@ def _enter(
         try:
             windows = _windows(needs[rank], sizes)
             out[rank] = fetch_and_join(
-                hub.member(rank), raws[rank], windows, sizes, keys, timedelta(5)
+                hub.member(rank),
+                raws[rank],
+                windows,
+                sizes,
+                keys,
+                timedelta(5),
+                replicas[rank] if replicas else (),
             )
         except StateShapeError as err:
             out[rank] = err
@@ -346,6 +356,44 @@ def test_the_job_keeps_pieces_and_fetches_what_it_lacks_after_a_loss_or_refuses(
     two = epoch_shards(sizes, pair)
     refused = _enter([raw[m] for m in pair], [list(two.owned[m]) for m in pair], sizes)
     assert all(isinstance(e, StateShapeError) and "no live copy" in str(e) for e in refused)
+
+
+def test_zero1_fetches_its_new_replicas_on_entering_and_moves_what_the_lost_node_held() -> None:
+    """ZeRO-1 asks, entering, for the replicas it keeps in the new epoch too (it steps them
+    from the first commit on): after a loss every survivor gets its windows and replicas
+    with the full bits, its snapshot's holds are exactly covered, and what moves in all is
+    what the lost node held (its own chunks and its replicas, each needing a new keeper)."""
+    params, opt = _trained_adam()
+    sizes = [p.numel() for p in params]
+    keys = ELEMENTWISE[torch.optim.Adam]
+    full = opt.state_dict()
+    members = [f"n{i}/0" for i in range(5)]
+    before = epoch_shards(sizes, members)
+    raw = {m: pieces_tensor(full, sizes, keys, before.held[m]).numpy().tobytes() for m in members}
+    survivors = [m for m in members if m != "n2/0"]
+    after = epoch_shards(sizes, survivors, before)
+    wanted = [replica_keys(after.held[m], after.owned[m], sizes) for m in survivors]
+    needs = [list(after.owned[m]) for m in survivors]
+    got = _enter([raw[m] for m in survivors], needs, sizes, _Hub(4), wanted)
+    offsets = [0, *itertools.accumulate(sizes)]
+    for m, fetched, asked in zip(survivors, got, wanted, strict=True):
+        assert asked and list(fetched.replicas) == asked
+        kept = merge(
+            Range(offsets[t] + a, offsets[t] + b)
+            for t, a, b in [*asked, *_windows(list(after.owned[m]), sizes)]
+        )
+        assert kept == merge(after.held[m])  # its own chunks and its replicas, no more
+        for (t, a, b), state in fetched.replicas.items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[key], full["state"][t][key].reshape(-1)[a:b])
+            assert torch.equal(state["step"], full["state"][t]["step"])
+    lost_held = sum(r.size for r in before.held["n2/0"])
+    moved = sum(f.received_bytes for f in got)
+    assert lost_held * 2 * 4 <= moved <= 1.1 * lost_held * 2 * 4 + 4 * 4096, (moved, lost_held)
+    # Without the replicas (ZeRO-2), only the lost node's own chunks' windows could move.
+    windows_only = _enter([raw[m] for m in survivors], needs, sizes)
+    assert all(f.replicas == {} for f in windows_only)
+    assert sum(f.received_bytes for f in windows_only) < moved / 2
 
 
 def test_epoch_shards_own_tensor_aligned_pieces_and_keep_replicas_elsewhere() -> None:

@@ -136,7 +136,9 @@ def test_a_lost_member_leaves_the_numbers_of_the_fault_free_run(
     by_step = {int(k): v for k, v in result.results["m0"]["world_size_by_step"].items()}
     assert by_step[0] == 4 and by_step[STEPS - 1] == 3
     # Entering, each survivor fetched only what it lacked, by rank-to-rank transfers:
-    # in all at most the lost member's share of the two Adam moments (plus headers).
+    # ZeRO-2 at most the lost member's share of the two Adam moments (plus headers);
+    # ZeRO-1 also the replicas it keeps in the new epoch (it steps them from the first
+    # commit on, so no commit sends state): what m3 held, its own chunks and replicas.
     entered = {
         (m, r["epoch"]): r
         for m in ("m0", "m1", "m2")
@@ -146,7 +148,10 @@ def test_a_lost_member_leaves_the_numbers_of_the_fault_free_run(
     lost = total - sum(entered[m, 0]["stepped_elements"] for m in ("m0", "m1", "m2"))
     moved = sum(entered[m, 1]["reshard_bytes"] for m in ("m0", "m1", "m2"))
     assert 0 < lost < total / 2
-    assert 0 <= moved <= 1.1 * lost * 2 * 4 + 3 * 4096
+    if shard == "zero2":
+        assert 0 <= moved <= 1.1 * lost * 2 * 4 + 3 * 4096
+    else:  # m3 kept about twice the elements it stepped
+        assert 1.5 * lost * 2 * 4 <= moved <= 1.1 * 2 * lost * 2 * 4 + 3 * 4096
     print(f"m3's {lost} of {total} elements lost; survivors received {moved} bytes")
 
 

@@ -9,12 +9,13 @@ other collective of the step and the step is not committed.
 
     epoch entered -> restore the snapshot -> epoch_shards(sizes, members, agreed chunks)
       -> ZeroOptimizer(..., ownership of its chunks, CommGather(comm))
-      -> each member fetches the pieces its windows need (fetch_and_join)
-    first commit  -> zero.step() -> each owner sends its state to the replica holders
-                  -> the snapshot keeps this member's pieces (exchange_pieces)
-    later commits -> ZeRO-1: the replicas are stepped where they are kept (zero/replicas.py)
-                     and nothing is sent; ZeRO-2: as the first (no member holds others'
-                     gradients)
+      -> each member fetches the pieces its windows need, and (ZeRO-1) the replicas it
+         keeps in this epoch (fetch_and_join); the replicas are stepped where they are
+         kept (zero/replicas.py), so no commit sends optimizer state
+    commit        -> zero.step() -> ZeRO-1: the snapshot keeps this member's pieces and
+                     its replicas, nothing sent; ZeRO-2, and ZeRO-1's first commit after
+                     a full snapshot (step 0, an unsharded checkpoint): each owner sends its
+                     state to the replica holders (exchange_pieces)
 
 ZeRO-2
     With ``shard="zero2"`` the step's exact sum is reduce-scattered instead of all-reduced
@@ -26,13 +27,11 @@ ZeRO-2
 
 Snapshots
     A member's snapshot keeps its own chunks and one replica of another node's, about
-    2/W of the state (sharded_snapshot.py), exchanged by one ``alltoall`` (about 1/W of
-    the state out; no member gathers the full state). Entering an epoch (a loss, a drain,
-    a join, a rollback) every member restores its snapshot, announces what it holds and
-    what its windows need, and receives only what it lacks, each element from one holder,
-    by one ``alltoall`` (``received_bytes``): any single-node loss leaves a live copy of
-    every element; a double fault is reported (StateShapeError) on every member. The full
-    state is gathered only on request (``full_state``: the optimizer-state hash). Durable
+    2/W of the state (sharded_snapshot.py). Entering an epoch every member restores its
+    snapshot, announces what it holds and needs, and receives only what it lacks, each
+    element from one holder, by one ``alltoall`` (``received_bytes``; after a loss, ZeRO-1
+    receives what the lost node held). A double fault is reported (StateShapeError) on
+    every member. The full state is gathered only on request (``full_state``). Durable
     checkpoints: each member's snapshot is one part (the agent's durable/parts.py), joined
     on resume into one snapshot for a job of any size (sharded_checkpoint.py).
 """
@@ -62,6 +61,7 @@ from keepstep.elastic.sharded_snapshot import (
     exchange_pieces,
     fetch_and_join,
     own_pieces,
+    replica_keys,
     snapshot_entries,
     take_pieces,
 )
@@ -128,8 +128,8 @@ class ShardedOptimizer:
         self._opt_of = {job_index[id(p)]: i for i, p in enumerate(mine) if id(p) in job_index}
         self._comm: PieceCollective | None = None
         self._buffers = Buffers()  # the epoch's commit buffers (sharded_snapshot.Buffers)
-        # ZeRO-1, from the epoch's second commit: the replicas this member keeps, stepped
-        # here (zero/replicas.py) instead of sent by their owners at every commit.
+        # ZeRO-1: the replicas this member keeps (fetched at enter, or received at the
+        # first commit after a full snapshot), stepped here instead of sent by their owners.
         self._replicas: ReplicaSteps | None = None
         # ZeRO-1: the last `_local` segments (views of the live state) and their values' ids.
         self._segments: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
@@ -160,8 +160,8 @@ class ShardedOptimizer:
         (``last_chunks``, from the views: shard_epoch.agreed_chunks). The job restored the
         snapshot just before: a full one (step 0) left the state in the script's optimizer,
         which the ZeroOptimizer cuts from and clears; one of pieces left them here, and each
-        member fetches the pieces its windows need from their holders (a collective:
-        ``StateShapeError`` if an element has no live copy)."""
+        member fetches the pieces its windows (and, ZeRO-1, its replicas) need from their
+        holders (a collective: ``StateShapeError`` if an element has no live copy)."""
         self.leave()
         started = time.perf_counter()
         chunks = agreed_chunks(members, last_chunks)
@@ -194,28 +194,29 @@ class ShardedOptimizer:
         self._comm, self._timeout, self._buffers = comm, timeout, Buffers()
         windows = [PieceKey(*w) for w in self.zero.needed()]
         mine, self._restored = self._restored, b""
+        holds, owned = self._all_holds[comm.rank], self._owners[comm.rank]
+        # ZeRO-1 steps its replicas; ZeRO-2 lacks the others' gradients to step them with.
+        replicas = replica_keys(holds, owned, self._sizes) if self.reducer is None else []
         built = time.perf_counter()
-        got = fetch_and_join(comm, mine, windows, self._sizes, self.keys, timeout)
+        got = fetch_and_join(comm, mine, windows, self._sizes, self.keys, timeout, replicas)
         fetched = time.perf_counter()
         if got.state is not None:
             groups = self.optimizer.state_dict()["param_groups"]
             self.zero.load_window_states(got.state, groups)
+            if self.reducer is None:
+                self._replicas = ReplicaSteps(self.optimizer, got.replicas, self.keys)
         self.received_bytes = got.received_bytes
         self.enter_s = time.perf_counter() - started
         log.info(
             "epoch shards (%d chunks) in %.3f s: layout and shard optimizer %.3f s, fetch and "
             "join %.3f s (%d B received), load %.3f s",
-            chunks,
-            self.enter_s,
-            built - started,
-            fetched - built,
-            got.received_bytes,
-            self.enter_s - (fetched - started),
+            *(chunks, self.enter_s, built - started, fetched - built),
+            *(got.received_bytes, self.enter_s - (fetched - started)),
         )
 
     def state_bytes(self) -> int:
-        """Optimizer-state bytes this member holds now: its shard's and, for ZeRO-1 after
-        the epoch's first commit, the replicas it steps (0 outside an epoch)."""
+        """Optimizer-state bytes this member holds now: its shard's and, for ZeRO-1, the
+        replicas it steps (0 outside an epoch)."""
         if self.zero is None:
             return 0
         replicas = 0 if self._replicas is None else self._replicas.state_bytes()
@@ -283,9 +284,8 @@ class ShardedOptimizer:
         return self.zero.inner
 
     def step(self) -> None:
-        """The sharded step, then the exchange of the snapshot's replicas (both
-        collectives: ``PeerLost`` leaves the step uncommitted, and the job restores its
-        snapshot)."""
+        """The sharded step and the snapshot's pieces (collectives: ``PeerLost`` leaves the
+        step uncommitted, and the job restores its snapshot)."""
         if self.zero is None:
             raise ConfigError("the sharded optimizer steps only inside an epoch")
         self._pieces = None
@@ -339,8 +339,8 @@ class ShardedOptimizer:
         return pack_segments(own, received)
 
     def _local(self) -> list[torch.Tensor]:
-        """ZeRO-1 after the epoch's first commit: this member's own pieces and the replicas
-        it stepped, as the exchange would have given them, with nothing sent. Segments view
+        """ZeRO-1 with its replicas: this member's own pieces and the replicas it stepped,
+        as the exchange would have given them, with nothing sent. Segments view
         the state, which the optimizers update in place: while it holds the same value
         objects, the last commit's segments read this one's values (not cut again)."""
         assert self._comm is not None and self._replicas is not None and self.zero is not None

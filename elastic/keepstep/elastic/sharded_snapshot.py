@@ -2,18 +2,20 @@
 
 Where it sits: between sharded.py (the job's ZeRO-1/2) and the snapshot store. At a
 commit each member sends its peers the parts of its own state they keep as replicas
-(``exchange_pieces``: one ``alltoall``, no full gather), and what it keeps by the epoch's
-chunked layout (shard_epoch.py: its own chunks and one replica of another node's) goes
-into the snapshot in the checked wire format of snapshot_pieces.py, as the segments of
-that payload (``extra/shard_pieces.00000``, ``.00001``, ...: the header, then views of the
-state and of the received replicas, which the snapshot store copies in the background,
-off the step's path; a snapshot written before held one tensor, ``extra/shard_pieces``,
-and ``take_pieces`` reads both); the snapshot's optimizer part holds the param groups only. On
-entering an epoch the members announce what their restored snapshots hold and what
-their new windows need, every member computes the same disjoint plan from that
-(``shard.fetch``), and the pieces move rank to rank in one ``alltoall``
-(``fetch_and_join``): a member receives only what it needs and lacks, from one holder
-each. After the loss of one node every element still has a live copy
+(``exchange_pieces``: one ``alltoall``, no full gather; ZeRO-1 only after a full
+snapshot, as it fetches its replicas entering an epoch and steps them itself), and what
+it keeps by the epoch's chunked layout (shard_epoch.py: its own chunks and one replica
+of another node's) goes into the snapshot in the checked wire format of
+snapshot_pieces.py, as the segments of that payload (``extra/shard_pieces.00000``,
+``.00001``, ...: the header, then views of the state and of the received replicas, which
+the snapshot store copies in the background, off the step's path; a snapshot written
+before held one tensor, ``extra/shard_pieces``, and ``take_pieces`` reads both); the
+snapshot's optimizer part holds the param groups only. On entering an epoch the members
+announce what their restored snapshots hold and what their new windows need, every
+member computes the same disjoint plan from that (``shard.fetch``), and the pieces move
+rank to rank in one ``alltoall`` (``fetch_and_join``): a member receives only what it
+needs and lacks (ZeRO-1: for its windows and its replicas), from one holder each. After
+the loss of one node every element still has a live copy
 (tests/elastic/test_shard_snapshot.py); a double fault that takes an element's owner and
 replica raises ``StateShapeError`` naming it on every member together, never a silently
 wrong state.
@@ -31,7 +33,14 @@ import torch
 
 from keepstep.elastic.comm.rounds import Alloc, Buffers
 from keepstep.elastic.errors import BadMessage, SnapshotCorrupt, StateShapeError
-from keepstep.elastic.shard.fetch import Announcement, BadAnnouncement, decode, encode, plan_fetches
+from keepstep.elastic.shard.fetch import (
+    Announcement,
+    BadAnnouncement,
+    decode,
+    encode,
+    minus,
+    plan_fetches,
+)
 from keepstep.elastic.shard.fetch import limit as announcement_limit
 from keepstep.elastic.shard.layout import Range, pieces_of
 from keepstep.elastic.snapshot_pieces import (
@@ -60,6 +69,7 @@ __all__ = [
     "is_pieces",
     "own_pieces",
     "pieces_tensor",
+    "replica_keys",
     "snapshot_entries",
     "take_pieces",
 ]
@@ -224,13 +234,26 @@ def _meet(a: Sequence[Range], b: Sequence[Range]) -> tuple[Range, ...]:
     return merge(out)
 
 
+def replica_keys(
+    holds: Sequence[Range], owned: Sequence[Range], sizes: Sequence[int]
+) -> list[PieceKey]:
+    """The pieces a member keeps as replicas: its ``holds`` outside what it ``owned``
+    (ranges of the flattened state), cut per tensor, and every empty parameter's piece
+    (its per-tensor state, which every member's snapshot keeps), as ``exchange_pieces``
+    gives them to it."""
+    offsets = (0, *accumulate(sizes))
+    cut = {PieceKey(*p) for r in minus(merge(holds), merge(owned)) for p in pieces_of(offsets, *r)}
+    return sorted(cut | {PieceKey(t, 0, 0) for t, size in enumerate(sizes) if size == 0})
+
+
 class Fetched(NamedTuple):
     """What entering an epoch joined: the state of each window this member steps (None:
-    no member's snapshot held pieces, a full snapshot of step 0) and the bytes it
-    received."""
+    no member's snapshot held pieces, a full snapshot of step 0), the bytes it received,
+    and the state of each replica piece it was asked for (empty with ``state`` None)."""
 
     state: list[dict[str, Any]] | None
     received_bytes: int
+    replicas: dict[PieceKey, dict[str, Any]]
 
 
 def fetch_and_join(
@@ -240,18 +263,20 @@ def fetch_and_join(
     sizes: Sequence[int],
     keys: frozenset[str],
     timeout: timedelta,
+    replicas: Sequence[PieceKey] = (),
 ) -> Fetched:
     """The state of each of ``windows`` (elements of the optimizer's parameters, in its
-    parameter order), joined from this member's snapshot pieces ``mine`` and the pieces it
-    lacks, fetched by the disjoint plan; no parameter's full state is built. A
-    collective: every member of the epoch calls it, with ``b""`` if its snapshot holds
-    none. ``StateShapeError`` (on every member) when some member needs an element that no
+    parameter order) and of each of the ``replicas`` pieces this member will keep (ZeRO-1:
+    ``replica_keys``), joined from its snapshot pieces ``mine`` and the pieces it lacks,
+    fetched by the disjoint plan; no parameter's full state is built. A collective: every
+    member of the epoch calls it, with ``b""`` if its snapshot holds none.
+    ``StateShapeError`` (on every member) when some member needs an element that no
     member holds."""
     total = sum(sizes)
     offsets = (0, *accumulate(sizes))
     parts = unpack_pieces(mine, sizes, keys) if mine else {}
     held = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in parts if b > a)
-    need = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in windows)
+    need = merge(Range(offsets[t] + a, offsets[t] + b) for t, a, b in (*windows, *replicas))
     said = comm.allgather_bytes(
         encode(Announcement(held, need)), announcement_limit(total), timeout
     )
@@ -262,7 +287,7 @@ def fetch_and_join(
         except BadAnnouncement as err:
             raise BadMessage(f"rank {rank}'s announcement of its pieces: {err}") from None
     if not any(a.held for a in announced):  # decided from what all members see alike
-        return Fetched(None, 0)  # every snapshot was a full one (step 0)
+        return Fetched(None, 0, {})  # every snapshot was a full one (step 0)
     plan = plan_fetches(announced)
     if plan.lost:
         raise StateShapeError(
@@ -272,7 +297,7 @@ def fetch_and_join(
     if not any(plan.sent(src) for src in range(len(announced))):
         # Every member holds what it needs (the usual loss: the replicas' keepers own the
         # lost chunks now). All see the same plan, so all skip the round together.
-        return Fetched(join_windows([parts], windows, keys), 0)
+        return _joined([parts], windows, replicas, keys, 0)
     payloads = [
         pack_pieces(cut_pieces(parts, offsets, keys, ranges)) if ranges else b""
         for ranges in plan.sends[comm.rank]
@@ -281,7 +306,20 @@ def fetch_and_join(
     limit = 16 * values + (1 << 24)  # 8 bytes a value, twice over; headers well inside
     got = comm.alltoall_bytes(payloads, limit, timeout)
     joined = [parts, *(unpack_pieces(raw, sizes, keys) for raw in got if raw)]
-    return Fetched(join_windows(joined, windows, keys), sum(len(raw) for raw in got))
+    return _joined(joined, windows, replicas, keys, sum(len(raw) for raw in got))
+
+
+def _joined(
+    parts: Sequence[Mapping[PieceKey, Mapping[str, Any]]],
+    windows: Sequence[PieceKey],
+    replicas: Sequence[PieceKey],
+    keys: frozenset[str],
+    received: int,
+) -> Fetched:
+    kept = join_windows(parts, replicas, keys) if replicas else []
+    return Fetched(
+        join_windows(parts, windows, keys), received, dict(zip(replicas, kept, strict=True))
+    )
 
 
 def cut_pieces(

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from keepstep.elastic.shard.layout import Range
 from keepstep.errors import KeepstepError
 
-__all__ = ["Announcement", "Fetches", "decode", "encode", "limit", "plan_fetches"]
+__all__ = ["Announcement", "Fetches", "decode", "encode", "limit", "minus", "plan_fetches"]
 
 _INT = struct.Struct("<q")
 
@@ -124,7 +124,7 @@ def plan_fetches(announced: Sequence[Announcement]) -> Fetches:
     sends: list[list[list[Range]]] = [[[] for _ in range(world)] for _ in range(world)]
     lost: list[Range] = []
     for dst, a in enumerate(announced):
-        for part in _minus(a.need, a.held):
+        for part in minus(a.need, a.held):
             at = part.start
             while at < part.stop:
                 s = bisect_right(cuts, at) - 1
@@ -149,7 +149,7 @@ def plan_fetches(announced: Sequence[Announcement]) -> Fetches:
     return Fetches(frozen, _merge(lost))
 
 
-def _minus(want: Sequence[Range], have: Sequence[Range]) -> list[Range]:
+def minus(want: Sequence[Range], have: Sequence[Range]) -> list[Range]:
     """The parts of ``want`` (sorted, disjoint) outside ``have`` (sorted, disjoint)."""
     out: list[Range] = []
     j = 0
