@@ -1,13 +1,15 @@
 """Time to recover across optimizer sharding and job size: bench/mttr.py as one table.
 
     scripts/env python bench/mttr_matrix.py [--nodes-list 2,4,8] [--shards none,zero1,zero2]
-        [--faults-per-kind 3] [--size small|medium] [--json PATH]
+        [--faults-per-kind 3] [--size small|medium] [--join-after STEPS] [--json PATH]
 
 For each shard setting (none: full replicas; zero1, zero2: `keepstep run --shard`) and each
 node count it calls bench/mttr.py's `measure` for kill-node and kill-worker on
 examples/transformer.py (AdamW, dropout; --size picks the model: small is d_model 64,
 2 layers, seq 32; medium d_model 128, 2 layers, seq 64). So every cell is bench/mttr.py's
-job and fault schedule with another script: each node loss followed by a join, worker
+job and fault schedule with another script: each node loss followed by a join (at once,
+or --join-after steps later: a joiner's start-up, ~3.5 CPU-s of python and torch, otherwise
+shares a small machine's cores with the recovery measured), worker
 kills going round the nodes, and a fault-free run of the same length to check the final
 parameters against. The transformer takes no --sleep: its steps take what they take, so on
 fast steps raise --node-spacing until a joiner is admitted before the next node loss (on
@@ -191,6 +193,13 @@ def parse_args() -> tuple[argparse.Namespace, mttr.Settings]:
     parser.add_argument("--micro-batch", type=int, default=d.micro_batch)
     parser.add_argument("--node-spacing", type=int, default=d.node_spacing, help="steps")
     parser.add_argument("--worker-spacing", type=int, default=d.worker_spacing, help="steps")
+    parser.add_argument(
+        "--join-after",
+        type=int,
+        default=d.join_after,
+        help="steps from each node loss to its join (0: at once; the joiner's start-up "
+        "then shares the machine's cores with the recovery measured)",
+    )
     parser.add_argument("--run-timeout", type=float, default=d.run_timeout, help="s per run")
     parser.add_argument("--workdir", help="keep run directories here (default: a temp dir)")
     parser.add_argument("--json", help="also write every figure and record here")
@@ -206,6 +215,7 @@ def parse_args() -> tuple[argparse.Namespace, mttr.Settings]:
             micro_batch=args.micro_batch,
             node_spacing=args.node_spacing,
             worker_spacing=args.worker_spacing,
+            join_after=args.join_after,
             run_timeout=args.run_timeout,
         )
         for n in args.nodes_list:

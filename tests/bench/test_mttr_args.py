@@ -88,6 +88,20 @@ def test_matrix_lists() -> None:
         mttr_matrix.shard_list("zero1,zero3")
 
 
+def test_matrix_join_after_reaches_every_cell_and_is_checked(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.argv", ["mttr_matrix.py", "--join-after", "15"])
+    _, base = mttr_matrix.parse_args()
+    assert base.join_after == 15
+    monkeypatch.setattr("sys.argv", ["mttr_matrix.py"])
+    assert mttr_matrix.parse_args()[1].join_after == 0
+    monkeypatch.setattr("sys.argv", ["mttr_matrix.py", "--join-after", "60"])
+    with pytest.raises(SystemExit):
+        mttr_matrix.parse_args()
+    assert "--join-after 60 must be >= 0 and below --node-spacing" in capsys.readouterr().err
+
+
 def report(runs: list[dict[str, Any]], records: list[dict[str, Any]]) -> dict[str, Any]:
     kind = {"count": len(records), "mttr_p50_s": 1.0, "mttr_p95_s": 2.0}
     return {"kinds": {"kill-node": {**kind, "runs": runs, "records": records}}}
