@@ -190,6 +190,35 @@ def test_a_second_fault_during_recovery(reference: str, tmp_path: Path) -> None:
     assert min(w for w in s["world_size_by_step"] if w) <= 3
 
 
+def test_sharded_state_missing_after_a_double_fault_waits_for_the_restarted_worker(
+    reference: str, tmp_path: Path
+) -> None:
+    # ZeRO-1 on 4 nodes: n2 is lost and n0's worker killed at once, so the survivors n1/0
+    # and n3/0 enter an epoch in which some chunks' owner and replica were n0 and n2. n0's
+    # agent keeps its snapshot: the survivors wait, warm, for n0/0's restart, and the
+    # epoch that admits it has the whole state (they used to exit and restart cold).
+    proc, summary = keepstep_run(
+        tmp_path,
+        "--shard",
+        "zero1",
+        "--fault",
+        "kill-node:2@step=8",
+        "--fault",
+        "kill-worker:0@step=8",
+        "--min-nodes",
+        "2",
+    )
+    s = check(proc, summary, reference, tmp_path)  # the numbers of full replicas
+    events = read_events(tmp_path / "run")
+    missing = [e for e in events if e["kind"] == "fault-detected" and e["cause"] == "missing-state"]
+    assert missing and all("no live copy" in e["reason"] for e in missing), s["recoveries"]
+    reasons = [e["reason"] for e in events if e["kind"] == "epoch-agreed"]
+    assert any("admit n0/0 for the missing sharded state" in r for r in reasons), reasons
+    started = [e["member"] for e in events if e["kind"] == "worker-started"]
+    assert started.count("n1/0") == started.count("n3/0") == 1, started
+    assert s["world_size_by_step"][-1] == 3
+
+
 def test_several_workers_per_node(reference: str, tmp_path: Path) -> None:
     proc, summary = keepstep_run(
         tmp_path,

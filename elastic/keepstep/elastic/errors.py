@@ -18,6 +18,7 @@ __all__ = [
     "ScriptStateWarning",
     "SnapshotCorrupt",
     "SnapshotMissing",
+    "StateMissing",
     "StateShapeError",
 ]
 
@@ -33,16 +34,26 @@ class StateShapeError(KeepstepError, ValueError):
     """Model or optimizer state changed shape, dtype or names between steps or on restore."""
 
 
+class StateMissing(StateShapeError):
+    """Entering an epoch, some of the sharded optimizer state has no copy on any member:
+    the worker that still holds it is restarting (its node lives, with its snapshot), or
+    a double fault took an owner and its replica. Every member of the epoch raises it."""
+
+
 class PeerLost(KeepstepError):
     """A collective of the current membership epoch was given up: a peer died, hung or left.
 
     The step in flight is not committed; the job waits for the next epoch.
+    ``missing_state``: the epoch was given up because its members lack state that only
+    a worker outside it may hold (``StateMissing``): the next epoch must admit another
+    worker, not repeat these members.
     """
 
-    def __init__(self, epoch: int, reason: str) -> None:
+    def __init__(self, epoch: int, reason: str, *, missing_state: bool = False) -> None:
         super().__init__(f"epoch {epoch}: {reason}")
         self.epoch = epoch
         self.reason = reason
+        self.missing_state = missing_state
 
 
 class SnapshotCorrupt(KeepstepError):

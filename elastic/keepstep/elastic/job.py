@@ -42,7 +42,7 @@ from keepstep.elastic.comm import WATCH_TIMEOUT, Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
 from keepstep.elastic.data import MicroBatchLoader
-from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
+from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost, StateMissing
 from keepstep.elastic.heap import frozen_heap
 from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, checked_scaler, skip_step
 from keepstep.elastic.lr_watch import LrWatch
@@ -143,10 +143,8 @@ class Job:
 
     # -- the loop ---------------------------------------------------------------------
     def steps(self, total: int | None = None) -> Iterator[Step]:
-        """Yield steps until `total` are committed (or this member is drained).
-
-        Without `total`, the launcher's step count (`JobConfig.planned_steps`) is used.
-        """
+        """Yield steps until `total` (default: the launcher's, `JobConfig.planned_steps`)
+        are committed, or this member is drained."""
         if total is None:
             total = self.config.planned_steps
             if total is None:
@@ -215,9 +213,8 @@ class Job:
 
     def apply_update(self, index: int) -> float | None:
         """Hooks, clipping and the optimizer step on the reduced gradient (in .grad);
-        returns the gradient's global norm before clipping when clipping is on.
-
-        With a grad_scaler the gradient is unscaled first, so hooks and clipping see the
+        returns the gradient's global norm before clipping when clipping is on. With a
+        grad_scaler the gradient is unscaled first, so hooks and clipping see the
         true gradient. The step always steps: a reduction that succeeded summed finite
         gradients only, so `unscale_` finds no inf (a non-finite one goes to `skip_update`).
         """
@@ -396,5 +393,8 @@ class Job:
         self.fresh = False
         if self.sharded is not None:  # its shards are cut from the full state just restored
             chunks = [v.chunks for v in views]
-            self.sharded.enter(comm, comm.members, self.collective_timeout, chunks)
+            try:
+                self.sharded.enter(comm, comm.members, self.collective_timeout, chunks)
+            except StateMissing as error:  # the next epoch must admit a worker that holds it
+                raise PeerLost(comm.epoch, str(error), missing_state=True) from error
         return received and self.done > 0

@@ -30,8 +30,8 @@ Snapshots
     2/W of the state (sharded_snapshot.py). Entering an epoch every member restores its
     snapshot, announces what it holds and needs, and receives only what it lacks, each
     element from one holder, by one ``alltoall`` (``received_bytes``; after a loss, ZeRO-1
-    receives what the lost node held). A double fault is reported (StateShapeError) on
-    every member. The full state is gathered only on request (``full_state``). Durable
+    receives what the lost node held). State no member holds is reported (StateMissing)
+    on every member. The full state is gathered only on request (``full_state``). Durable
     checkpoints: each member's snapshot is one part (the agent's durable/parts.py), joined
     on resume into one snapshot for a job of any size (sharded_checkpoint.py).
 """
@@ -161,7 +161,7 @@ class ShardedOptimizer:
         snapshot just before: a full one (step 0) left the state in the script's optimizer,
         which the ZeroOptimizer cuts from and clears; one of pieces left them here, and each
         member fetches the pieces its windows (and, ZeRO-1, its replicas) need from their
-        holders (a collective: ``StateShapeError`` if an element has no live copy)."""
+        holders (a collective: ``StateMissing`` if an element has no live copy)."""
         self.leave()
         started = time.perf_counter()
         chunks = agreed_chunks(members, last_chunks)

@@ -16,9 +16,9 @@ member computes the same disjoint plan from that (``shard.fetch``), and the piec
 rank to rank in one ``alltoall`` (``fetch_and_join``): a member receives only what it
 needs and lacks (ZeRO-1: for its windows and its replicas), from one holder each. After
 the loss of one node every element still has a live copy
-(tests/elastic/test_shard_snapshot.py); a double fault that takes an element's owner and
-replica raises ``StateShapeError`` naming it on every member together, never a silently
-wrong state.
+(tests/elastic/test_shard_snapshot.py). An element no member of the epoch holds raises
+``StateMissing`` naming it on every member together, never a silently wrong state: the
+job then waits for a worker outside the epoch that may hold it (job.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from keepstep.elastic.comm.rounds import Alloc, Buffers
-from keepstep.elastic.errors import BadMessage, SnapshotCorrupt, StateShapeError
+from keepstep.elastic.errors import BadMessage, SnapshotCorrupt, StateMissing
 from keepstep.elastic.shard.fetch import (
     Announcement,
     BadAnnouncement,
@@ -270,7 +270,7 @@ def fetch_and_join(
     ``replica_keys``), joined from its snapshot pieces ``mine`` and the pieces it lacks,
     fetched by the disjoint plan; no parameter's full state is built. A collective: every
     member of the epoch calls it, with ``b""`` if its snapshot holds none.
-    ``StateShapeError`` (on every member) when some member needs an element that no
+    ``StateMissing`` (on every member) when some member needs an element that no
     member holds."""
     total = sum(sizes)
     offsets = (0, *accumulate(sizes))
@@ -290,9 +290,10 @@ def fetch_and_join(
         return Fetched(None, 0, {})  # every snapshot was a full one (step 0)
     plan = plan_fetches(announced)
     if plan.lost:
-        raise StateShapeError(
+        raise StateMissing(
             f"elements {[tuple(r) for r in plan.lost[:4]]} of the optimizer state have no "
-            "live copy (a double fault took an owner and its replica)"
+            "live copy in the epoch (the worker holding them is restarting, or a double "
+            "fault took an owner and its replica)"
         )
     if not any(plan.sent(src) for src in range(len(announced))):
         # Every member holds what it needs (the usual loss: the replicas' keepers own the

@@ -138,3 +138,19 @@ def test_a_tie_between_two_halves_is_decided_by_the_first_node() -> None:
     four = EpochRecord(3, FOUR, "", 10, 0.0)
     assert agreement.minority(four, {**alive("n0/0", "n1/0"), **silent("n2", "n3")}) is None
     assert agreement.minority(four, {**alive("n2/0", "n3/0"), **silent("n0", "n1")}) is not None
+
+
+def test_an_epoch_missing_sharded_state_admits_a_worker_from_outside_it_or_none() -> None:
+    # n1/0 restarted (its node kept its snapshot) while the others entered epoch 5 without
+    # it: their sharded state has no copy among them, so only an epoch with n1/0 back helps.
+    cur = EpochRecord(5, ["n0/0", "n2/0", "n3/0"], timeout_scale=2.0)
+    assert agreement.newcomers(cur, {"n1/0", "n0/0"}, set()) == ["n1/0"]
+    assert agreement.newcomers(cur, {"n1/0"}, {"n1"}) == []  # its node is draining
+    probes = alive("n0/0", "n1/0", "n2/0", "n3/0")
+    rec, why = agreement.after_failure(cur, probes, {"n1/0"}, set(), 9, 0.0, missing_state=True)
+    assert rec is not None and rec.members == ["n0/0", "n1/0", "n2/0", "n3/0"]
+    assert rec.timeout_scale == 2.0, "nothing timed out: the timeouts stay"
+    assert why == "lost nothing; admit n1/0 for the missing sharded state"
+    # The same members again would find the same state missing: no epoch, and why.
+    rec, why = agreement.after_failure(cur, probes, set(), set(), 9, 0.0, missing_state=True)
+    assert rec is None and why.endswith("sharded state is missing and no other worker is ready")

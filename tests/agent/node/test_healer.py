@@ -7,6 +7,8 @@ wait within its bound, on the in-memory KV with real agents and real links.
   once each get their answer within the epoch bound (one used to wait for the other).
 - A worker that no epoch admits gets AdmissionTimeout within the admission bound.
 - A worker whose agent never answers gets AgentUnresponsive within its bound.
+- An epoch whose members lack sharded state waits for a worker from outside it and admits
+  it, with the same timeouts; with none to admit, the job stops within the bound.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from keepstep.agent.protocol.messages import (
     Failure,
     Hello,
     Initial,
+    JobCannotContinue,
     MembershipReply,
     Message,
     Ok,
@@ -230,11 +233,14 @@ def test_a_worker_whose_agent_never_answers_gets_agent_unresponsive_within_the_b
     agent = FakeAgent(lambda conn, message: None)
     bounds = AnswerBounds(reply=T, decision=0.3, admission=0.6)
     controller = AgentController(agent.address, "n0/0", bounds=bounds)
+    missing = PeerLost(0, "no live copy", missing_state=True)
     try:
         calls: list[tuple[Callable[[], object], float]] = [
             (lambda: controller.initial(timeout=60.0), bounds.admission),
             (lambda: controller.poll(7, announced=True), bounds.decision),
             (lambda: controller.on_failure(0, 7, PeerLost(0, "lost"), 60.0), bounds.decision),
+            # Missing state: the agent waits for a worker to admit, as long as admission.
+            (lambda: controller.on_failure(0, 7, missing, 60.0), bounds.admission),
         ]
         for call, bound in calls:
             t0 = time.monotonic()
@@ -244,6 +250,60 @@ def test_a_worker_whose_agent_never_answers_gets_agent_unresponsive_within_the_b
     finally:
         controller.close()
         agent.close()
+
+
+def test_an_epoch_missing_sharded_state_waits_for_a_worker_from_outside_it_and_admits_it(
+    agents: Callable[..., NodeAgent], tmp_path: Path
+) -> None:
+    job = job_name("missing")
+    agents(job, "n0", expected_nodes=2), agents(job, "n1", expected_nodes=2)
+    clients = {"n0/0": link(job, "n0"), "n1/0": link(job, "n1")}
+    try:
+        admitted(clients)
+        with ThreadPoolExecutor(3) as pool:
+            futures = {
+                m: pool.submit(c.request, Failure(m, 0, 5, "no live copy", True), 3 * T)
+                for m, c in clients.items()
+            }
+            # Both members answer the probes, so a failure would be decided in ms; this
+            # one waits for a worker from outside the epoch (here a joiner's; in a job, a
+            # restarted worker's, whose node kept its snapshot).
+            time.sleep(1.5)
+            assert not any(f.done() for f in futures.values())
+            agents(job, "n2", expected_nodes=2)
+            clients["n2/0"] = link(job, "n2")
+            assert clients["n2/0"].request(Hello("n2/0"), T) == Ok()
+            futures["n2/0"] = pool.submit(clients["n2/0"].request, Initial("n2/0"), T)
+            answers = {m: f.result() for m, f in futures.items()}
+    finally:
+        for client in clients.values():
+            client.close()
+    members = ("n0/0", "n1/0", "n2/0")
+    for answer in answers.values():  # one epoch for all, its timeouts not raised
+        assert isinstance(answer, MembershipReply), answer
+        assert (answer.epoch, answer.members, answer.timeout_scale) == (1, members, 1.0)
+    events = read_events(tmp_path)
+    detected = [e for e in events if e["kind"] == "fault-detected"]
+    assert detected and {e["cause"] for e in detected} == {"missing-state"}
+    agreed = [e for e in events if e["kind"] == "epoch-agreed" and e["epoch"] == 1]
+    assert len(agreed) == 1, agreed
+    assert "admit n2/0 for the missing sharded state" in agreed[0]["reason"]
+
+
+def test_an_epoch_missing_sharded_state_with_no_worker_to_admit_stops_within_the_bound(
+    agents: Callable[..., NodeAgent],
+) -> None:
+    job = job_name("missing-bound")
+    agents(job, "n0", expected_nodes=1, missing_state_wait=0.5)
+    client = link(job, "n0")
+    try:
+        admitted({"n0/0": client})
+        t0 = time.monotonic()
+        with pytest.raises(JobCannotContinue, match=r"lacks sharded optimizer state \(no live"):
+            client.request(Failure("n0/0", 0, 5, "no live copy", True), T)
+        assert 0.5 <= time.monotonic() - t0 < 0.5 + 2.0
+    finally:
+        client.close()
 
 
 def test_an_excluded_worker_asks_to_be_admitted_again() -> None:

@@ -4,6 +4,11 @@ Each returns the proposed `EpochRecord` (or None for "no change") and a reason t
 tests and logs read. Agents apply a decision with a compare-and-set on the epoch key, so
 when two agents decide at once exactly one proposal wins and everyone adopts it.
 
+Missing state: a sharded job's epoch can fail on entering because its members lack
+optimizer state none of them holds (its holder's worker is restarting, or a double fault
+took an owner and its replica). Then the next epoch must admit a worker from outside it
+(`newcomers`), not repeat the same members; the healer waits for one, bounded.
+
 Backing off: a timeout that fired while nothing was lost (every member answered the
 probes and is still ready) was a false alarm, most likely a machine too loaded to answer
 within the default bounds. Retrying the same bounds could fire again forever, so the next
@@ -79,6 +84,15 @@ def at_boundary(
     return record, reason
 
 
+def newcomers(
+    current: EpochRecord, pending: Collection[str], leaving_nodes: Collection[str]
+) -> list[str]:
+    """Workers waiting to be admitted that are not members of ``current`` (restarted
+    workers, joiners), on nodes that stay."""
+    leaving = set(leaving_nodes)
+    return sorted(m for m in pending if m not in current.members and node_of(m) not in leaving)
+
+
 def after_failure(
     current: EpochRecord,
     probes: Mapping[str, ProbeResult],
@@ -86,10 +100,14 @@ def after_failure(
     leaving_nodes: Collection[str],
     done: int,
     now: float,
+    missing_state: bool = False,
 ) -> tuple[EpochRecord | None, str]:
     """The survivors of a failed epoch, plus ready joiners, minus draining nodes.
 
     A member stays if its node answered the probe and offers that worker as ready.
+    ``missing_state``: the epoch failed because its members lack sharded state that none
+    of them holds; only a worker from outside it can bring it, so without a ready one
+    there is no next epoch (None), and the timeouts stay (nothing timed out).
     """
     leaving = set(leaving_nodes)
 
@@ -113,8 +131,13 @@ def after_failure(
     )
     if not members:
         return None, reason + "; no worker left to train"
+    if missing_state:
+        admitted = sorted(set(members) - set(current.members))
+        if not admitted:
+            return None, reason + "; sharded state is missing and no other worker is ready"
+        reason = f"{reason}; admit {','.join(admitted)} for the missing sharded state"
     scale = current.timeout_scale
-    if not lost and scale < MAX_TIMEOUT_SCALE:
+    if not lost and not missing_state and scale < MAX_TIMEOUT_SCALE:
         scale = min(scale * 2, MAX_TIMEOUT_SCALE)
         reason += f"; timeouts raised to {scale:g}x (a timeout fired while all answered)"
     record = EpochRecord(current.epoch + 1, members, reason, done, now, timeout_scale=scale)

@@ -51,6 +51,10 @@ class AgentConfig:
     admission_timeout: float = 3600.0
     # An epoch agreed (by this agent or another) reaches this agent's view within this.
     epoch_timeout: float = 30.0
+    # An epoch whose members lack sharded state (its holder's worker is restarting, or a
+    # double fault lost it) waits this long for a worker from outside it to admit; past
+    # it the job stops, to be resumed from its durable checkpoint.
+    missing_state_wait: float = 120.0
     op_timeout: float = 5.0
     max_restarts: int = 3
     snapshot_dir: Path = Path("/dev/shm")
@@ -77,7 +81,13 @@ class AgentConfig:
             )
         if self.lease_ttl < 1:
             raise ConfigError(f"lease_ttl={self.lease_ttl} must be >= 1 s (etcd leases)")
-        for name in ("probe_timeout", "admission_timeout", "epoch_timeout", "op_timeout"):
+        for name in (
+            "probe_timeout",
+            "admission_timeout",
+            "epoch_timeout",
+            "missing_state_wait",
+            "op_timeout",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name}={value!r} must be a number of seconds > 0")

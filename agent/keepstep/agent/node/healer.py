@@ -14,7 +14,8 @@ deciding at once is harmless: one write wins (with its token) and both adopt it.
 
 Every wait has its bound in the agent's configuration: admission `admission_timeout`
 (then AdmissionTimeout), the agreed epoch reaching the view `epoch_timeout` (then
-EpochTimeout). The agree lock covers deciding only (observe, probe, compare-and-set),
+EpochTimeout), a worker to admit after an epoch that lacks sharded state
+`missing_state_wait` (then JobCannotContinue). The agree lock covers deciding only (observe, probe, compare-and-set),
 so that one decision is made per failed epoch on this node; nobody holds it while
 waiting for the epoch to appear, which would add one member's wait to the next one's.
 A worker the next epoch leaves out is told so (`Excluded`) and asks to be admitted again.
@@ -233,17 +234,19 @@ class Healer:
 
     # -- failures ---------------------------------------------------------------------------
     def failure(
-        self, member: str, epoch: int, done: int, reason: str
+        self, member: str, epoch: int, done: int, reason: str, missing_state: bool = False
     ) -> MembershipReply | Excluded:
         with self._agree_lock:
             # One decision per failed epoch on this node: the other members whose collective
             # failed in it wait for the epoch that decision (or another agent's) agreed.
             if epoch > self._decided:
-                self._decide_after_failure(epoch, done, reason)
+                self._decide_after_failure(epoch, done, reason, missing_state)
                 self._decided = epoch
         return self._settle(member, self.view.wait_epoch_after(epoch, self.cfg.epoch_timeout))
 
-    def _decide_after_failure(self, epoch: int, done: int, reason: str) -> None:
+    def _decide_after_failure(
+        self, epoch: int, done: int, reason: str, missing_state: bool = False
+    ) -> None:
         seen = self.view.observe()
         cur = seen.current
         assert cur is not None, "a failed worker was a member of an epoch"
@@ -251,12 +254,17 @@ class Healer:
             return  # the next epoch is agreed already (seen through the watch)
         self.events.write(
             EventKind.FAULT_DETECTED,
-            cause="collective",
+            cause="missing-state" if missing_state else "collective",
             node=self.cfg.node,
             epoch=epoch,
             reason=reason,
         )
         t0 = time.monotonic()
+        if missing_state:
+            newcomer = self._await_newcomer(cur, reason)
+            if newcomer is None:
+                return  # another agent agreed the next epoch while this one waited
+            seen = newcomer
         wanted = {*cur.nodes(), *(node_of(m) for m in seen.pending)}
         targets = {n: (rec.host, rec.probe_port) for n, rec in seen.nodes.items() if n in wanted}
         probes = probe_all(targets, self.cfg.probe_timeout * cur.timeout_scale)
@@ -276,13 +284,37 @@ class Healer:
             return  # another agent agreed the next epoch while this one waited for it
         seen, probes = waited
         record, why = agreement.after_failure(
-            cur, probes, seen.pending, seen.leaving, done, time.time()
+            cur, probes, seen.pending, seen.leaving, done, time.time(), missing_state
         )
         if record is None:
             raise JobCannotContinue(f"the job cannot continue: {why}")
         record = stamp(record, seen.nodes)
         if self._propose(record, seen.revision):
             self._agreed(record, why, cur, planned=False, step=done, agree_s=time.monotonic() - t0)
+
+    def _await_newcomer(self, cur: EpochRecord, reason: str) -> Observed | None:
+        """After ``cur`` failed for missing sharded state: wait until a worker from outside
+        it waits to be admitted (a restarted worker, whose node kept its snapshot; a
+        joiner), at most ``missing_state_wait``; None if another agent agreed the next
+        epoch meanwhile. Past the bound nothing can bring the state back: the job stops
+        (JobCannotContinue) rather than train without it."""
+        deadline = time.monotonic() + self.cfg.missing_state_wait
+        while True:
+            seen = self.view.observe()
+            if seen.current != cur:
+                return None
+            if agreement.newcomers(cur, seen.pending, seen.leaving):
+                return seen
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise JobCannotContinue(
+                    f"the job cannot continue: epoch {cur.epoch} lacks sharded optimizer "
+                    f"state ({reason}), and no worker that could hold it was ready within "
+                    f"{self.cfg.missing_state_wait:g} s; resume from the newest durable "
+                    "checkpoint (keepstep run --resume URL)"
+                )
+            with self.view.changed:
+                self.view.changed.wait(min(left, 0.1))
 
     def _propose(self, record: EpochRecord, revision: int) -> bool:
         """Compare-and-set `record` as the epoch on `revision`; whether it won. Asked again

@@ -98,7 +98,11 @@ class WorkerRequests:
                 self.progress.fault(message.epoch)
                 try:
                     return self.healer.failure(
-                        message.member, message.epoch, message.done, message.reason
+                        message.member,
+                        message.epoch,
+                        message.done,
+                        message.reason,
+                        missing_state=message.missing_state,
                     )
                 except JobCannotContinue as error:
                     self.on_fatal(str(error))

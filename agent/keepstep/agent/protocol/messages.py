@@ -79,7 +79,8 @@ class AdmissionTimeout(LinkError):
 
 
 class JobCannotContinue(LinkError):
-    """Too few members are left (or none can be probed) to form the next epoch."""
+    """Too few members are left (or none can be probed) to form the next epoch, or the
+    sharded state an epoch lacks has no holder to admit."""
 
 
 class AgentError(LinkError):
@@ -118,13 +119,17 @@ class Boundary:
 
 @dataclass(frozen=True)
 class Failure:
-    """A collective of `epoch` failed after `done` committed steps: agree the survivors."""
+    """A collective of `epoch` failed after `done` committed steps: agree the survivors.
+    `missing_state`: entering `epoch`, its members found sharded state none of them holds
+    (a restarting worker holds it, or a double fault lost it): the next epoch must admit a
+    worker from outside it."""
 
     OP: ClassVar[Op] = Op.FAILURE
     member: str
     epoch: int
     done: int
     reason: str
+    missing_state: bool = False
 
 
 @dataclass(frozen=True)

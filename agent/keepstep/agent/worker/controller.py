@@ -161,8 +161,10 @@ class AgentController:
             self._gates = tuple(step for step in self._gates if step > done)
 
     def on_failure(self, epoch: int, done: int, error: PeerLost, timeout: float) -> Membership:
-        request = Failure(self.member, epoch, done, error.reason)
-        membership = self._membership(self._client.request(request, self.bounds.decision))
+        request = Failure(self.member, epoch, done, error.reason, error.missing_state)
+        # Missing state: the agents wait (their `missing_state_wait`) for a worker to admit.
+        bound = self.bounds.admission if error.missing_state else self.bounds.decision
+        membership = self._membership(self._client.request(request, bound))
         assert membership is not None, "the agent answers a failure with a membership"
         return membership
 
