@@ -146,6 +146,8 @@ def test_unexplained_recoveries_are_failures_no_fault_and_no_plan_explains() -> 
         {"run": 0, "epoch": 1, "fault": 0, "cause": "kill-node", "reason": "lost n1"},
         {"run": 0, "epoch": 2, "cause": "rejoin", "reason": "admit n1/0"},
         {"run": 0, "epoch": 3, "cause": "drain", "reason": "drain n2"},
+        # Sharded state an earlier fault left missing: the epoch admitting its holder.
+        {"run": 0, "epoch": 4, "cause": "missing-state", "reason": "admit n0/0 for the ..."},
         {"run": 1, "epoch": 4, "cause": "heartbeat-missed", "reason": "n3 silent 0.5 s"},
         {"run": 1, "epoch": 5, "cause": "worker-exit", "reason": "n0/0 exited 1"},
     ]

@@ -75,8 +75,9 @@ def by_kind(
     return dict(sorted(rows.items()))
 
 
-# Changes that nobody detected: admissions, returns and drains need no fault behind them.
-_PLANNED = frozenset({Cause.JOIN, Cause.REJOIN, Cause.DRAIN, Cause.PLANNED})
+# Changes that need no fault of their own: admissions, returns and drains, and the epochs
+# that admit a worker for sharded state an earlier fault left missing (its recovery goes on).
+_PLANNED = frozenset({Cause.JOIN, Cause.REJOIN, Cause.DRAIN, Cause.PLANNED, Cause.MISSING_STATE})
 
 
 def unexplained(recoveries: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -15,9 +15,10 @@ deciding at once is harmless: one write wins (with its token) and both adopt it.
 Every wait has its bound in the agent's configuration: admission `admission_timeout`
 (then AdmissionTimeout), the agreed epoch reaching the view `epoch_timeout` (then
 EpochTimeout), a worker to admit after an epoch that lacks sharded state
-`missing_state_wait` (then JobCannotContinue). The agree lock covers deciding only (observe, probe, compare-and-set),
-so that one decision is made per failed epoch on this node; nobody holds it while
-waiting for the epoch to appear, which would add one member's wait to the next one's.
+`missing_state_wait` (then JobCannotContinue). The agree lock covers deciding only
+(observe, probe, compare-and-set, and that wait for a worker to admit), so that one
+decision is made per failed epoch on this node; nobody holds it while waiting for the
+epoch to appear, which would add one member's wait to the next one's.
 A worker the next epoch leaves out is told so (`Excluded`) and asks to be admitted again.
 """
 
@@ -47,6 +48,7 @@ from keepstep.agent.protocol.messages import (
     MembershipReply,
     NoChange,
 )
+from keepstep.agent.protocol.recovery import Cause
 
 __all__ = ["Healer", "JobCannotContinue", "stamp"]
 
@@ -254,7 +256,7 @@ class Healer:
             return  # the next epoch is agreed already (seen through the watch)
         self.events.write(
             EventKind.FAULT_DETECTED,
-            cause="missing-state" if missing_state else "collective",
+            cause=Cause.MISSING_STATE.value if missing_state else "collective",
             node=self.cfg.node,
             epoch=epoch,
             reason=reason,

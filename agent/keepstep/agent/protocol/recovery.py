@@ -54,6 +54,9 @@ class Cause(enum.StrEnum):
     REJOIN = "rejoin"  # a member back (a restarted worker), with no fault of its own
     DRAIN = "drain"  # nodes let go at a step boundary
     PLANNED = "planned"  # another planned change
+    # Members lacked sharded state an earlier fault took (its holder was restarting): the
+    # epoch that admits a worker for it goes on with that fault's recovery.
+    MISSING_STATE = "missing-state"
     UNKNOWN = "unknown"  # a failure whose detection is not in the events
 
 
