@@ -1,7 +1,7 @@
 """CPU one member spends entering a ZeRO-1 epoch after a node is lost, measured alone.
 
     scripts/env python bench/shard_enter_cpu.py [--nodes 8] [--per-node 1] [--rounds 5]
-        [--d-model 64] [--layers 2] [--vocab 128] [--profile]
+        [--d-model 64] [--layers 2] [--vocab 128] [--chunks N] [--profile]
 
 Why alone: in a job every member enters at once, so on a machine with fewer cores than
 members their enters share the cores, and the wall time of the reshard phase
@@ -13,8 +13,10 @@ pieces its snapshot of the first epoch keeps. The first member's collective answ
 recorded; its enter is then run again alone, the answers replayed, and timed with
 `time.process_time`. Parameters are a GPT-like model's tensors
 (embedding, per layer attention and MLP; the defaults are about examples/transformer.py's
-small model). Prints JSON: the shape, the chunk count, bytes received, and the CPU ms of
-each round with their median; with --profile, cProfile's top functions by own time.
+small model). The chunks are the job's (shard_epoch.agreed_chunks: fewer for a small
+model), or --chunks if more (1024 shows a large model's count on this one). Prints JSON:
+the shape, the chunk count, bytes received, and the CPU ms of each round with their
+median; with --profile, cProfile's top functions by own time.
 """
 
 from __future__ import annotations
@@ -151,12 +153,16 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=128)
+    parser.add_argument(
+        "--chunks", type=int, default=0, help="cut at least this many (e.g. 1024: a large model's)"
+    )
     parser.add_argument("--profile", action="store_true", help="print cProfile's top functions")
     args = parser.parse_args()
-    if args.nodes < 3 or args.per_node < 1 or args.rounds < 1:
+    if args.nodes < 3 or args.per_node < 1 or args.rounds < 1 or args.chunks < 0:
         parser.error(
             f"--nodes {args.nodes} must be >= 3 (two survive, with replicas), "
-            f"--per-node {args.per_node} and --rounds {args.rounds} >= 1"
+            f"--per-node {args.per_node} and --rounds {args.rounds} >= 1, "
+            f"--chunks {args.chunks} >= 0"
         )
     torch.set_num_threads(1)
     sizes = gpt_sizes(args.d_model, args.layers, args.vocab)
@@ -164,8 +170,8 @@ def main() -> None:
     survivors = [m for m in members if not m.startswith("n1/")]
     # The first epoch, entered from the full state (step 0) by every member.
     firsts = [ShardedOptimizer(*trained(sizes)) for _ in members]
-    first = all_enter(firsts, members, ())
-    chunks = agreed_chunks(members, ())
+    chunks = max(agreed_chunks(members, (), sum(sizes)), args.chunks)
+    first = all_enter(firsts, members, [chunks] * len(members))
     held = epoch_shards(sizes, members, chunks=chunks).held
     full, keys = trained(sizes)[1].state_dict(), ELEMENTWISE[torch.optim.AdamW]
     pieces = {m: snapshot_entries([pieces_tensor(full, sizes, keys, held[m])]) for m in members}
@@ -174,7 +180,8 @@ def main() -> None:
     def restored(member: str, first_answers: list[list[bytes]]) -> ShardedOptimizer:
         """``member`` after the first epoch, its snapshot of pieces just restored."""
         sharded = ShardedOptimizer(*trained(sizes))
-        sharded.enter(collective(Replay(len(members), first_answers)), members, TIMEOUT, ())
+        replay = collective(Replay(len(members), first_answers))
+        sharded.enter(replay, members, TIMEOUT, [chunks] * len(members))
         sharded.from_snapshot(dict(pieces[member]))
         return sharded
 

@@ -43,13 +43,15 @@ def transformer_sizes(d: int = 1024, layers: int = 12, vocab: int = 32000) -> li
 def one_shape(sizes: list[int], nodes: int, per_node: int) -> dict[str, float]:
     members = [f"n{n}/{i}" for n in range(nodes) for i in range(per_node)]
     start = time.perf_counter()
-    chunks = agreed_chunks(members, ())  # a first epoch's count, kept after a loss
+    chunks = agreed_chunks(members, (), sum(sizes))  # a first epoch's count, kept after a loss
     before = epoch_shards(sizes, members, chunks=chunks)
     ratios, sender_ratios, plan_s, replica_ratios = [], [], [], []
     for lost_node in range(nodes):
         survivors = [m for m in members if not m.startswith(f"n{lost_node}/")]
         t0 = time.perf_counter()
-        after = epoch_shards(sizes, survivors, before, agreed_chunks(survivors, [chunks]))
+        after = epoch_shards(
+            sizes, survivors, before, agreed_chunks(survivors, [chunks], sum(sizes))
+        )
         plan = plan_fetches([Announcement(before.held[m], after.owned[m]) for m in survivors])
         plan_s.append(time.perf_counter() - t0)
         assert plan.lost == (), plan.lost[:3]

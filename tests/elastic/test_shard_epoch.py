@@ -13,7 +13,13 @@ from hypothesis import strategies as st
 
 from keepstep.elastic.shard import Range, make_chunk_layout, place_replicas
 from keepstep.elastic.shard.chunks import MAX_CHUNKS
-from keepstep.elastic.shard_epoch import JOB_CHUNKS, agreed_chunks, epoch_shards, job_chunks
+from keepstep.elastic.shard_epoch import (
+    JOB_CHUNKS,
+    MIN_CHUNK,
+    agreed_chunks,
+    epoch_shards,
+    job_chunks,
+)
 from keepstep.elastic.snapshot_shard import merge
 from keepstep.elastic.zero import ALIGN
 
@@ -99,16 +105,48 @@ def test_a_job_cuts_more_chunks_as_its_nodes_outgrow_them(nodes: int, chunks: in
         assert 64 * nodes <= chunks < 128 * nodes
 
 
+@pytest.mark.parametrize(
+    ("nodes", "elements", "chunks"),
+    [
+        (8, 116_480, 256),  # the benchmark transformer: 32 chunks a member, not 1,024
+        (4, 116_480, 128),
+        (1, 10, 32),
+        (8, 20 * MIN_CHUNK, 256),  # 256 chunks of under MIN_CHUNK: as few as 8 allow
+        (8, 600 * MIN_CHUNK, 512),  # halved while a chunk holds under MIN_CHUNK
+        (8, 1024 * MIN_CHUNK, 1024),  # large enough: as many as without the size
+        (40, 10, 2048),  # 32 a member: 1,280, up to a power of two
+        (40, 10**12, 4096),
+    ],
+)
+def test_a_small_model_is_cut_into_fewer_chunks_but_32_a_member(
+    nodes: int, elements: int, chunks: int
+) -> None:
+    got = job_chunks(nodes, elements)
+    assert got == chunks
+    assert got >= 32 * nodes and got <= job_chunks(nodes)
+    assert elements >= MIN_CHUNK * got or got // 2 < 32 * nodes  # halved no further
+
+
 def test_the_agreed_count_is_the_largest_any_member_cut_unless_the_epoch_outgrew_it() -> None:
+    big = 10**12  # elements: a model whose chunks are all large
     eight = [f"n{n}/{i}" for n in range(8) for i in range(2)]  # 8 nodes, 16 members
-    assert agreed_chunks(eight, ()) == 1024  # a first epoch: its nodes' count
-    assert agreed_chunks(eight, [None] * 16) == 1024
+    assert agreed_chunks(eight, (), big) == 1024  # a first epoch: its nodes' count
+    assert agreed_chunks(eight, [None] * 16, big) == 1024
     # After a loss (40 nodes -> 8) the survivors keep what they cut; a restarted worker
     # (None: it entered no epoch yet) takes the others' count.
-    assert agreed_chunks(eight, [4096, None, *[4096] * 14]) == 4096
+    assert agreed_chunks(eight, [4096, None, *[4096] * 14], big) == 4096
     forty = [f"n{n}/0" for n in range(40)]
-    assert agreed_chunks(forty, [1024] * 39 + [None]) == 4096  # outgrown at a join
-    assert agreed_chunks(["m0", "m1"], [None, 2048]) == 2048  # local names: a node each
+    assert agreed_chunks(forty, [1024] * 39 + [None], big) == 4096  # outgrown at a join
+    assert agreed_chunks(["m0", "m1"], [None, 2048], big) == 2048  # local names: a node each
+    # A small model: 32 chunks a member of its first epoch, kept after a loss (16
+    # members -> 4 keep 512; 4 alone would cut 128) ...
+    small = 116_480
+    assert agreed_chunks(eight, (), small) == 512
+    four = [f"n{n}/0" for n in range(4)]
+    assert agreed_chunks(four, (), small) == 128
+    assert agreed_chunks(four, [512, 512, None, 512], small) == 512
+    # ... and cut anew only when a join outgrows it.
+    assert agreed_chunks([*eight, "n8/0"], [512] * 16 + [None], small) == 1024
 
 
 @settings(max_examples=25, deadline=None)

@@ -12,7 +12,12 @@ Chunks for the life of a job
     (tests/elastic/test_shard_fetch.py). How many: ``job_chunks`` of the epoch's nodes,
     1,024 up to 16 nodes and doubled each time the nodes double past that, so a node
     keeps 64-128 chunks (more below 16 nodes) and its load stays within ~10% of an even
-    share, while a member steps few pieces (about 1,024 / W at small W). The count only
+    share, while a member steps few pieces (about 1,024 / W at small W). A small model
+    (under 64 Mi elements) is cut into fewer, down to 32 chunks a member, so that a chunk
+    holds at least ``MIN_CHUNK`` elements: below that, the work per piece in entering an
+    epoch (the layout, unpacking and joining pieces) outweighed the copy of its elements
+    (bench/shard_enter_cpu.py, a 116 Ki-element transformer: on 8 nodes 38 ms a member
+    with 1,024 chunks, 15 with 256; on 4 nodes 58 ms, 11 with 128). The count only
     grows: ``agreed_chunks`` takes the largest any member's last epoch cut (each member's
     ``MemberView`` says it), so a loss keeps the chunks and a join cuts anew only when the
     job outgrows them (one move of most of the state, at a planned change).
@@ -41,6 +46,7 @@ from keepstep.elastic.zero import ALIGN, Ownership
 
 __all__ = [
     "JOB_CHUNKS",
+    "MIN_CHUNK",
     "EpochShards",
     "agreed_chunks",
     "as_node",
@@ -49,25 +55,37 @@ __all__ = [
     "ownership_for",
 ]
 
-JOB_CHUNKS = 1024  # the fewest chunks: a job of up to 16 nodes
+JOB_CHUNKS = 1024  # the fewest chunks of a large model: a job of up to 16 nodes
 _PER_NODE = 64  # the fewest chunks a node keeps (below twice that), past 16 nodes
+# A small model's chunks: at least this many elements each (a piece costs ~30-50 us of
+# CPU to lay out, unpack and join, the copy of ~64 Ki float32 elements), while each of
+# the layout's members keeps at least _FEWEST_PER_MEMBER: with 16, losing a node made the
+# survivors give up 12% more than the lost share (tests/elastic/test_zero_job.py).
+MIN_CHUNK = 1 << 16
+_FEWEST_PER_MEMBER = 32
 
 
-def job_chunks(nodes: int) -> int:
+def job_chunks(nodes: int, elements: int | None = None) -> int:
     """The chunk count for an epoch of ``nodes`` nodes: ``JOB_CHUNKS``, doubled until each
-    node has at least ``_PER_NODE`` chunks (and so fewer than twice that)."""
+    node has at least ``_PER_NODE`` chunks (and so fewer than twice that); for a model of
+    ``elements`` (None: a large one) halved while a chunk would hold fewer than
+    ``MIN_CHUNK`` elements and each would still keep ``_FEWEST_PER_MEMBER``."""
     chunks = JOB_CHUNKS
     while chunks < _PER_NODE * nodes and chunks < MAX_CHUNKS:
         chunks *= 2
+    if elements is not None:
+        while elements < MIN_CHUNK * chunks and chunks // 2 >= _FEWEST_PER_MEMBER * nodes:
+            chunks //= 2
     return chunks
 
 
-def agreed_chunks(members: Sequence[str], last: Sequence[int | None]) -> int:
-    """The chunk count of an epoch of ``members``, from what each one's last sharded epoch
-    cut (``last``, from every member's view; None: none): the most of those, or more when
-    the epoch has outgrown them. Every member computes it from the same views."""
+def agreed_chunks(members: Sequence[str], last: Sequence[int | None], elements: int) -> int:
+    """The chunk count of an epoch of ``members`` training a model of ``elements``, from
+    what each one's last sharded epoch cut (``last``, from every member's view; None:
+    none): the most of those, or more when the epoch has outgrown them. Every member
+    computes it from the same views."""
     nodes = len({as_node(m) for m in members})
-    return max([job_chunks(nodes), *(c for c in last if c is not None)])
+    return max([job_chunks(nodes, elements), *(c for c in last if c is not None)])
 
 
 def as_node(member: str) -> str:
@@ -94,7 +112,8 @@ class EpochShards:
 
 def ownership_for(sizes: Sequence[int], members: Sequence[str]) -> Ownership:
     """Who owns which elements in a first epoch of ``members`` (in rank order)."""
-    return epoch_shards(sizes, members, chunks=agreed_chunks(members, ())).ownership(members)
+    chunks = agreed_chunks(members, (), sum(sizes))
+    return epoch_shards(sizes, members, chunks=chunks).ownership(members)
 
 
 def epoch_shards(

@@ -164,7 +164,7 @@ class ShardedOptimizer:
         holders (a collective: ``StateMissing`` if an element has no live copy)."""
         self.leave()
         started = time.perf_counter()
-        chunks = agreed_chunks(members, last_chunks)
+        chunks = agreed_chunks(members, last_chunks, sum(self._sizes))
         shards = epoch_shards([p.numel() for p in self.params], members, self._shards, chunks)
         self.zero = ZeroOptimizer(
             self.params,
