@@ -91,7 +91,9 @@ class LateWatch(subprocess.Popen[bytes]):
     """A worker whose watcher thread learns of its exit only when released: as on a
     loaded agent whose watcher cannot run yet (nothing reaps the process meanwhile)."""
 
-    release = threading.Event()
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.release = threading.Event()  # its own: a second run starts held back too
+        super().__init__(argv, env=env)
 
     def wait(self, timeout: float | None = None) -> int:
         self.release.wait(30)
@@ -104,7 +106,8 @@ def test_alive_is_false_at_once_after_a_kill_even_before_the_watcher_ran(
     exits: list[tuple[str, int]] = []
     sup = Supervisor(lambda member, pid, code: exits.append((member, code)))
     spec = WorkerSpec("n0/0", ["sleep", "60"], dict(os.environ), tmp_path / "w.log")
-    pid = sup.start(spec, LateWatch(list(spec.argv), env=dict(spec.env)))
+    worker = LateWatch(list(spec.argv), dict(spec.env))
+    pid = sup.start(spec, worker)
     try:
         assert sup.alive("n0/0")
         os.kill(pid, signal.SIGKILL)
@@ -114,7 +117,7 @@ def test_alive_is_false_at_once_after_a_kill_even_before_the_watcher_ran(
         assert exits == []  # the watcher has not heard of the kill ...
         assert not sup.alive("n0/0")  # ... and the kernel's answer says it is gone
     finally:
-        LateWatch.release.set()
+        worker.release.set()
     deadline = time.monotonic() + 10.0
     while not exits and time.monotonic() < deadline:
         time.sleep(0.01)
