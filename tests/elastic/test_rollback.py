@@ -5,13 +5,23 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotMissing
-from keepstep.elastic.rollback import VIEW_MAX_BYTES, MemberView, ResumePlan, resume_plan
+from keepstep.elastic.control import Fallback
+from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotCorrupt, SnapshotMissing
+from keepstep.elastic.rollback import (
+    VIEW_MAX_BYTES,
+    MemberView,
+    ResumePlan,
+    fall_back,
+    resume_plan,
+)
+from keepstep.elastic.snapshot_store import MemoryBuffer, SnapshotStore
 
 
 def held(done: int, *steps: int) -> MemberView:
@@ -217,3 +227,53 @@ def test_a_view_made_here_is_checked_too() -> None:
         MemberView(fresh=False, done=-2, held=())
     with pytest.raises(ConfigError, match=r"held=.* must be a tuple"):
         MemberView(fresh=False, done=1, held=[1])  # type: ignore[arg-type]
+
+
+# -- falling back to the durable checkpoint ---------------------------------------------------
+
+
+def _store_with(*steps: int) -> SnapshotStore:
+    store = SnapshotStore(MemoryBuffer(), background=False)
+    for step in steps:
+        store.commit(step, {"w": torch.full((3,), float(step))}, b"meta")
+    return store
+
+
+def test_fall_back_puts_the_checkpoint_newest_and_the_views_resume_there(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.write_bytes(_store_with(8).export(8))
+    store = _store_with(10, 11)  # this member's own timeline, past the checkpoint
+    assert fall_back(store, Fallback(8, str(checkpoint))) == 8
+    assert [i.step for i in store.infos()] == [8, 11]  # newest first: the checkpoint
+    assert torch.equal(store.load(8).tensors["w"], torch.full((3,), 8.0))
+    # Every member did the same: all resume at the checkpoint's step, nothing moves.
+    views = [held(8, 8, 11), held(8, 8, 10), MemberView(False, 8, (8,))]
+    plan = resume_plan(views)
+    assert (plan.resume_step, plan.needy) == (8, ())
+    store.commit(9, {"w": torch.full((3,), 9.0)}, b"meta")  # overwrites 11, keeps 8
+    assert [i.step for i in store.infos()] == [9, 8]
+
+
+def test_fall_back_refuses_a_missing_damaged_or_other_checkpoint(tmp_path: Path) -> None:
+    store = _store_with(10)
+    with pytest.raises(SnapshotMissing, match="the checkpoint of step 8 to fall back to"):
+        fall_back(store, Fallback(8, str(tmp_path / "absent")))
+    blob = bytearray(_store_with(8).export(8))
+    blob[-1] ^= 0xFF
+    damaged = tmp_path / "damaged"
+    damaged.write_bytes(bytes(blob))
+    with pytest.raises(SnapshotCorrupt):
+        fall_back(store, Fallback(8, str(damaged)))
+    other = tmp_path / "other"
+    other.write_bytes(_store_with(4).export(4))
+    with pytest.raises(SnapshotCorrupt, match="holds step 4, not the checkpoint's step 8"):
+        fall_back(store, Fallback(8, str(other)))
+
+
+@pytest.mark.parametrize(
+    ("step", "path", "says"),
+    [(-1, "/x", "step=-1"), (True, "/x", "step=True"), (3, "", "needs the path")],
+)
+def test_a_fallback_needs_a_step_and_a_path(step: int, path: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        Fallback(step, path)

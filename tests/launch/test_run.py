@@ -219,6 +219,43 @@ def test_sharded_state_missing_after_a_double_fault_waits_for_the_restarted_work
     assert s["world_size_by_step"][-1] == 3
 
 
+def test_a_double_fault_that_loses_sharded_state_falls_back_to_the_checkpoint(
+    reference: str, tmp_path: Path
+) -> None:
+    # ZeRO-1 on 4 nodes: n0 and n2 are killed at once, and with them every copy of some
+    # chunks (an owner and its replica). No restart can bring those back: the survivors
+    # resume, in the same processes, from the newest durable checkpoint, and train the
+    # steps after it again, to the numbers of full replicas that never failed.
+    ckpt = tmp_path / "ckpt"
+    proc, summary = keepstep_run(
+        tmp_path,
+        "--shard",
+        "zero1",
+        "--checkpoint",
+        ckpt.as_uri(),
+        "--checkpoint-every",
+        "4",
+        "--fault",
+        "kill-node:0@step=10",
+        "--fault",
+        "kill-node:2@step=10",
+        "--min-nodes",
+        "2",
+    )
+    s = check(proc, summary, reference, tmp_path)
+    events = read_events(tmp_path / "run")
+    missing = [e for e in events if e["kind"] == "fault-detected" and e["cause"] == "missing-state"]
+    assert missing and all("no live copy" in e["reason"] for e in missing), s["recoveries"]
+    [fallback] = s["fallbacks"]
+    assert fallback["checkpoint_step"] in (4, 8), fallback
+    assert fallback["rerun_steps"] == 10 - fallback["checkpoint_step"], fallback
+    assert "every worker that could hold it is gone" in fallback["reason"], fallback
+    assert f"durable checkpoint of step {fallback['checkpoint_step']}" in proc.stdout
+    started = [e["member"] for e in events if e["kind"] == "worker-started"]
+    assert started.count("n1/0") == started.count("n3/0") == 1, started  # no restart
+    assert s["world_size_by_step"][-1] == 2
+
+
 def test_several_workers_per_node(reference: str, tmp_path: Path) -> None:
     proc, summary = keepstep_run(
         tmp_path,

@@ -170,3 +170,30 @@ def test_a_slowed_node_is_not_blamed_for_a_recovery() -> None:
     (r,) = s["recoveries"]
     assert r["cause"] == "lease-expired"  # a false alarm shows as one
     assert s["faults"] == faults
+
+
+def test_a_fallback_to_the_checkpoint_is_listed_and_its_rerun_steps_count_once() -> None:
+    two = {"n1/0": [0, 1], "n3/0": [2, 3]}
+    events: list[dict[str, Any]] = [
+        *(commit(0.1 * s, m, s, 0, PLAN4) for s in range(4) for m in PLAN4),
+        {
+            "t": 1.0,
+            "kind": "epoch-agreed",
+            "epoch": 2,
+            "members": ["n1/0", "n3/0"],
+            "reason": "lost nothing; sharded state lost (...): all resume from the durable "
+            "checkpoint of step 2",
+            "step": 4,
+            "checkpoint_step": 2,
+        },
+        {"t": 1.1, "kind": "epoch-agreed", "epoch": 1, "members": ["n1/0", "n3/0"], "step": 4},
+        # Steps 2 and 3 trained again after the fallback, then step 4.
+        *(commit(2.0 + 0.1 * s, m, s, 2, two) for s in (2, 3, 4) for m in two),
+    ]
+    s = build_summary(events, [], steps=5, global_batch=16, micro_batch=4)
+    [fallback] = s["fallbacks"]
+    assert fallback["epoch"] == 2 and fallback["checkpoint_step"] == 2
+    assert (fallback["step"], fallback["rerun_steps"]) == (4, 2)
+    assert "durable checkpoint of step 2" in fallback["reason"]
+    assert s["samples"]["lost"] == s["samples"]["duplicated"] == 0
+    assert s["world_size_by_step"] == [4, 4, 2, 2, 2]

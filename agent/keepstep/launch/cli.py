@@ -350,6 +350,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"(detect {r['detect_s']:.3f}, agree {r['agree_s']:.3f}, communicator "
             f"{r['communicator_s']:.3f}, restore {r['restore_s']:.3f})"
         )
+    for f in summary["fallbacks"]:
+        print(
+            f"fallback: epoch {f['epoch']} resumed every member from the durable checkpoint "
+            f"of step {f['checkpoint_step']} ({f['rerun_steps']} steps trained again): "
+            f"{f['reason']}"
+        )
     codes = summary["agent_exit_codes"]
     failures = summary["failures"]  # the verdict: steps, parameters, every agent's exit
     if failures:

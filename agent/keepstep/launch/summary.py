@@ -9,7 +9,9 @@ Its recoveries are the one fold of the event logs (`keepstep.agent.protocol.reco
 given the launcher's faults so that each is timed from the fault injected. `faults` is the
 launcher's fault log (`launch.injector`): each fault's `scheduled_step` and `step`, the
 steps committed when it landed; `fault_step_error_max` is the largest difference (0: every
-fault landed at its step; None: no step-scheduled fault landed).
+fault landed at its step; None: no step-scheduled fault landed). `fallbacks` lists the
+epochs that resumed from the durable checkpoint after a double fault lost sharded state;
+the steps they trained again count once, in their newest commits, like any rollback.
 
 `micro_batches_by_step` says how many micro-batches each member computed at each step that
 stands, run-length encoded, since the plan changes rarely: a list, in step order, of
@@ -102,6 +104,7 @@ def build_summary(
         "micro_batches_by_step": micro_batches_by_step(standing),
         "weight_changes": weight_changes(events),
         "slow_drains": slow_drains(events),
+        "fallbacks": fallbacks(events),
         "recoveries": records,
         "mttr_p50_s": statistics.median(mttrs) if mttrs else None,
         "samples": {
@@ -151,6 +154,28 @@ def slow_drains(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [
         {name: e.get(name) for name in names} for e in events if e["kind"] == EventKind.DRAIN_SLOW
     ]
+
+
+def fallbacks(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The epochs that resumed every member from the durable checkpoint because a double
+    fault lost sharded state with every holder (`node/fallback`), in epoch order: epoch,
+    the checkpoint's step, the steps committed before (`step`), so `rerun_steps` trained
+    again, and the reason."""
+    out: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if e["kind"] == EventKind.EPOCH_AGREED and e.get("checkpoint_step") is not None:
+            ckpt, done = int(e["checkpoint_step"]), int(e.get("step") or 0)
+            out.setdefault(
+                int(e["epoch"]),
+                {
+                    "epoch": int(e["epoch"]),
+                    "checkpoint_step": ckpt,
+                    "step": done,
+                    "rerun_steps": max(done - ckpt, 0),
+                    "reason": e.get("reason", ""),
+                },
+            )
+    return [out[k] for k in sorted(out)]
 
 
 def weight_changes(events: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -23,6 +23,22 @@ from keepstep.elastic.slow_drain import DrainRequest
 
 
 @dataclass(frozen=True)
+class Fallback:
+    """The epoch resumes every member from the job's durable checkpoint of ``step``, which
+    its agent wrote as one exported snapshot to ``path``: the sharded state the last
+    epoch lacked was lost with every holder (a double fault)."""
+
+    step: int
+    path: str
+
+    def __post_init__(self) -> None:
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ConfigError(f"fallback step={self.step!r} must be an int >= 0")
+        if not self.path:
+            raise ConfigError("a fallback needs the path of its checkpoint, got ''")
+
+
+@dataclass(frozen=True)
 class Membership:
     """One membership epoch as seen by one member: who trains, and who I am."""
 
@@ -33,6 +49,7 @@ class Membership:
     # The epoch's store and collective timeouts, as a multiple of their defaults: raised by
     # the agents after an epoch that ended while nothing was lost (a loaded machine).
     timeout_scale: float = 1.0
+    fallback: Fallback | None = None  # resume from the durable checkpoint, not snapshots
 
     def __post_init__(self) -> None:
         if self.epoch < 0:

@@ -48,17 +48,12 @@ from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, check
 from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import SampleOrder, fix_determinism
-from keepstep.elastic.rollback import MemberView, resume_plan
+from keepstep.elastic.rollback import MemberView, fall_back, resume_plan
 from keepstep.elastic.sharded import optimizer_sha256, shard_figures, sharded_optimizer
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
 from keepstep.elastic.tracked import Stateful, TrackedState
-from keepstep.elastic.train_state import (
-    capture,
-    layout_signature,
-    params_sha256,
-    restore,
-)
+from keepstep.elastic.train_state import capture, layout_signature, params_sha256, restore
 from keepstep.elastic.transfer import exchange_views, snapshot_limit, transfer_snapshot
 
 log = logging.getLogger(__name__)
@@ -373,6 +368,10 @@ class Job:
     def _agree_and_restore(self, comm: Communicator) -> bool:
         """Roll every member to the same committed step; return True if state came by wire."""
         self.snapshots.wait()
+        fallback = self.membership.fallback if self.membership is not None else None
+        if fallback is not None:  # a double fault lost sharded state: the checkpoint's step
+            self.done, self.fresh = fall_back(self.snapshots, fallback), False
+            self.loaded_step = None
         held, sharded = tuple(i.step for i in self.snapshots.infos()), self.sharded
         mine = MemberView(self.fresh, self.done, held, chunks=sharded.chunks if sharded else None)
         device = self.params[0].device

@@ -13,7 +13,9 @@ resume at the oldest step among them, which every holder that is a step ahead st
 its older slot. A member further behind (back from a hang, or a restarted worker whose
 node kept only older snapshots) is stale, and like a fresh joiner it receives the state
 over the network. With no holder at all (a cold start) every member takes rank 0's initial
-state, so all start from the same bits.
+state, so all start from the same bits. An epoch that falls back to the durable checkpoint
+(a double fault lost sharded state) first puts that checkpoint in every member's snapshots
+(`fall_back`): all hold it, so all resume there.
 """
 
 from __future__ import annotations
@@ -21,9 +23,12 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
-from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotMissing
+from keepstep.elastic.control import Fallback
+from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.shard.chunks import MAX_CHUNKS
+from keepstep.elastic.snapshot_store import SnapshotStore
 
 # A view is a few hundred bytes (the numerics fingerprint is most of it); the bound keeps a
 # confused or hostile peer from making every member allocate what it announces.
@@ -165,3 +170,22 @@ def _is_step(value: object) -> bool:
 
 def _list(ranks: Sequence[int]) -> str:
     return ", ".join(str(r) for r in ranks)
+
+
+def fall_back(snapshots: SnapshotStore, fallback: Fallback, timeout: float = 60.0) -> int:
+    """Put the durable checkpoint a fallback epoch resumes from (its agent wrote it to
+    ``fallback.path`` as one exported snapshot, checksummed) into this member's snapshots,
+    newest, and return its step: the member holds that step, as every member now does,
+    and the epoch's views resume there (the steps after it are trained again)."""
+    try:
+        blob = Path(fallback.path).read_bytes()
+    except OSError as error:
+        raise SnapshotMissing(
+            f"the checkpoint of step {fallback.step} to fall back to: {error}"
+        ) from error
+    info = snapshots.import_(blob, timeout)  # verifies the checksum first
+    if info.step != fallback.step:
+        raise SnapshotCorrupt(
+            f"{fallback.path} holds step {info.step}, not the checkpoint's step {fallback.step}"
+        )
+    return info.step

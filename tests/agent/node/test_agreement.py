@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from keepstep.agent.node import agreement
 from keepstep.agent.node.probe import ProbeResult
 from keepstep.agent.protocol import EpochRecord
@@ -150,7 +152,40 @@ def test_an_epoch_missing_sharded_state_admits_a_worker_from_outside_it_or_none(
     rec, why = agreement.after_failure(cur, probes, {"n1/0"}, set(), 9, 0.0, missing_state=True)
     assert rec is not None and rec.members == ["n0/0", "n1/0", "n2/0", "n3/0"]
     assert rec.timeout_scale == 2.0, "nothing timed out: the timeouts stay"
+    assert rec.checkpoint_step == -1, "n1/0 brings the state: no fallback"
     assert why == "lost nothing; admit n1/0 for the missing sharded state"
     # The same members again would find the same state missing: no epoch, and why.
     rec, why = agreement.after_failure(cur, probes, set(), set(), 9, 0.0, missing_state=True)
     assert rec is None and why.endswith("sharded state is missing and no other worker is ready")
+
+
+def test_after_failure_falls_back_to_the_checkpoint_when_no_worker_can_bring_the_state() -> None:
+    cur = EpochRecord(5, ["n0/0", "n3/0"], timeout_scale=2.0)
+    probes = alive("n0/0", "n3/0")
+    gone = (8, "every worker that could hold it is gone with its node")
+    rec, why = agreement.after_failure(cur, probes, set(), set(), 11, 0.0, True, gone)
+    assert rec is not None and rec.members == ["n0/0", "n3/0"] and rec.epoch == 6
+    assert rec.checkpoint_step == 8 and rec.start_step == 11
+    assert rec.timeout_scale == 2.0, "nothing timed out: the timeouts stay"
+    assert why == (
+        "lost nothing; sharded state lost (every worker that could hold it is gone with its "
+        "node): all resume from the durable checkpoint of step 8"
+    )
+    # A plain failure never falls back, whatever it is given.
+    rec, _ = agreement.after_failure(cur, probes, set(), set(), 11, 0.0, False, gone)
+    assert rec is not None and rec.checkpoint_step == -1
+
+
+@pytest.mark.parametrize(
+    ("nodes", "nproc", "pending", "gone"),
+    [
+        (["n0", "n3"], 1, set(), True),  # every live worker is a member
+        (["n0", "n1", "n3"], 1, set(), False),  # n1/0 may be restarting from its snapshot
+        (["n0", "n3"], 2, set(), False),  # n0/1 is outside the epoch, on a live node
+        (["n0", "n3"], 1, {"n5/0"}, False),  # one is waiting to be admitted
+        ([], 1, set(), True),
+    ],
+)
+def test_state_holders_gone(nodes: list[str], nproc: int, pending: set[str], gone: bool) -> None:
+    cur = EpochRecord(5, ["n0/0", "n3/0"])
+    assert agreement.state_holders_gone(cur, nodes, nproc, pending) is gone

@@ -49,6 +49,7 @@ from keepstep.agent.protocol.messages import (
 )
 from keepstep.agent.worker.controller import AgentController
 from keepstep.agent.worker.link_client import LinkClient
+from keepstep.elastic.control import Fallback
 from keepstep.elastic.errors import PeerLost
 
 T = 10.0  # generous for a loaded machine; the bounds under test are far shorter
@@ -260,17 +261,18 @@ def test_an_epoch_missing_sharded_state_waits_for_a_worker_from_outside_it_and_a
     clients = {"n0/0": link(job, "n0"), "n1/0": link(job, "n1")}
     try:
         admitted(clients)
+        # n2's agent is up and its worker outside epoch 0, as a restarting worker is whose
+        # node kept its snapshot: it may hold the missing state.
+        agents(job, "n2", expected_nodes=2)
         with ThreadPoolExecutor(3) as pool:
             futures = {
                 m: pool.submit(c.request, Failure(m, 0, 5, "no live copy", True), 3 * T)
                 for m, c in clients.items()
             }
             # Both members answer the probes, so a failure would be decided in ms; this
-            # one waits for a worker from outside the epoch (here a joiner's; in a job, a
-            # restarted worker's, whose node kept its snapshot).
+            # one waits for the worker from outside the epoch to ask to be admitted.
             time.sleep(1.5)
             assert not any(f.done() for f in futures.values())
-            agents(job, "n2", expected_nodes=2)
             clients["n2/0"] = link(job, "n2")
             assert clients["n2/0"].request(Hello("n2/0"), T) == Ok()
             futures["n2/0"] = pool.submit(clients["n2/0"].request, Initial("n2/0"), T)
@@ -298,10 +300,34 @@ def test_an_epoch_missing_sharded_state_with_no_worker_to_admit_stops_within_the
     client = link(job, "n0")
     try:
         admitted({"n0/0": client})
+        # n1's worker, outside the epoch, might hold the state, but never asks to join.
+        agents(job, "n1", expected_nodes=1)
         t0 = time.monotonic()
-        with pytest.raises(JobCannotContinue, match=r"lacks sharded optimizer state \(no live"):
+        with pytest.raises(
+            JobCannotContinue,
+            match=r"lacks sharded optimizer state \(no live copy\): no worker that could "
+            r"hold it was ready within 0.5 s, and it writes no durable checkpoint",
+        ):
             client.request(Failure("n0/0", 0, 5, "no live copy", True), T)
         assert 0.5 <= time.monotonic() - t0 < 0.5 + 2.0
+    finally:
+        client.close()
+
+
+def test_an_epoch_missing_sharded_state_whose_holders_are_all_gone_stops_at_once(
+    agents: Callable[..., NodeAgent],
+) -> None:
+    # Every live node's workers are members already: nobody can bring the state back, so
+    # waiting the bound (an hour here) would only delay the verdict.
+    job = job_name("missing-gone")
+    agents(job, "n0", expected_nodes=1, missing_state_wait=3600.0)
+    client = link(job, "n0")
+    try:
+        admitted({"n0/0": client})
+        t0 = time.monotonic()
+        with pytest.raises(JobCannotContinue, match="every worker that could hold it is gone"):
+            client.request(Failure("n0/0", 0, 5, "no live copy", True), T)
+        assert time.monotonic() - t0 < 2.0
     finally:
         client.close()
 
@@ -399,3 +425,22 @@ def test_a_node_that_stops_answering_is_found_by_its_neighbours_heartbeats(
         resume.set()
         for client in clients.values():
             client.close()
+
+
+def test_a_fallback_epoch_reaches_the_library_with_its_checkpoint() -> None:
+    def answer(conn: Connection, message: Message) -> Reply | None:
+        if isinstance(message, Failure) and message.missing_state:
+            return MembershipReply(2, ("n0/0",), "127.0.0.1:1", 1.0, "", 8, "/dev/shm/ckpt")
+        return MembershipReply(1, ("n0/0",), "127.0.0.1:1")
+
+    agent = FakeAgent(answer)
+    controller = AgentController(agent.address, "n0/0", bounds=AnswerBounds(reply=T))
+    try:
+        plain = controller.on_failure(0, 9, PeerLost(0, "lost"), 60.0)
+        assert plain.fallback is None
+        missing = PeerLost(1, "no live copy", missing_state=True)
+        membership = controller.on_failure(1, 9, missing, 60.0)
+        assert membership.fallback == Fallback(8, "/dev/shm/ckpt")
+    finally:
+        controller.close()
+        agent.close()

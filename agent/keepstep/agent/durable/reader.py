@@ -32,7 +32,7 @@ from keepstep.agent.durable.storage import (
 )
 from keepstep.elastic.errors import SnapshotCorrupt, SnapshotMissing
 
-__all__ = ["latest_checkpoint", "list_checkpoints"]
+__all__ = ["checkpoint_at", "latest_checkpoint", "list_checkpoints"]
 
 # The logger of the module these functions came from, so logging set up for it still applies.
 log = logging.getLogger("keepstep.agent.durable.writer")
@@ -53,6 +53,29 @@ def latest_checkpoint(
     loc = Location.parse(url, storage_options)
     check_timeout(timeout)
     return bounded(lambda: _read_latest(Store(loc)), timeout, f"reading checkpoints at {url}")
+
+
+def checkpoint_at(
+    url: str, step: int, timeout: float, storage_options: Mapping[str, Any] | None = None
+) -> tuple[CheckpointInfo, bytes]:
+    """The published checkpoint of ``step`` and its verified blob (bundled parts for a
+    sharded job), for agents that agreed to fall back to that step: the newest may have
+    moved on meanwhile. ``SnapshotMissing`` if the step was never published,
+    ``SnapshotCorrupt`` if its files do not match their records."""
+    loc = Location.parse(url, storage_options)
+    check_timeout(timeout)
+
+    def read() -> tuple[CheckpointInfo, bytes]:
+        store = Store(loc)
+        scan = _scan(store)
+        if scan is None or step not in scan.candidates:
+            raise SnapshotMissing(f"{store.url}: no published checkpoint of step {step}")
+        try:
+            return _verified(store, scan, step)
+        except FileNotFoundError as e:
+            raise SnapshotMissing(f"{store.url}: checkpoint of step {step}: {e} missing") from e
+
+    return bounded(read, timeout, f"reading the checkpoint of step {step} at {url}")
 
 
 def list_checkpoints(

@@ -260,6 +260,7 @@ class NodeAgent:
             log.warning("could not remove this node's keys: %s", error)
         for member in self.members():
             self.snapshot_path(member).unlink(missing_ok=True)
+        self.healer.fallback.close()
         self.link.close()
         self.probe_server.close()
         self.events.close()

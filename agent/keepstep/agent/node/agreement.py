@@ -7,7 +7,9 @@ when two agents decide at once exactly one proposal wins and everyone adopts it.
 Missing state: a sharded job's epoch can fail on entering because its members lack
 optimizer state none of them holds (its holder's worker is restarting, or a double fault
 took an owner and its replica). Then the next epoch must admit a worker from outside it
-(`newcomers`), not repeat the same members; the healer waits for one, bounded.
+(`newcomers`), not repeat the same members; the healer waits for one, bounded. When none
+can come (`state_holders_gone`) or none came in time, the next epoch's members all resume
+from the durable checkpoint (`after_failure`'s ``fallback``: `EpochRecord.checkpoint_step`).
 
 Backing off: a timeout that fired while nothing was lost (every member answered the
 probes and is still ready) was a false alarm, most likely a machine too loaded to answer
@@ -30,7 +32,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import replace
 
 from keepstep.agent.node.probe import ProbeResult
-from keepstep.agent.protocol import EpochRecord, NodeRecord, node_of
+from keepstep.agent.protocol import EpochRecord, NodeRecord, member_id, node_of
 
 # The longest a false alarm can stretch the epoch's timeouts: 16 x the 2 s store bound is
 # 32 s, past which a store that does not answer is taken as gone whatever the load.
@@ -101,6 +103,7 @@ def after_failure(
     done: int,
     now: float,
     missing_state: bool = False,
+    fallback: tuple[int, str] | None = None,
 ) -> tuple[EpochRecord | None, str]:
     """The survivors of a failed epoch, plus ready joiners, minus draining nodes.
 
@@ -108,6 +111,8 @@ def after_failure(
     ``missing_state``: the epoch failed because its members lack sharded state that none
     of them holds; only a worker from outside it can bring it, so without a ready one
     there is no next epoch (None), and the timeouts stay (nothing timed out).
+    ``fallback``: (step, why) no worker can bring it (a double fault took every holder),
+    so the next epoch's members all resume from the durable checkpoint of that step.
     """
     leaving = set(leaving_nodes)
 
@@ -131,17 +136,46 @@ def after_failure(
     )
     if not members:
         return None, reason + "; no worker left to train"
+    checkpoint_step = -1
     if missing_state:
         admitted = sorted(set(members) - set(current.members))
-        if not admitted:
+        if fallback is not None:
+            checkpoint_step, why = fallback
+            reason += (
+                f"; sharded state lost ({why}): all resume from the durable checkpoint "
+                f"of step {checkpoint_step}"
+            )
+        elif not admitted:
             return None, reason + "; sharded state is missing and no other worker is ready"
-        reason = f"{reason}; admit {','.join(admitted)} for the missing sharded state"
+        else:
+            reason = f"{reason}; admit {','.join(admitted)} for the missing sharded state"
     scale = current.timeout_scale
     if not lost and not missing_state and scale < MAX_TIMEOUT_SCALE:
         scale = min(scale * 2, MAX_TIMEOUT_SCALE)
         reason += f"; timeouts raised to {scale:g}x (a timeout fired while all answered)"
-    record = EpochRecord(current.epoch + 1, members, reason, done, now, timeout_scale=scale)
+    record = EpochRecord(
+        current.epoch + 1,
+        members,
+        reason,
+        done,
+        now,
+        timeout_scale=scale,
+        checkpoint_step=checkpoint_step,
+    )
     return record, reason
+
+
+def state_holders_gone(
+    current: EpochRecord, nodes: Collection[str], nproc: int, pending: Collection[str]
+) -> bool:
+    """Whether no worker could bring sharded state ``current`` lacks: none is waiting to
+    be admitted, and every worker of every live node (``nodes``: those with a record,
+    ``nproc`` workers each) is a member already. A worker outside the epoch on a live
+    node may be restarting from the snapshot its node kept; a dead node's snapshots went
+    with it, and a joiner brings none."""
+    if any(m not in current.members for m in pending):
+        return False
+    return all(member_id(n, r) in current.members for n in nodes for r in range(nproc))
 
 
 def minority(current: EpochRecord, probes: Mapping[str, ProbeResult]) -> str | None:

@@ -15,7 +15,8 @@ deciding at once is harmless: one write wins (with its token) and both adopt it.
 Every wait has its bound in the agent's configuration: admission `admission_timeout`
 (then AdmissionTimeout), the agreed epoch reaching the view `epoch_timeout` (then
 EpochTimeout), a worker to admit after an epoch that lacks sharded state
-`missing_state_wait` (then JobCannotContinue). The agree lock covers deciding only
+`missing_state_wait` (then, as at once when every worker that could hold it is gone, the
+fallback to the durable checkpoint: `fallback.py`). The agree lock covers deciding only
 (observe, probe, compare-and-set, and that wait for a worker to admit), so that one
 decision is made per failed epoch on this node; nobody holds it while waiting for the
 epoch to appear, which would add one member's wait to the next one's.
@@ -36,6 +37,7 @@ from keepstep.agent import protocol
 from keepstep.agent.kv import KVStore, KVTimeout, KVUnavailable
 from keepstep.agent.node import agreement
 from keepstep.agent.node.config import BOUNDARY_RETRY_OPS, MINORITY_WAIT_LEASES, AgentConfig
+from keepstep.agent.node.fallback import Fallback
 from keepstep.agent.node.probe import ProbeResult, probe_all
 from keepstep.agent.node.registration import Registration
 from keepstep.agent.node.view import JobView, Observed
@@ -84,11 +86,19 @@ class Healer:
         self._agree_lock = threading.Lock()
         self._decided = -1  # the newest failed epoch this agent made its decision for
         self._started = time.monotonic()
+        self.fallback = Fallback(cfg)
 
-    @staticmethod
-    def membership(record: EpochRecord) -> MembershipReply:
+    def membership(self, record: EpochRecord) -> MembershipReply:
+        """The answer naming ``record``; for a fallback epoch, with the checkpoint file."""
+        ckpt = "" if record.checkpoint_step < 0 else str(self.fallback.file_for(record))
         return MembershipReply(
-            record.epoch, tuple(record.members), record.store, record.timeout_scale, record.token
+            record.epoch,
+            tuple(record.members),
+            record.store,
+            record.timeout_scale,
+            record.token,
+            record.checkpoint_step,
+            ckpt,
         )
 
     def _agreed(
@@ -104,6 +114,8 @@ class Healer:
         if previous is not None:
             extra["admitted"] = sorted(set(record.members) - set(previous.members))
             extra["removed"] = sorted(set(previous.members) - set(record.members))
+        if record.checkpoint_step >= 0:  # a fallback: the run's summary lists it
+            extra["checkpoint_step"] = record.checkpoint_step
         self.events.write(
             EventKind.EPOCH_AGREED,
             epoch=record.epoch,
@@ -262,11 +274,12 @@ class Healer:
             reason=reason,
         )
         t0 = time.monotonic()
+        fallback: tuple[int, str] | None = None  # the checkpoint's step, and why
         if missing_state:
-            newcomer = self._await_newcomer(cur, reason)
-            if newcomer is None:
+            awaited = self._await_newcomer(cur, reason)
+            if awaited is None:
                 return  # another agent agreed the next epoch while this one waited
-            seen = newcomer
+            seen, fallback = awaited
         wanted = {*cur.nodes(), *(node_of(m) for m in seen.pending)}
         targets = {n: (rec.host, rec.probe_port) for n, rec in seen.nodes.items() if n in wanted}
         probes = probe_all(targets, self.cfg.probe_timeout * cur.timeout_scale)
@@ -286,7 +299,7 @@ class Healer:
             return  # another agent agreed the next epoch while this one waited for it
         seen, probes = waited
         record, why = agreement.after_failure(
-            cur, probes, seen.pending, seen.leaving, done, time.time(), missing_state
+            cur, probes, seen.pending, seen.leaving, done, time.time(), missing_state, fallback
         )
         if record is None:
             raise JobCannotContinue(f"the job cannot continue: {why}")
@@ -294,27 +307,34 @@ class Healer:
         if self._propose(record, seen.revision):
             self._agreed(record, why, cur, planned=False, step=done, agree_s=time.monotonic() - t0)
 
-    def _await_newcomer(self, cur: EpochRecord, reason: str) -> Observed | None:
+    def _await_newcomer(
+        self, cur: EpochRecord, reason: str
+    ) -> tuple[Observed, tuple[int, str] | None] | None:
         """After ``cur`` failed for missing sharded state: wait until a worker from outside
         it waits to be admitted (a restarted worker, whose node kept its snapshot; a
-        joiner), at most ``missing_state_wait``; None if another agent agreed the next
-        epoch meanwhile. Past the bound nothing can bring the state back: the job stops
-        (JobCannotContinue) rather than train without it."""
+        joiner), at most ``missing_state_wait``; then (what was seen, None). None if
+        another agent agreed the next epoch meanwhile. Once no worker can bring the state
+        back (every one that could hold it is gone, or the bound passed), the step of the
+        durable checkpoint every member falls back to, and why (``JobCannotContinue``
+        without one): never train without the state."""
         deadline = time.monotonic() + self.cfg.missing_state_wait
         while True:
             seen = self.view.observe()
             if seen.current != cur:
                 return None
             if agreement.newcomers(cur, seen.pending, seen.leaving):
-                return seen
+                return seen, None
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise JobCannotContinue(
-                    f"the job cannot continue: epoch {cur.epoch} lacks sharded optimizer "
-                    f"state ({reason}), and no worker that could hold it was ready within "
-                    f"{self.cfg.missing_state_wait:g} s; resume from the newest durable "
-                    "checkpoint (keepstep run --resume URL)"
+            gone = agreement.state_holders_gone(cur, seen.nodes, self.cfg.nproc, seen.pending)
+            if gone or left <= 0:
+                why = (
+                    "every worker that could hold it is gone with its node"
+                    if gone
+                    else f"no worker that could hold it was ready within "
+                    f"{self.cfg.missing_state_wait:g} s"
                 )
+                lacks = f"epoch {cur.epoch} lacks sharded optimizer state ({reason}): {why}"
+                return seen, (self.fallback.step_to_resume(lacks), why)
             with self.view.changed:
                 self.view.changed.wait(min(left, 0.1))
 

@@ -95,6 +95,10 @@ class EpochRecord:
     # read this record can neither read nor write the epoch's keys. Empty: no prefix (a
     # record written before tokens existed). Never logged or written to events.
     token: str = field(default="", repr=False)
+    # >= 0: the sharded state this epoch needs was lost with every holder (a double fault),
+    # so every member resumes from the job's durable checkpoint of this step instead of
+    # its own snapshot; -1: members resume from their snapshots, as always.
+    checkpoint_step: int = -1
 
     def nodes(self) -> list[str]:
         return sorted({node_of(m) for m in self.members})

@@ -56,7 +56,10 @@ class EventKind(enum.StrEnum):
                              admitted and removed (members; absent in logs written before
                              they existed: the reason names them, "admit a,b; drain c"),
                              planned (a step-boundary change, not a failure), step (the
-                             step the epoch starts at), agree_s (failures: probe + CAS)
+                             step the epoch starts at), agree_s (failures: probe + CAS),
+                             checkpoint_step (a fallback: every member resumes from the
+                             durable checkpoint of that step, a double fault having lost
+                             sharded state with every holder)
         excluded             member, epoch (an epoch left the member out: it waits again)
     A worker, relayed by its agent with `member` added:
         reconfigured         epoch, members, communicator_s, restore_s, replan_s,

@@ -214,6 +214,10 @@ class MembershipReply:
     timeout_scale: float = 1.0  # the epoch's store and collective timeouts, x their defaults
     # The epoch's secret key prefix in that store (`EpochRecord.token`; "" for none).
     token: str = field(default="", repr=False)
+    # A fallback epoch (`EpochRecord.checkpoint_step` >= 0): the file holding the durable
+    # checkpoint of that step as one snapshot, which the worker resumes from.
+    checkpoint_step: int = -1
+    checkpoint: str = ""
 
 
 @dataclass(frozen=True)

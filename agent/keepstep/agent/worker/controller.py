@@ -54,7 +54,7 @@ from keepstep.agent.protocol.messages import (
 )
 from keepstep.agent.worker import stores
 from keepstep.agent.worker.link_client import LinkClient
-from keepstep.elastic.control import CommitRecord, Membership, Reconfiguration
+from keepstep.elastic.control import CommitRecord, Fallback, Membership, Reconfiguration
 from keepstep.elastic.errors import PeerLost
 from keepstep.elastic.slow_drain import DrainRequest
 
@@ -109,8 +109,15 @@ class AgentController:
             self._store_of[reply.epoch] = reply.store
             self._token_of[reply.epoch] = reply.token
         self._scale_of[reply.epoch] = reply.timeout_scale
+        fallback = None
+        if reply.checkpoint_step >= 0:  # every member resumes from the durable checkpoint
+            fallback = Fallback(reply.checkpoint_step, reply.checkpoint)
         membership = Membership(
-            reply.epoch, reply.members, self.member, timeout_scale=reply.timeout_scale
+            reply.epoch,
+            reply.members,
+            self.member,
+            timeout_scale=reply.timeout_scale,
+            fallback=fallback,
         )
         if not membership.includes_me:
             self._release()  # the job goes on without this worker: it leaves now
