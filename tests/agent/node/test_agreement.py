@@ -189,3 +189,5 @@ def test_after_failure_falls_back_to_the_checkpoint_when_no_worker_can_bring_the
 def test_state_holders_gone(nodes: list[str], nproc: int, pending: set[str], gone: bool) -> None:
     cur = EpochRecord(5, ["n0/0", "n3/0"])
     assert agreement.state_holders_gone(cur, nodes, nproc, pending) is gone
+    outside = agreement.outside_nodes(cur, nodes, nproc)
+    assert (not outside) is (gone or bool(pending))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import stat
 import time
 from collections.abc import Callable, Iterator
@@ -18,13 +19,14 @@ from typing import Any
 import pytest
 import torch
 
+from keepstep.agent import protocol
 from keepstep.agent.durable.reader import checkpoint_at
 from keepstep.agent.durable.writer import CheckpointWriter
 from keepstep.agent.kv.memory import MemoryKV
 from keepstep.agent.node.agent import NodeAgent
 from keepstep.agent.node.config import AgentConfig
 from keepstep.agent.node.fallback import Fallback
-from keepstep.agent.protocol import EpochRecord
+from keepstep.agent.protocol import EpochRecord, NodeRecord
 from keepstep.agent.protocol.events import read_events
 from keepstep.agent.protocol.link import socket_address
 from keepstep.agent.protocol.messages import (
@@ -188,3 +190,29 @@ def test_checkpoint_at_reads_a_published_step_and_refuses_another(tmp_path: Path
     assert (info.step, blob) == (4, blobs[4])  # not the newest: the step asked for
     with pytest.raises(SnapshotMissing, match="no published checkpoint of step 5"):
         checkpoint_at(url, 5, T)
+
+
+def test_a_node_whose_agent_refuses_the_probe_is_not_waited_for(
+    agents: Callable[..., NodeAgent], tmp_path: Path
+) -> None:
+    # n2's worker is outside the epoch, and n2's record is still in the store (its lease
+    # has not expired), but its agent is gone (its port refuses connections): its
+    # snapshots went with it, so nothing is waited for.
+    url = (tmp_path / "ckpt").as_uri()
+    write_checkpoints(url, [4])
+    job = job_name("fallback-dead")
+    settings = {"checkpoint_url": url, "checkpoint_every": 4, "missing_state_wait": 3600.0}
+    n0 = agents(job, "n0", expected_nodes=1, **settings)
+    [client] = admitted_clients(job, ["n0"]).values()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens there once it is closed
+    dead = NodeRecord("n2", "127.0.0.1", port, pid=1, workers={"n2/0": 2})
+    n0.kv.put(protocol.key(job, "nodes", "n2"), protocol.encode(dead), T)
+    try:
+        t0 = time.monotonic()
+        answer = client.request(Failure("n0/0", 0, 6, "no live copy", True), T)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        client.close()
+    assert isinstance(answer, MembershipReply) and answer.checkpoint_step == 4, answer

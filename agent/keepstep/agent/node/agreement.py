@@ -175,7 +175,13 @@ def state_holders_gone(
     with it, and a joiner brings none."""
     if any(m not in current.members for m in pending):
         return False
-    return all(member_id(n, r) in current.members for n in nodes for r in range(nproc))
+    return not outside_nodes(current, nodes, nproc)
+
+
+def outside_nodes(current: EpochRecord, nodes: Collection[str], nproc: int) -> list[str]:
+    """The nodes among ``nodes`` with a worker (of ``nproc`` each) that ``current`` lacks."""
+    members = set(current.members)
+    return sorted(n for n in nodes if any(member_id(n, r) not in members for r in range(nproc)))
 
 
 def minority(current: EpochRecord, probes: Mapping[str, ProbeResult]) -> str | None:

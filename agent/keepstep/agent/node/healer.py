@@ -92,14 +92,9 @@ class Healer:
         """The answer naming ``record``; for a fallback epoch, with the checkpoint file."""
         ckpt = "" if record.checkpoint_step < 0 else str(self.fallback.file_for(record))
         return MembershipReply(
-            record.epoch,
-            tuple(record.members),
-            record.store,
-            record.timeout_scale,
-            record.token,
-            record.checkpoint_step,
-            ckpt,
-        )
+            record.epoch, tuple(record.members), record.store, record.timeout_scale,
+            record.token, record.checkpoint_step, ckpt,
+        )  # fmt: skip
 
     def _agreed(
         self,
@@ -318,6 +313,7 @@ class Healer:
         durable checkpoint every member falls back to, and why (``JobCannotContinue``
         without one): never train without the state."""
         deadline = time.monotonic() + self.cfg.missing_state_wait
+        dead = self._refusing(cur)
         while True:
             seen = self.view.observe()
             if seen.current != cur:
@@ -325,7 +321,8 @@ class Healer:
             if agreement.newcomers(cur, seen.pending, seen.leaving):
                 return seen, None
             left = deadline - time.monotonic()
-            gone = agreement.state_holders_gone(cur, seen.nodes, self.cfg.nproc, seen.pending)
+            live = [n for n in seen.nodes if n not in dead]
+            gone = agreement.state_holders_gone(cur, live, self.cfg.nproc, seen.pending)
             if gone or left <= 0:
                 why = (
                     "every worker that could hold it is gone with its node"
@@ -337,6 +334,15 @@ class Healer:
                 return seen, (self.fallback.step_to_resume(lacks), why)
             with self.view.changed:
                 self.view.changed.wait(min(left, 0.1))
+
+    def _refusing(self, cur: EpochRecord) -> set[str]:
+        """The nodes with a worker outside ``cur`` whose agent refuses the probe: gone, and
+        their snapshots with them, although their leases have not expired yet."""
+        seen = self.view.observe()
+        outside = agreement.outside_nodes(cur, seen.nodes, self.cfg.nproc)
+        targets = {n: (seen.nodes[n].host, seen.nodes[n].probe_port) for n in outside}
+        probes = probe_all(targets, self.cfg.probe_timeout * cur.timeout_scale)
+        return {n for n, p in probes.items() if not p.alive and not p.timed_out}
 
     def _propose(self, record: EpochRecord, revision: int) -> bool:
         """Compare-and-set `record` as the epoch on `revision`; whether it won. Asked again
