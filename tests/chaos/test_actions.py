@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from keepstep.agent.durable.storage import CheckpointInfo
 from keepstep.chaos.actions import DutyCycle, Stopped, corrupt_newest_slot, send
-from keepstep.chaos.rundir import RunView, alive, process_group
+from keepstep.chaos.rundir import CHECKPOINTS, RunView, alive, process_group
 from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
 from keepstep.launch import cgroups
 
@@ -95,6 +96,18 @@ def test_the_run_view_follows_appended_events(tmp_path: Path) -> None:
         f.write(text[cut + 10 :])
     assert [e["kind"] for e in view.poll()] == ["commit", "fault-detected", "worker-exited"]
     assert (view.step, view.worker_pid("n0"), view.detections) == (2, None, [2.2])
+
+
+def test_the_view_notes_each_step_record_and_skips_a_sharded_jobs_parts(tmp_path: Path) -> None:
+    folder = tmp_path / CHECKPOINTS
+    folder.mkdir()
+    info = CheckpointInfo("file:///x/step-00000010.ckpt", 10, 5, "ab" * 32, 0.0, parts=4)
+    (folder / "step-00000010.json").write_bytes(info.to_json())
+    (folder / "step-00000010.e0000.part-0001-of-0004.json").write_bytes(info.to_json())
+    (folder / "step-00000020.json").write_bytes(b"{")  # being written: the next poll decides
+    view = RunView(tmp_path)
+    view.poll()
+    assert view.checkpoints == {10: "ab" * 32}
 
 
 def test_a_hang_stops_the_group_and_resumes_it(node: subprocess.Popen[bytes]) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -336,3 +337,16 @@ def test_checkpoints_locate_where_the_numbers_left_the_reference() -> None:
     assert any(
         "first differs at the checkpoint of step 4 (equal at step 2)" in x for x in v.violations
     )
+
+
+def test_a_sharded_jobs_checkpoints_are_not_compared_with_full_replicas() -> None:
+    # Its checkpoint records hash the parts' manifest: equal parameters are not a violation.
+    sharded = dataclasses.replace(JOB, shard="zero1")
+    ref_summary, ref_events = make_run()
+    ref = reference_from(ref_summary, ref_events, sharded, ((2, "a"), (4, "b")))
+    summary, events = make_run()
+    seen = Observation(0, T0 + 2, checkpoints=((2, "m1"), (4, "m2")))
+    equal = check(summary, events, ref, seen, sharded, CHECKS)
+    assert "final_parameters_equal" not in broken(equal), equal.violations
+    summary["params_sha256"] = "def"  # a real difference still is one
+    assert "final_parameters_equal" in broken(check(summary, events, ref, seen, sharded, CHECKS))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ DETECTIONS = frozenset(
     {EventKind.FAULT_DETECTED, EventKind.DRAIN_REQUESTED, EventKind.EPOCH_AGREED}
 )
 CHECKPOINTS = "checkpoints"  # the run's durable checkpoints, when the job asks for them
+_RECORD = re.compile(r"step-(\d+)\.json")  # a step's record (storage.info_name)
 
 
 @dataclass
@@ -72,7 +74,10 @@ class RunView:
         if not folder.is_dir():
             return
         for path in folder.glob("step-*.json"):
-            step = int(path.stem.removeprefix("step-"))
+            found = _RECORD.fullmatch(path.name)  # a step's record, not a sharded part's
+            if found is None:
+                continue
+            step = int(found.group(1))
             if step in self.checkpoints:
                 continue
             try:
