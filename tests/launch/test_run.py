@@ -219,10 +219,11 @@ def test_sharded_state_missing_after_a_double_fault_waits_for_the_restarted_work
     assert s["world_size_by_step"][-1] == 3
 
 
+@pytest.mark.parametrize("shard", ["zero1", "zero2"])
 def test_a_double_fault_that_loses_sharded_state_falls_back_to_the_checkpoint(
-    reference: str, tmp_path: Path
+    shard: str, reference: str, tmp_path: Path
 ) -> None:
-    # ZeRO-1 on 4 nodes: n0 and n2 are killed at once, and with them every copy of some
+    # Sharded on 4 nodes: n0 and n2 are killed at once, and with them every copy of some
     # chunks (an owner and its replica). No restart can bring those back: the survivors
     # resume, in the same processes, from the newest durable checkpoint, and train the
     # steps after it again, to the numbers of full replicas that never failed.
@@ -230,7 +231,7 @@ def test_a_double_fault_that_loses_sharded_state_falls_back_to_the_checkpoint(
     proc, summary = keepstep_run(
         tmp_path,
         "--shard",
-        "zero1",
+        shard,
         "--checkpoint",
         ckpt.as_uri(),
         "--checkpoint-every",
