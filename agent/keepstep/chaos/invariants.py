@@ -7,8 +7,7 @@ invariant's verdict and one line per violation; nothing here touches a process o
 
     final_parameters_equal   params_sha256 equals the fault-free run's, every step trained
     global_batch_constant    every step: all micro-batches, global_batch samples, once
-    every_sample_once        the ledger: nothing lost or duplicated, same samples per step
-                             as the reference run
+    every_sample_once        the ledger: nothing lost or duplicated, the reference's samples
     no_hang_beyond_bound     no pause in committed steps longer than the detection bound,
                              and the run ends within the shutdown bound of its last step
     no_process_left_behind   no process, snapshot file or cgroup of the run remains
@@ -205,9 +204,8 @@ def _parameters(
     job: Job,
     checkpoints: tuple[tuple[int, str], ...],
 ) -> list[str]:
-    # A sharded job's checkpoint record hashes its parts' manifest, not the state: only an
-    # unsharded job's compares with the fault-free run's (which has full replicas).
-    out = _diverged(checkpoints, ref.checkpoints) if job.shard is None else []
+    sharded = job.shard is not None  # its checkpoint records hash their parts' manifests
+    out = [] if sharded else _diverged(checkpoints, ref.checkpoints)
     if summary is None:
         return ["the run wrote no summary (it did not end)", *out]
     if summary.get("params_sha256_disagree"):

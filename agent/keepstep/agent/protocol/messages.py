@@ -15,7 +15,8 @@ On the wire a message is one JSON object: its `op` and its fields, e.g.
 ``{"op": "boundary", "member": "n0/0", "done": 12}``. `decode` refuses an unknown op, a
 missing or unknown field, or a value of the wrong type with `BadMessage`, which names the
 field. An agent that cannot answer sends an `ErrorReply` whose code the worker turns back
-into the error type (`error_reply` / `error_of`), so failures stay types across the link.
+into the error type (`error_reply` / `error_of`; the errors live in `link_errors`), so
+failures stay types across the link.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from collections.abc import Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, ClassVar
 
-from keepstep.errors import KeepstepError
+from keepstep.agent.protocol.link_errors import AdmissionTimeout as AdmissionTimeout
+from keepstep.agent.protocol.link_errors import AgentError as AgentError
+from keepstep.agent.protocol.link_errors import AgentUnresponsive as AgentUnresponsive
+from keepstep.agent.protocol.link_errors import BadMessage as BadMessage
+from keepstep.agent.protocol.link_errors import ErrorCode as ErrorCode
+from keepstep.agent.protocol.link_errors import JobCannotContinue as JobCannotContinue
+from keepstep.agent.protocol.link_errors import LinkError as LinkError
 
 
 class Op(enum.StrEnum):
@@ -46,49 +53,6 @@ class Op(enum.StrEnum):
     HOLD = "hold"
     GATES = "gates"
     SLOW_DRAIN = "slow-drain"
-
-
-class ErrorCode(enum.StrEnum):
-    """Why an agent could not answer a request; each has its error type (`error_of`)."""
-
-    BAD_REQUEST = "bad-request"  # the request did not decode
-    ADMISSION_TIMEOUT = "admission-timeout"  # no epoch admitted the worker in time
-    JOB_CANNOT_CONTINUE = "job-cannot-continue"  # too few members left for another epoch
-    FAILED = "failed"  # anything else (the reason says what)
-
-
-# -- errors ------------------------------------------------------------------------------
-class LinkError(KeepstepError):
-    """Base of the errors of the worker<->agent link."""
-
-
-class BadMessage(LinkError):
-    """A message that does not decode; `field` names the culprit (None: the whole message)."""
-
-    def __init__(self, field: str | None, problem: str) -> None:
-        self.field, self.problem = field, problem
-        super().__init__(f"bad link message: {field}: {problem}" if field else problem)
-
-
-class AgentUnresponsive(LinkError):
-    """The node agent did not answer within the request's bound: it is taken for wedged."""
-
-
-class AdmissionTimeout(LinkError):
-    """No epoch admitted the worker within the agent's admission bound."""
-
-
-class JobCannotContinue(LinkError):
-    """Too few members are left (or none can be probed) to form the next epoch, or the
-    sharded state an epoch lacks has no holder to admit."""
-
-
-class AgentError(LinkError):
-    """The agent failed a request for another reason (`code`, and its message)."""
-
-    def __init__(self, code: ErrorCode, reason: str) -> None:
-        self.code = code
-        super().__init__(reason)
 
 
 # -- worker -> agent ---------------------------------------------------------------------
