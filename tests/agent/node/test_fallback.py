@@ -138,7 +138,7 @@ def test_state_lost_with_every_holder_resumes_every_member_from_the_newest_check
         assert (answer.epoch, answer.members) == (1, ("n0/0", "n1/0"))
         assert answer.checkpoint_step == 8
         paths.add(answer.checkpoint)
-    assert len(paths) == 2  # each agent wrote its own, beside its workers' snapshots
+    assert len(paths) == 2  # each agent wrote its own, in its run directory
     for path in map(Path, paths):
         assert path.parent == tmp_path and path.read_bytes() == blobs[8]
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -166,12 +166,15 @@ def test_no_checkpoint_written_yet_stops_the_job_naming_the_url(
 def test_the_file_is_read_once_per_epoch_and_an_older_one_removed(tmp_path: Path) -> None:
     url = (tmp_path / "ckpt").as_uri()
     blobs = write_checkpoints(url, [4, 8])
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    run.mkdir(), shm.mkdir()
     cfg = AgentConfig(
-        job="j", node="n0", etcd="", script="x", snapshot_dir=tmp_path, checkpoint_url=url
+        job="j", node="n0", etcd="", script="x", run_dir=run, snapshot_dir=shm, checkpoint_url=url
     )
     fallback = Fallback(cfg)
     first = fallback.file_for(EpochRecord(3, ["n0/0"], checkpoint_step=4))
     assert first.read_bytes() == blobs[4]
+    assert first.parent == run, "on disk: shared memory is sized for the snapshots"
     first.write_bytes(b"read once")  # a second worker's ask is answered from the file
     assert fallback.file_for(EpochRecord(3, ["n0/0"], checkpoint_step=4)) == first
     assert first.read_bytes() == b"read once"

@@ -6,10 +6,11 @@ piece, and no restart brings it back. Training on without it would be silently w
 the epoch that follows resumes every member from the job's newest durable checkpoint:
 the agent that decides looks up that step (`step_to_resume`), the epoch record names it
 (`EpochRecord.checkpoint_step`), and every agent reads that step's checkpoint, joins a
-sharded one's parts into one snapshot, and writes it to a file beside its workers'
-snapshots (`file_for`); each of its workers imports it and resumes there, in the same
-process. The steps after it are trained again, to the same bits (every value is keyed by
-step), and the run's ledger counts only their newest commits.
+sharded one's parts into one snapshot, and writes it to a file in its run directory, on
+disk like a resumed job's checkpoint (`file_for`: shared memory is sized for the
+snapshots); each of its workers imports it and resumes there, in the same process. The
+steps after it are trained again, to the same bits (every value is keyed by step), and
+the run's ledger counts only their newest commits.
 
 Without a checkpoint URL, or before the first checkpoint is published, the job cannot go
 on: `JobCannotContinue`, naming why.
@@ -97,7 +98,7 @@ class Fallback:
                     f"epoch {record.epoch} resumes from the checkpoint of step {step} at "
                     f"{url}, which cannot be read: {error}"
                 ) from error
-            path = self.cfg.snapshot_dir / f"keepstep-{self.cfg.job}-{self.cfg.node}-ckpt-{step}"
+            path = self.cfg.run_dir / f"fallback-{self.cfg.node}-step-{step}.ckpt"
             _write_private(path, snapshot)
             for old in self._files.values():  # an earlier fallback's: its workers moved on
                 if old != path:
