@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -16,9 +16,7 @@ import pytest
 
 from keepstep.agent import protocol
 from keepstep.agent.kv import KVTimeout, KVUnavailable, Lease
-from keepstep.agent.kv.memory import MemoryKV
 from keepstep.agent.node.agent import NodeAgent
-from keepstep.agent.node.config import AgentConfig
 from keepstep.agent.protocol.events import read_events
 from keepstep.agent.protocol.link import socket_address
 from keepstep.agent.protocol.messages import Boundary, Hello, Initial, MembershipReply, Ok
@@ -49,39 +47,11 @@ class ElectingKV:
         return getattr(self.inner, name)
 
 
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[Callable[..., NodeAgent]]:
-    kv = MemoryKV()
-    started: list[NodeAgent] = []
-
-    def start(job: str, node: str, expected_nodes: int = 2) -> NodeAgent:
-        cfg = AgentConfig(
-            job=job,
-            node=node,
-            etcd="",
-            script="",
-            command=("sleep", "60"),
-            run_dir=tmp_path,
-            snapshot_dir=tmp_path,
-            expected_nodes=expected_nodes,
-        )
-        agent = NodeAgent(cfg, kv.client())
-        agent.start()
-        started.append(agent)
-        return agent
-
-    try:
-        yield start
-    finally:
-        for agent in started:
-            agent.close()
-
-
 def test_a_drain_at_a_boundary_is_agreed_through_an_etcd_election(
     agents: Callable[..., NodeAgent], tmp_path: Path
 ) -> None:
     job = f"electing-{os.getpid()}-{time.monotonic_ns()}"
-    n0, n1 = agents(job, "n0"), agents(job, "n1")
+    n0, n1 = agents(job, "n0", expected_nodes=2), agents(job, "n1", expected_nodes=2)
     clients = {
         m: LinkClient(socket_address(job, m[:2]), lambda _: None, T) for m in ("n0/0", "n1/0")
     }
@@ -125,7 +95,7 @@ def test_an_epoch_superseded_before_its_first_step_is_ended_for_its_members(
     went on to 18 waited out 17's 30 s rendezvous. The agents now end 17 when 18 replaces
     it at the same step; an epoch that trained a step is left to the fault paths."""
     job = f"superseded-{os.getpid()}-{time.monotonic_ns()}"
-    n0 = agents(job, "n0")
+    n0 = agents(job, "n0", expected_nodes=2)
     ended: list[tuple[int, str]] = []
     n0.stores.end = lambda epoch, reason: ended.append((epoch.epoch, reason))  # type: ignore[method-assign]
     for record in (_epoch(16, 270), _epoch(17, 272), _epoch(18, 272), _epoch(19, 280)):

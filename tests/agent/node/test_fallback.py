@@ -11,10 +11,9 @@ import re
 import socket
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -22,7 +21,6 @@ import torch
 from keepstep.agent import protocol
 from keepstep.agent.durable.reader import checkpoint_at
 from keepstep.agent.durable.writer import CheckpointWriter
-from keepstep.agent.kv.memory import MemoryKV
 from keepstep.agent.node.agent import NodeAgent
 from keepstep.agent.node.config import AgentConfig
 from keepstep.agent.node.fallback import Fallback
@@ -66,34 +64,6 @@ def write_checkpoints(url: str, steps: list[int]) -> dict[int, bytes]:
         writer.flush(T)
     writer.close(T)
     return blobs
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[Callable[..., NodeAgent]]:
-    kv = MemoryKV()
-    started: list[NodeAgent] = []
-
-    def start(job: str, node: str, **kw: Any) -> NodeAgent:
-        cfg = AgentConfig(
-            job=job,
-            node=node,
-            etcd="",
-            script="",
-            command=("sleep", "60"),
-            run_dir=tmp_path,
-            snapshot_dir=tmp_path,
-            **kw,
-        )
-        agent = NodeAgent(cfg, kv.client())
-        agent.start()
-        started.append(agent)
-        return agent
-
-    try:
-        yield start
-    finally:
-        for agent in started:
-            agent.close()
 
 
 def job_name(tag: str) -> str:

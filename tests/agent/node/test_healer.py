@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -24,10 +24,8 @@ from typing import Any
 import pytest
 
 from keepstep.agent import protocol
-from keepstep.agent.kv.memory import MemoryKV
 from keepstep.agent.node import healer, probe
 from keepstep.agent.node.agent import NodeAgent
-from keepstep.agent.node.config import AgentConfig
 from keepstep.agent.node.link_server import LinkServer
 from keepstep.agent.node.view import Change
 from keepstep.agent.protocol.events import read_events
@@ -57,36 +55,6 @@ T = 10.0  # generous for a loaded machine; the bounds under test are far shorter
 
 def job_name(tag: str) -> str:
     return f"{tag}-{os.getpid()}-{time.monotonic_ns()}"
-
-
-@pytest.fixture
-def agents(tmp_path: Path) -> Iterator[Callable[..., NodeAgent]]:
-    """Start NodeAgents on one MemoryKV (each its own client), whose workers never say
-    hello themselves (`sleep`): the test speaks for them over their links."""
-    kv = MemoryKV()
-    started: list[NodeAgent] = []
-
-    def start(job: str, node: str, **kw: Any) -> NodeAgent:
-        cfg = AgentConfig(
-            job=job,
-            node=node,
-            etcd="",
-            script="",
-            command=("sleep", "60"),
-            run_dir=tmp_path,
-            snapshot_dir=tmp_path,
-            **kw,
-        )
-        agent = NodeAgent(cfg, kv.client())
-        agent.start()
-        started.append(agent)
-        return agent
-
-    try:
-        yield start
-    finally:
-        for agent in started:
-            agent.close()
 
 
 def link(job: str, node: str) -> LinkClient:
