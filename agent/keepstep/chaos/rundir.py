@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from keepstep.agent.durable.storage import CheckpointInfo
+from keepstep.agent.durable.storage import CheckpointInfo, info_name, step_files
 from keepstep.agent.protocol.events import EventKind, kind_of
 from keepstep.errors import KeepstepError
 
@@ -25,7 +24,6 @@ DETECTIONS = frozenset(
     {EventKind.FAULT_DETECTED, EventKind.DRAIN_REQUESTED, EventKind.EPOCH_AGREED}
 )
 CHECKPOINTS = "checkpoints"  # the run's durable checkpoints, when the job asks for them
-_RECORD = re.compile(r"step-(\d+)\.json")  # a step's record (storage.info_name)
 
 
 @dataclass
@@ -73,12 +71,9 @@ class RunView:
         folder = self.run_dir / CHECKPOINTS
         if not folder.is_dir():
             return
-        for path in folder.glob("step-*.json"):
-            found = _RECORD.fullmatch(path.name)  # a step's record, not a sharded part's
-            if found is None:
-                continue
-            step = int(found.group(1))
-            if step in self.checkpoints:
+        for step, names in step_files([p.name for p in folder.iterdir()]).items():
+            path = folder / info_name(step)  # the step's record, not a sharded part's
+            if step in self.checkpoints or path.name not in names:
                 continue
             try:
                 info = CheckpointInfo.from_json(path.read_bytes(), str(path))

@@ -28,7 +28,6 @@ from keepstep.agent.durable.reader import checkpoint_at, latest_checkpoint
 from keepstep.agent.node.config import AgentConfig
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.messages import JobCannotContinue
-from keepstep.elastic.errors import SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.sharded_checkpoint import join_parts
 from keepstep.errors import KeepstepError
 
@@ -93,7 +92,7 @@ class Fallback:
                 _, blob = checkpoint_at(url, step, READ_TIMEOUT_S, self.cfg.storage_options)
                 parts = unbundle(blob)
                 snapshot = join_parts(parts) if parts is not None else blob
-            except (SnapshotMissing, SnapshotCorrupt, KeepstepError, OSError) as error:
+            except (KeepstepError, OSError) as error:  # SnapshotMissing, SnapshotCorrupt too
                 raise JobCannotContinue(
                     f"epoch {record.epoch} resumes from the checkpoint of step {step} at "
                     f"{url}, which cannot be read: {error}"
