@@ -20,7 +20,7 @@ import torch.distributed as dist
 # The typed names live here; torch.distributed re-exports them only at runtime.
 from torch._C._distributed_c10d import HashStore, Store
 
-from keepstep.elastic.comm import Communicator, abort_epoch, abort_key
+from keepstep.elastic.comm import Communicator, abort_epoch, abort_key, rounds
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
 
 # ---- fast tests: one process -------------------------------------------------------------
@@ -163,36 +163,69 @@ def test_two_ranks_on_threads_reduce_and_time_out_together() -> None:
     b.close()
 
 
+def _gather_on_both(
+    a: Communicator, b: Communicator, payload_a: bytes, payload_b: bytes, max_bytes: int = 16
+) -> list[Any]:
+    """Both ranks' ``allgather_bytes`` (on threads): what each got, or its error's text."""
+    got: list[Any] = [None, None]
+
+    def gather(rank: int, comm: Communicator, payload: bytes) -> None:
+        try:
+            got[rank] = comm.allgather_bytes(payload, max_bytes, timedelta(seconds=10))
+        except BadMessage as error:
+            got[rank] = str(error)
+
+    threads = [
+        threading.Thread(target=gather, args=(0, a, payload_a)),
+        threading.Thread(target=gather, args=(1, b, payload_b)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    return got
+
+
 def test_two_ranks_gather_bytes_and_refuse_an_oversized_payload_together() -> None:
     a, b = _create_on_threads(HashStore(), 0, ["a", "b"])
-
-    def both(payload_a: bytes, payload_b: bytes) -> list[Any]:
-        got: list[Any] = [None, None]
-
-        def gather(rank: int, comm: Communicator, payload: bytes) -> None:
-            try:
-                got[rank] = comm.allgather_bytes(payload, 16, timedelta(seconds=10))
-            except BadMessage as error:
-                got[rank] = str(error)
-
-        threads = [
-            threading.Thread(target=gather, args=(0, a, payload_a)),
-            threading.Thread(target=gather, args=(1, b, payload_b)),
-        ]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=20)
-        return got
-
-    assert both(b"", b"0123456789") == [[b"", b"0123456789"]] * 2
+    assert _gather_on_both(a, b, b"", b"0123456789") == [[b"", b"0123456789"]] * 2
     refused = "allgather_bytes: rank 1 sent 17 bytes; allowed are 0 to 16"
-    assert both(b"ok", b"x" * 17) == [refused, refused]
-    # Refused before the payloads travel: the epoch is intact.
-    assert both(b"a" * 16, b"b") == [[b"a" * 16, b"b"]] * 2
+    assert _gather_on_both(a, b, b"ok", b"x" * 17) == [refused, refused]
+    # Refused after the lengths' round, before a second: the epoch is intact.
+    assert _gather_on_both(a, b, b"a" * 16, b"b") == [[b"a" * 16, b"b"]] * 2
     assert not a.aborted() and not b.aborted()
     a.close()
     b.close()
+
+
+def test_payloads_past_the_inline_frame_take_a_second_round() -> None:
+    a, b = _create_on_threads(HashStore(), 0, ["a", "b"])
+    inline = rounds.INLINE_BYTES
+    fits, over = bytes(range(256)) * (inline // 256), b"\x07" * (inline + 1)
+    assert len(fits) == inline
+    limit = 4 * inline
+    cases = [(fits, b""), (fits, over), (over, b"z"), (over, over + b"!"), (b"", over * 3)]
+    for pa, pb in cases:
+        assert _gather_on_both(a, b, pa, pb, limit) == [[pa, pb]] * 2
+    refused = f"allgather_bytes: rank 0 sent {limit + 1} bytes; allowed are 0 to {limit}"
+    assert _gather_on_both(a, b, b"y" * (limit + 1), fits, limit) == [refused, refused]
+    assert not a.aborted() and not b.aborted()
+    a.close()
+    b.close()
+
+
+def test_a_frame_carries_its_length_and_head() -> None:
+    frame = rounds.framed(b"abc", inline=8)
+    assert frame.numel() == 16 and rounds.frame_length(frame) == 3
+    assert rounds.frame_payload(frame, 3) == b"abc"
+    long = rounds.framed(b"0123456789", inline=4)
+    assert rounds.frame_length(long) == 10 and rounds.frame_payload(long, 4) == b"0123"
+    # A peer's frame may say anything: a negative length is read as such, and refused.
+    lying = rounds.framed(b"", inline=4)
+    lying[:8] = torch.tensor([-5], dtype=torch.int64).view(torch.uint8)
+    assert rounds.frame_length(lying) == -5
+    with pytest.raises(BadMessage, match="rank 0 sent -5 bytes; allowed are 0 to 4"):
+        rounds.check_lengths([rounds.frame_length(lying)], 4)
 
 
 def test_create_gives_up_when_a_member_never_joins() -> None:

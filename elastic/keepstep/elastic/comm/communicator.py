@@ -208,47 +208,39 @@ class Communicator:
         if self.size == 1:
             self._collective("reduce_scatter", None, timeout)
             return tensor.clone()
-        if into is None:
-            got = torch.empty_like(tensor)
-        else:
-            nbytes = tensor.numel() * tensor.element_size()
-            got = rounds.receive_buffer(nbytes, self.device, into).view(tensor.dtype)
+        got = rounds.receive_like(tensor, self.device, into)
         splits = [n] * self.size
         self._collective(
             "reduce_scatter", lambda k, t: k.alltoall(got, tensor, splits, splits, t), timeout
         )
-        parts = got.view(self.size, n)
-        total = parts[self.rank]
-        for r in range(self.size):
-            if r != self.rank:
-                total += parts[r]
-        return total
+        return rounds.sum_slices(got, self.size, self.rank)
 
     def allgather_bytes(
         self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]:
         """Every member's ``payload`` in rank order; none may be longer than ``max_bytes``.
 
-        Raw bytes only: decoding (and validating) them is the caller's. Two rounds under one
-        deadline: the lengths, then the payloads padded to the longest. Every rank checks
-        every length before the second round, so all refuse an oversized payload together
-        (``BadMessage`` naming its rank) instead of leaving the others waiting.
+        Raw bytes only: decoding (and validating) them is the caller's. One round when
+        every payload fits a frame (``rounds.framed``: its length and its first
+        ``INLINE_BYTES``), a second of the payloads padded to the longest otherwise, under
+        one deadline. Every rank checks every length after the first round, so all refuse
+        an oversized payload together (``BadMessage`` naming its rank) instead of leaving
+        the others waiting.
         """
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ConfigError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+        rounds.check_max_bytes(max_bytes)
         if self.size == 1:
             self._collective("allgather_bytes", None, timeout)
             check_lengths([len(payload)], max_bytes)
             return [bytes(payload)]
         deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
-        mine = torch.tensor([len(payload)], dtype=torch.int64).to(self.device)
-        lengths = [int(n) for n in self._allgather("allgather_bytes (lengths)", mine, deadline)]
+        mine = rounds.framed(payload).to(self.device)
+        frames = self._allgather("allgather_bytes", mine, deadline)
+        lengths = [rounds.frame_length(f) for f in frames]
         check_lengths(lengths, max_bytes)
-        # At least one byte: gloo is not asked to gather empty tensors.
-        padded = torch.zeros(max(max(lengths), 1), dtype=torch.uint8)
-        if payload:
-            padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        slots = self._allgather("allgather_bytes", padded.to(self.device), deadline)
+        if max(lengths) <= rounds.INLINE_BYTES:
+            return [rounds.frame_payload(f, n) for f, n in zip(frames, lengths, strict=True)]
+        padded = rounds.padded(payload, max(lengths)).to(self.device)
+        slots = self._allgather("allgather_bytes (long)", padded, deadline)
         return [s[:n].cpu().numpy().tobytes() for s, n in zip(slots, lengths, strict=True)]
 
     def alltoall_bytes(
@@ -275,22 +267,13 @@ class Communicator:
         Two rounds under one deadline: the lengths, then the bytes. Each rank checks the
         lengths it is to receive first and refuses an oversized one (``BadMessage`` naming
         the sender); its peers then time out or hear the abort it writes."""
-        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
-            raise ConfigError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
-        if len(payloads) != self.size:
-            raise ConfigError(f"alltoall needs {self.size} payloads, got {len(payloads)}")
-        if any(p.dtype != torch.uint8 or p.dim() != 1 or p.device.type != "cpu" for p in payloads):
-            raise ConfigError("alltoall_tensors sends 1-D uint8 CPU tensors")
-        sizes = [p.numel() for p in payloads]
+        rounds.check_max_bytes(max_bytes)
+        sizes = rounds.payload_sizes(payloads, self.size)
         if self.size == 1:
             self._collective("alltoall_bytes", None, timeout)
             check_lengths(sizes, max_bytes, "alltoall_bytes")
             return [payloads[0].clone()]
-        try:
-            check_lengths(sizes, max_bytes, "alltoall_bytes (sent)")
-        except BadMessage as err:  # the peers hear the abort rather than wait for us
-            self._watch.fire(f"rank {self.rank} ({self.me}): {err}")
-            raise
+        self._refuse_together(sizes, max_bytes, "alltoall_bytes (sent)")
         deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
         ones = [1] * self.size
         sent = torch.tensor(sizes, dtype=torch.int64).to(self.device)
@@ -301,11 +284,7 @@ class Communicator:
             left(deadline),
         )
         lengths = [int(n) for n in got.cpu()]
-        try:
-            check_lengths(lengths, max_bytes, "alltoall_bytes")
-        except BadMessage as err:
-            self._watch.fire(f"rank {self.rank} ({self.me}): {err}")
-            raise
+        self._refuse_together(lengths, max_bytes, "alltoall_bytes")
         # One byte of padding after each payload: gloo is not asked to move empty slices.
         in_splits, out_splits = [n + 1 for n in sizes], [n + 1 for n in lengths]
         flat = rounds.laid_out(list(payloads)) if self.device.type == "cpu" else None
@@ -359,6 +338,14 @@ class Communicator:
             self._lost = reason
         self._retire(pending)
         return PeerLost(self.epoch, self._lost)
+
+    def _refuse_together(self, lengths: list[int], max_bytes: int, what: str) -> None:
+        """``check_lengths``; on ``BadMessage`` the peers hear the abort, not wait for us."""
+        try:
+            check_lengths(lengths, max_bytes, what)
+        except BadMessage as err:
+            self._watch.fire(f"rank {self.rank} ({self.me}): {err}")
+            raise
 
     def _allgather(
         self, what: str, mine: torch.Tensor, deadline: float, into: Alloc | None = None

@@ -1,8 +1,11 @@
 """What the payload collectives' rounds share: the deadline left, and the length check.
 
-Where it sits: under communicator.py, whose ``allgather_bytes`` and ``alltoall_tensors``
-exchange lengths in a first round and payloads in a second, under one deadline. Every
-length a peer announces is checked here before a buffer is allocated for it. Callers that
+Where it sits: under communicator.py, whose ``alltoall_tensors`` exchanges lengths in a
+first round and payloads in a second, under one deadline, and whose ``allgather_bytes``
+sends each payload framed in a slot of ``INLINE_BYTES`` with its length (``framed``): one
+round when every payload fits (a member view, a shard announcement: every epoch entry
+gathers them), a second of the payloads padded to the longest otherwise. Every length a
+peer announces is checked here before a buffer is allocated for it. Callers that
 repeat a collective of the same sizes (a sharded commit, ZeRO's parameter gather) hand in
 buffers kept in a ``Buffers`` (``into=``), and send payloads laid out in one (``laid_out``).
 """
@@ -10,7 +13,7 @@ buffers kept in a ``Buffers`` (``into=``), and send payloads laid out in one (``
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -19,19 +22,32 @@ from keepstep.elastic.errors import BadMessage, ConfigError
 
 __all__ = [
     "EMPTY",
+    "INLINE_BYTES",
     "PAD",
     "Alloc",
     "Buffers",
     "check_lengths",
+    "check_max_bytes",
+    "frame_length",
+    "frame_payload",
+    "framed",
     "laid_out",
     "left",
+    "padded",
+    "payload_sizes",
     "receive_buffer",
+    "receive_like",
     "slots",
+    "sum_slices",
 ]
 
 Alloc = Callable[[int], torch.Tensor]  # n bytes (1-D uint8) to receive into: fresh or kept
 EMPTY = torch.empty(0, dtype=torch.uint8)  # an empty payload
 PAD = torch.zeros(1, dtype=torch.uint8)  # after each payload: gloo moves no empty slices
+# An allgather_bytes payload up to this long goes in its length's round (a frame of
+# 8 + INLINE_BYTES bytes a member): member views and shard announcements are well inside.
+INLINE_BYTES = 8192
+_LENGTH = 8  # a frame's little-endian int64 length, before the payload
 
 
 def left(deadline: float) -> timedelta:
@@ -40,11 +56,59 @@ def left(deadline: float) -> timedelta:
     return timedelta(seconds=max(deadline - time.monotonic(), 0.001))
 
 
+def check_max_bytes(max_bytes: object) -> None:
+    """``ConfigError`` unless ``max_bytes`` (a payload collective's bound) is an int >= 1."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise ConfigError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
+
+
+def payload_sizes(payloads: Sequence[torch.Tensor], size: int) -> list[int]:
+    """The lengths of an alltoall's ``payloads``, one per rank of ``size``: ``ConfigError``
+    unless they are that many 1-D uint8 CPU tensors."""
+    if len(payloads) != size:
+        raise ConfigError(f"alltoall needs {size} payloads, got {len(payloads)}")
+    if any(p.dtype != torch.uint8 or p.dim() != 1 or p.device.type != "cpu" for p in payloads):
+        raise ConfigError("alltoall_tensors sends 1-D uint8 CPU tensors")
+    return [p.numel() for p in payloads]
+
+
+def padded(payload: bytes, n: int) -> torch.Tensor:
+    """``payload`` as ``n`` uint8 (at least one: gloo gathers no empty tensor), zero-padded."""
+    out = torch.zeros(max(n, 1), dtype=torch.uint8)
+    if payload:
+        out[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    return out
+
+
 def check_lengths(lengths: list[int], max_bytes: int, what: str = "allgather_bytes") -> None:
     """``BadMessage`` naming the first rank whose length is outside [0, max_bytes]."""
     for rank, n in enumerate(lengths):
         if not 0 <= n <= max_bytes:
             raise BadMessage(f"{what}: rank {rank} sent {n} bytes; allowed are 0 to {max_bytes}")
+
+
+def framed(payload: bytes, inline: int = INLINE_BYTES) -> torch.Tensor:
+    """``payload``'s frame for the first round of ``allgather_bytes``: its length as a
+    little-endian int64, then its first ``inline`` bytes, zero-padded (8 + ``inline`` bytes,
+    the same on every member)."""
+    frame = torch.zeros(_LENGTH + inline, dtype=torch.uint8)
+    frame[:_LENGTH] = torch.frombuffer(
+        bytearray(len(payload).to_bytes(_LENGTH, "little")), dtype=torch.uint8
+    )
+    head = payload[:inline]
+    if head:
+        frame[_LENGTH : _LENGTH + len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+    return frame
+
+
+def frame_length(frame: torch.Tensor) -> int:
+    """The length a peer's frame (``framed``'s) says its payload has, unchecked."""
+    return int.from_bytes(frame[:_LENGTH].cpu().numpy().tobytes(), "little", signed=True)
+
+
+def frame_payload(frame: torch.Tensor, n: int) -> bytes:
+    """The first ``n`` payload bytes a frame carries (``n`` within its inline part)."""
+    return frame[_LENGTH : _LENGTH + n].cpu().numpy().tobytes()
 
 
 def laid_out(payloads: list[torch.Tensor]) -> torch.Tensor | None:
@@ -70,6 +134,25 @@ def receive_buffer(n: int, device: torch.device, into: Alloc | None) -> torch.Te
     if out.dim() != 1 or out.numel() != n or out.dtype != torch.uint8 or out.device != device:
         raise ConfigError(f"into({n}) gave {out.dtype} {tuple(out.shape)} on {out.device}")
     return out
+
+
+def receive_like(tensor: torch.Tensor, device: torch.device, into: Alloc | None) -> torch.Tensor:
+    """A buffer of ``tensor``'s dtype and size to receive into: fresh, or ``into``'s bytes."""
+    if into is None:
+        return torch.empty_like(tensor)
+    nbytes = tensor.numel() * tensor.element_size()
+    return receive_buffer(nbytes, device, into).view(tensor.dtype)
+
+
+def sum_slices(got: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """A reduce-scatter's result: the ``size`` equal slices of ``got`` added into slice
+    ``rank`` (this rank's own, received), the others in rank order."""
+    parts = got.view(size, -1)
+    total = parts[rank]
+    for r in range(size):
+        if r != rank:
+            total += parts[r]
+    return total
 
 
 def slots(
