@@ -239,19 +239,41 @@ def _store_with(*steps: int) -> SnapshotStore:
     return store
 
 
-def test_fall_back_puts_the_checkpoint_newest_and_the_views_resume_there(tmp_path: Path) -> None:
+def test_fall_back_holds_the_checkpoint_in_memory_and_the_views_resume_there(
+    tmp_path: Path,
+) -> None:
     checkpoint = tmp_path / "ckpt"
-    checkpoint.write_bytes(_store_with(8).export(8))
-    store = _store_with(10, 11)  # this member's own timeline, past the checkpoint
+    whole = torch.arange(4096, dtype=torch.float32)  # the whole state: far past a slot
+    blob = SnapshotStore(MemoryBuffer(), background=False)
+    blob.commit(8, {"w": whole}, b"meta")
+    checkpoint.write_bytes(blob.export(8))
+    buffer = MemoryBuffer()
+    store = SnapshotStore(buffer, background=False)
+    for step in (10, 11):  # this member's own timeline, past the checkpoint
+        store.commit(step, {"w": torch.full((3,), float(step))}, b"meta")
+    size = buffer.size
     assert fall_back(store, Fallback(8, str(checkpoint))) == 8
-    assert [i.step for i in store.infos()] == [8, 11]  # newest first: the checkpoint
-    assert torch.equal(store.load(8).tensors["w"], torch.full((3,), 8.0))
+    # The abandoned steps are gone, here and for a worker restarted over the same buffer;
+    # the checkpoint is not in the slots, which kept their size.
+    assert [i.step for i in store.infos()] == [8]
+    assert SnapshotStore(buffer, background=False).infos() == []
+    assert buffer.size == size
+    loaded = store.load(8).tensors["w"]
+    assert torch.equal(loaded, whole)
+    loaded.add_(1.0)  # what a restore was given may change: the checkpoint does not
+    assert torch.equal(store.load().tensors["w"], whole)
+    assert store.export(8) == checkpoint.read_bytes()  # for a peer that lacks it
     # Every member did the same: all resume at the checkpoint's step, nothing moves.
-    views = [held(8, 8, 11), held(8, 8, 10), MemberView(False, 8, (8,))]
+    views = [held(8, 8), held(8, 8), MemberView(False, 8, (8,))]
     plan = resume_plan(views)
     assert (plan.resume_step, plan.needy) == (8, ())
-    store.commit(9, {"w": torch.full((3,), 9.0)}, b"meta")  # overwrites 11, keeps 8
-    assert [i.step for i in store.infos()] == [9, 8]
+    store.commit(9, {"w": torch.full((3,), 9.0)}, b"meta")
+    assert [i.step for i in store.infos()] == [9, 8]  # one step behind is still served
+    store.commit(10, {"w": torch.full((3,), 10.0)}, b"meta")
+    assert [i.step for i in store.infos()] == [10, 9]  # two commits after it: dropped
+    with pytest.raises(SnapshotMissing):
+        store.load(8)
+    assert buffer.size == size
 
 
 def test_fall_back_refuses_a_missing_damaged_or_other_checkpoint(tmp_path: Path) -> None:
@@ -262,12 +284,13 @@ def test_fall_back_refuses_a_missing_damaged_or_other_checkpoint(tmp_path: Path)
     blob[-1] ^= 0xFF
     damaged = tmp_path / "damaged"
     damaged.write_bytes(bytes(blob))
-    with pytest.raises(SnapshotCorrupt):
+    with pytest.raises(SnapshotCorrupt, match="damaged: fallback snapshot: payload checksum"):
         fall_back(store, Fallback(8, str(damaged)))
     other = tmp_path / "other"
     other.write_bytes(_store_with(4).export(4))
-    with pytest.raises(SnapshotCorrupt, match="holds step 4, not the checkpoint's step 8"):
+    with pytest.raises(SnapshotCorrupt, match="other: fallback snapshot: holds step 4, not 8"):
         fall_back(store, Fallback(8, str(other)))
+    assert [i.step for i in store.infos()] == [10]  # refused before the slots were touched
 
 
 @pytest.mark.parametrize(

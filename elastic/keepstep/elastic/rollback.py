@@ -21,6 +21,7 @@ state, so all start from the same bits. An epoch that falls back to the durable 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,19 +174,24 @@ def _list(ranks: Sequence[int]) -> str:
 
 
 def fall_back(snapshots: SnapshotStore, fallback: Fallback, timeout: float = 60.0) -> int:
-    """Put the durable checkpoint a fallback epoch resumes from (its agent wrote it to
-    ``fallback.path`` as one exported snapshot, checksummed) into this member's snapshots,
-    newest, and return its step: the member holds that step, as every member now does,
-    and the epoch's views resume there (the steps after it are trained again)."""
+    """Take the durable checkpoint a fallback epoch resumes from (its agent wrote it to
+    ``fallback.path`` as one exported snapshot, checksummed) as this member's state, and
+    return its step: the member holds that step, as every member now does, and the epoch's
+    views resume there (the steps after it are trained again). The checkpoint is the whole
+    state, so it is held in memory (``SnapshotStore.seed``), not in the member's slots,
+    which keep their size: its own shard and its replicas."""
+    path = Path(fallback.path)
     try:
-        blob = Path(fallback.path).read_bytes()
+        with path.open("rb") as file:
+            blob = bytearray(os.fstat(file.fileno()).st_size)
+            got = file.readinto(blob)
     except OSError as error:
         raise SnapshotMissing(
             f"the checkpoint of step {fallback.step} to fall back to: {error}"
         ) from error
-    info = snapshots.import_(blob, timeout)  # verifies the checksum first
-    if info.step != fallback.step:
-        raise SnapshotCorrupt(
-            f"{fallback.path} holds step {info.step}, not the checkpoint's step {fallback.step}"
-        )
-    return info.step
+    if got != len(blob):
+        raise SnapshotCorrupt(f"{path}: read {got} of its {len(blob)} bytes")
+    try:
+        return snapshots.seed(blob, fallback.step, timeout).step  # verified first
+    except SnapshotCorrupt as error:
+        raise SnapshotCorrupt(f"{path}: {error}") from None

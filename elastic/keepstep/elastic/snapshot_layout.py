@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from keepstep.elastic.errors import SnapshotCorrupt
+from keepstep.elastic.errors import ConfigError, SnapshotCorrupt
 
 ALIGN = 64
 FILE_STRUCT = struct.Struct("<8sIIQ")  # magic, version, reserved, slot size
@@ -125,3 +125,32 @@ def slot_intact(view: memoryview, slot: int) -> bool:
 
 def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def empty_slots(view: memoryview) -> None:
+    """Mark both slots of a whole snapshot file EMPTY: what they held is not to be loaded."""
+    slot_size = int(FILE_STRUCT.unpack_from(view, 0)[3])
+    for at in (HEADER, HEADER + slot_size):
+        view[at : at + HEADER] = bytes(HEADER)
+
+
+def copy_slot1_to_slot0(view: memoryview, slot_size: int, nbytes: int) -> None:
+    """Copy slot 1's snapshot (``nbytes`` of payload) into slot 0, which stays where it is
+    when slots grow: slot 0 marked WRITING first, its header last, so a crash at any point
+    leaves one intact copy."""
+    src, dst = HEADER + slot_size, HEADER
+    SLOT_STRUCT.pack_into(view, dst, SLOT_MAGIC, SlotState.WRITING, 0, 0, 0, 0, 0)
+    view[dst + HEADER : dst + HEADER + nbytes] = view[src + HEADER : src + HEADER + nbytes]
+    view[dst : dst + HEADER] = view[src : src + HEADER]
+
+
+def check_step(step: int) -> None:
+    """``ConfigError`` unless ``step`` is an int >= 0."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ConfigError(f"step={step!r}: must be an int >= 0")
+
+
+def check_timeout(timeout: float) -> None:
+    """``ConfigError`` unless ``timeout`` is a number of seconds > 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ConfigError(f"timeout={timeout!r}: must be a number of seconds > 0")

@@ -41,11 +41,21 @@ from keepstep.elastic.snapshot_layout import (
     VERSION,
     SlotHeader,
     SlotState,
+    check_step,
+    check_timeout,
+    empty_slots,
     exported_payload,
     finish_slot,
     payload_checksum,
 )
-from keepstep.elastic.snapshot_write import CopyJob, PayloadPlanner, SlotViews, check_tensors
+from keepstep.elastic.snapshot_seed import SEED_SLOT, Seed
+from keepstep.elastic.snapshot_write import (
+    CopyJob,
+    PayloadPlanner,
+    SlotViews,
+    check_tensors,
+    grow_slots,
+)
 
 __all__ = [
     "ALIGN",
@@ -65,8 +75,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_GROW_PAGE = 4096
-
 
 @dataclass(frozen=True)
 class SnapshotInfo:
@@ -76,9 +84,9 @@ class SnapshotInfo:
     checksum: int
 
     def __post_init__(self) -> None:
-        _check_step(self.step)
-        if self.slot not in (0, 1):
-            raise ConfigError(f"slot={self.slot!r}: must be 0 or 1")
+        check_step(self.step)
+        if self.slot not in (0, 1, SEED_SLOT):
+            raise ConfigError(f"slot={self.slot!r}: must be 0 or 1 (or {SEED_SLOT}: a seed)")
         if self.nbytes < 0 or not 0 <= self.checksum < 2**64:
             raise ConfigError(f"nbytes={self.nbytes}, checksum={self.checksum}: out of range")
 
@@ -90,7 +98,7 @@ class Snapshot:
     meta: bytes
 
     def __post_init__(self) -> None:
-        _check_step(self.step)
+        check_step(self.step)
         check_tensors(self.tensors)
         if not isinstance(self.meta, bytes):
             raise ConfigError(f"meta: must be bytes, got {type(self.meta).__name__}")
@@ -113,6 +121,8 @@ class SnapshotStore:
         # destination tensors over the buffer (see SlotViews for when they are dropped).
         self._planner = PayloadPlanner()
         self._views = (SlotViews(), SlotViews())
+        self._seed: Seed | None = None  # a fallback's checkpoint, until two commits after it
+        self._since_seed = 0  # durable commits since it was seeded
         self._format()
 
     # -- writing ---------------------------------------------------------------------------
@@ -124,7 +134,7 @@ class SnapshotStore:
 
         The caller must not modify the tensors until ``wait`` returns.
         """
-        _check_step(step)
+        check_step(step)
         if not isinstance(meta, bytes):
             raise ConfigError(f"meta: must be bytes, got {type(meta).__name__}")
         plan = self._planner.plan(tensors, meta)  # validates the tensors of a new layout
@@ -135,13 +145,13 @@ class SnapshotStore:
         self._inflight_slot = slot
         if self._pool is None:
             job.run()
-            self._known_good[slot] = self._header(slot).generation
+            self._durable(slot)
         else:
             self._inflight = self._pool.submit(job.run)
 
     def wait(self, timeout: float = 60.0) -> None:
         """Block until the in-flight copy is in the buffer; re-raises an error of the copy once."""
-        _check_timeout(timeout)
+        check_timeout(timeout)
         future = self._inflight
         if future is None:
             return
@@ -156,7 +166,27 @@ class SnapshotStore:
             self._inflight = None
             raise
         self._inflight = None
-        self._known_good[self._inflight_slot] = self._header(self._inflight_slot).generation
+        self._durable(self._inflight_slot)
+
+    def seed(
+        self, blob: bytes | bytearray, step: int | None = None, timeout: float = 60.0
+    ) -> SnapshotInfo:
+        """Take ``blob`` (an exported snapshot of ``step`` if given, verified here) as this
+        member's state, held in memory (snapshot_seed.py), not in a slot: a fallback's
+        whole checkpoint. The slots are emptied: they hold steps of a timeline the job gave
+        up, which neither this process nor a worker restarted over the same buffer may
+        resume from. ``infos``, ``load`` and ``export`` serve the seed (after the slots)
+        until two commits after it are durable: a member one step behind is still served."""
+        seed = Seed.of(blob, "fallback snapshot")
+        if step is not None and seed.step != step:
+            raise SnapshotCorrupt(f"fallback snapshot: holds step {seed.step}, not {step}")
+        self.wait(timeout)
+        for views in self._views:
+            views.clear()
+        empty_slots(self._buffer.view())
+        self._known_good.clear()
+        self._seed, self._since_seed = seed, 0
+        return SnapshotInfo(seed.step, SEED_SLOT, seed.nbytes, seed.checksum)
 
     def import_(self, blob: bytes, timeout: float = 60.0) -> SnapshotInfo:
         """Verify a slot received from ``export`` on a peer and write it into the older slot."""
@@ -186,6 +216,8 @@ class SnapshotStore:
             except (_Changed, SnapshotCorrupt):
                 continue
             out.append(SnapshotInfo(h.step, h.slot, h.nbytes, h.checksum))
+        if (seed := self._seed) is not None:  # older than every slot: they were emptied
+            out.append(SnapshotInfo(seed.step, SEED_SLOT, seed.nbytes, seed.checksum))
         return out
 
     def load(self, step: int | None = None) -> Snapshot:
@@ -196,7 +228,7 @@ class SnapshotStore:
 
     def export(self, step: int) -> bytes:
         """The verified raw slot (header + payload) of ``step``, for ``import_`` on a peer."""
-        _check_step(step)
+        check_step(step)
         blob = self._verified(step, as_blob=True)[0].obj
         assert isinstance(blob, bytes)  # _read joined it
         return blob
@@ -222,6 +254,14 @@ class SnapshotStore:
         self.close()
 
     # -- internals -------------------------------------------------------------------------
+
+    def _durable(self, slot: int) -> None:
+        """A commit into ``slot`` is in the buffer: known good; the second since a seed
+        fills both slots, and the seed goes."""
+        self._known_good[slot] = self._header(slot).generation
+        self._since_seed += 1
+        if self._since_seed >= 2:
+            self._seed = None
 
     def _format(self) -> None:
         if self._buffer.size < HEADER * 3:
@@ -302,7 +342,7 @@ class SnapshotStore:
         self, step: int | None, *, as_blob: bool = False
     ) -> tuple[memoryview, SlotHeader]:
         if step is not None:
-            _check_step(step)
+            check_step(step)
         errors: list[str] = []
         for h in self._candidates(step):
             try:
@@ -312,6 +352,9 @@ class SnapshotStore:
             except SnapshotCorrupt as e:
                 log.warning("skipping corrupt snapshot: %s", e)
                 errors.append(str(e))
+        if (seed := self._seed) is not None and step in (None, seed.step):  # older than any slot
+            data = memoryview(bytes(seed.blob)) if as_blob else seed.payload()
+            return data, SlotHeader(SEED_SLOT, SlotState.VALID, seed.step, seed.nbytes, 0, 0)
         which = "any step" if step is None else f"step {step}"
         if errors:
             raise SnapshotCorrupt(f"no intact snapshot of {which}: " + "; ".join(errors))
@@ -348,39 +391,10 @@ class SnapshotStore:
     def _grow(self, target: int, need: int) -> int:
         """Give both slots room for ``need`` bytes; keeps the newest snapshot, returns the
         slot to write."""
-        for views in self._views:  # slot 1 moves, slot 0 may be overwritten below
+        for views in self._views:  # slot 1 moves, slot 0 may be overwritten
             views.clear()
-        view = self._buffer.view()
-        old = self._slot_size(view)
-        new = -(-(need + need // 8) // _GROW_PAGE) * _GROW_PAGE  # headroom for meta growth
-        log.info("snapshot slots of %d B cannot hold %d B: growing them to %d B", old, need, new)
-        keep = self._header(1, view)
-        if target == 0 and keep.state is SlotState.VALID:
-            # Slot 1 moves when slots grow; copy the newest snapshot into slot 0 (which does
-            # not move) first, header last, so a crash at any point leaves one intact copy.
-            src, dst = HEADER + old, HEADER
-            SLOT_STRUCT.pack_into(view, dst, SLOT_MAGIC, SlotState.WRITING, 0, 0, 0, 0, 0)
-            view[dst + HEADER : dst + HEADER + keep.nbytes] = view[
-                src + HEADER : src + HEADER + keep.nbytes
-            ]
-            view[dst : dst + HEADER] = view[src : src + HEADER]
-            self._known_good[0] = keep.generation
-            target = 1
-        del view
-        if self._buffer.size < HEADER + 2 * new:
-            self._buffer.resize(HEADER + 2 * new)
-        view = self._buffer.view()
-        view[HEADER + new : 2 * HEADER + new] = bytes(HEADER)  # slot 1 starts EMPTY
-        FILE_STRUCT.pack_into(view, 0, FILE_MAGIC, VERSION, 0, new)
+        target, moved = grow_slots(self._buffer, target, need)
+        if moved is not None:
+            self._known_good[0] = moved
         self._known_good.pop(1, None)
         return target
-
-
-def _check_step(step: int) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ConfigError(f"step={step!r}: must be an int >= 0")
-
-
-def _check_timeout(timeout: float) -> None:
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise ConfigError(f"timeout={timeout!r}: must be a number of seconds > 0")

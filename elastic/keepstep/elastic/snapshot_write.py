@@ -11,6 +11,7 @@ over the payload (the same value as chaining it entry by entry).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -19,13 +20,23 @@ from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.snapshot_buffer import SnapshotBuffer
 from keepstep.elastic.snapshot_format import TensorEntry
 from keepstep.elastic.snapshot_layout import (
+    FILE_MAGIC,
+    FILE_STRUCT,
     HEADER,
     LENGTHS,
+    VERSION,
     ZEROS,
+    SlotState,
     align,
+    copy_slot1_to_slot0,
     finish_slot,
     payload_checksum,
+    slot_header,
 )
+
+log = logging.getLogger(__name__)
+
+_GROW_PAGE = 4096
 
 
 class PayloadPlan:
@@ -223,3 +234,26 @@ def _head_len(index: bytes, meta: bytes) -> int:
 
 def _shifted(entries: tuple[TensorEntry, ...], by: int) -> tuple[TensorEntry, ...]:
     return tuple(TensorEntry(e.name, e.dtype, e.shape, e.offset + by, e.nbytes) for e in entries)
+
+
+def grow_slots(buffer: SnapshotBuffer, target: int, need: int) -> tuple[int, int | None]:
+    """Give both slots of ``buffer`` room for ``need`` bytes (and an eighth more, for the
+    meta to grow), keeping the newest snapshot: slot 1 moves, so when slot 0 is to be
+    written, slot 1's snapshot goes to slot 0 first and slot 1 is written instead. Returns
+    the slot to write and, when a snapshot moved, its generation. The caller holds no
+    views over the buffer."""
+    view = buffer.view()
+    old = int(FILE_STRUCT.unpack_from(view, 0)[3])
+    new = -(-(need + need // 8) // _GROW_PAGE) * _GROW_PAGE
+    log.info("snapshot slots of %d B cannot hold %d B: growing them to %d B", old, need, new)
+    keep, moved = slot_header(view, 1), None
+    if target == 0 and keep is not None and keep.state is SlotState.VALID:
+        copy_slot1_to_slot0(view, old, keep.nbytes)
+        target, moved = 1, keep.generation
+    del view
+    if buffer.size < HEADER + 2 * new:
+        buffer.resize(HEADER + 2 * new)
+    view = buffer.view()
+    view[HEADER + new : 2 * HEADER + new] = bytes(HEADER)  # slot 1 starts EMPTY
+    FILE_STRUCT.pack_into(view, 0, FILE_MAGIC, VERSION, 0, new)
+    return target, moved
