@@ -21,7 +21,6 @@ after ``PeerLost``: a caller must not reuse that tensor (kept buffers are kept p
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -40,13 +39,14 @@ from keepstep.elastic.comm.exit_guard import EXIT_GUARD, ExitGuard
 from keepstep.elastic.comm.gloo import GlooTransport
 from keepstep.elastic.comm.group import EpochSpec, GroupBuild, check_timeout
 from keepstep.elastic.comm.nccl import NcclTransport
-from keepstep.elastic.comm.rounds import EMPTY, PAD, Alloc, check_lengths, left
+from keepstep.elastic.comm.payloads import PayloadRounds
+from keepstep.elastic.comm.rounds import Alloc, left
 from keepstep.elastic.comm.transport import Backend, Link, Pending, Transport, select_backend
 from keepstep.elastic.comm.watch import WATCH_TIMEOUT, AbortWatch, Outcome
-from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
+from keepstep.elastic.errors import ConfigError, PeerLost
 
 
-class Communicator:
+class Communicator(PayloadRounds):
     """Collectives among the members of one epoch; build with ``create``, end with ``close``.
 
     A collective either completes or raises ``PeerLost``, which is latched: every later
@@ -215,90 +215,6 @@ class Communicator:
         )
         return rounds.sum_slices(got, self.size, self.rank)
 
-    def allgather_bytes(
-        self, payload: bytes, max_bytes: int, timeout: timedelta | None = None
-    ) -> list[bytes]:
-        """Every member's ``payload`` in rank order; none may be longer than ``max_bytes``.
-
-        Raw bytes only: decoding (and validating) them is the caller's. One round when
-        every payload fits a frame (``rounds.framed``: its length and its first
-        ``INLINE_BYTES``), a second of the payloads padded to the longest otherwise, under
-        one deadline. Every rank checks every length after the first round, so all refuse
-        an oversized payload together (``BadMessage`` naming its rank) instead of leaving
-        the others waiting.
-        """
-        rounds.check_max_bytes(max_bytes)
-        if self.size == 1:
-            self._collective("allgather_bytes", None, timeout)
-            check_lengths([len(payload)], max_bytes)
-            return [bytes(payload)]
-        deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
-        mine = rounds.framed(payload).to(self.device)
-        frames = self._allgather("allgather_bytes", mine, deadline)
-        lengths = [rounds.frame_length(f) for f in frames]
-        check_lengths(lengths, max_bytes)
-        if max(lengths) <= rounds.INLINE_BYTES:
-            return [rounds.frame_payload(f, n) for f, n in zip(frames, lengths, strict=True)]
-        padded = rounds.padded(payload, max(lengths)).to(self.device)
-        slots = self._allgather("allgather_bytes (long)", padded, deadline)
-        return [s[:n].cpu().numpy().tobytes() for s, n in zip(slots, lengths, strict=True)]
-
-    def alltoall_bytes(
-        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
-    ) -> list[bytes]:
-        """``payloads[d]`` to rank d; returns what each rank sent here, in rank order
-        (``alltoall_tensors`` over bytes)."""
-        mine = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else EMPTY for p in payloads]
-        got = self.alltoall_tensors(mine, max_bytes, timeout)
-        return [g.numpy().tobytes() for g in got]
-
-    def alltoall_tensors(
-        self,
-        payloads: Sequence[torch.Tensor],
-        max_bytes: int,
-        timeout: timedelta | None = None,
-        into: Alloc | None = None,
-    ) -> list[torch.Tensor]:
-        """``payloads[d]`` (1-D uint8, CPU) to rank d; returns what each rank sent here, in
-        rank order, as views of one buffer (from ``into(n)`` if given: one kept from the
-        last call is written warm). Each payload is at most ``max_bytes``; an empty one
-        sends nothing. Payloads laid out in one buffer (``rounds.laid_out``) go as they are.
-
-        Two rounds under one deadline: the lengths, then the bytes. Each rank checks the
-        lengths it is to receive first and refuses an oversized one (``BadMessage`` naming
-        the sender); its peers then time out or hear the abort it writes."""
-        rounds.check_max_bytes(max_bytes)
-        sizes = rounds.payload_sizes(payloads, self.size)
-        if self.size == 1:
-            self._collective("alltoall_bytes", None, timeout)
-            check_lengths(sizes, max_bytes, "alltoall_bytes")
-            return [payloads[0].clone()]
-        self._refuse_together(sizes, max_bytes, "alltoall_bytes (sent)")
-        deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
-        ones = [1] * self.size
-        sent = torch.tensor(sizes, dtype=torch.int64).to(self.device)
-        got = torch.empty_like(sent)
-        self._collective(
-            "alltoall_bytes (lengths)",
-            lambda k, t: k.alltoall(got, sent, ones, ones, t),
-            left(deadline),
-        )
-        lengths = [int(n) for n in got.cpu()]
-        self._refuse_together(lengths, max_bytes, "alltoall_bytes")
-        # One byte of padding after each payload: gloo is not asked to move empty slices.
-        in_splits, out_splits = [n + 1 for n in sizes], [n + 1 for n in lengths]
-        flat = rounds.laid_out(list(payloads)) if self.device.type == "cpu" else None
-        mine = torch.cat([t for p in payloads for t in (p, PAD)]) if flat is None else flat
-        mine = mine.to(self.device)
-        out = rounds.receive_buffer(sum(out_splits), self.device, into)
-        self._collective(
-            "alltoall_bytes",
-            lambda k, t: k.alltoall(out, mine, out_splits, in_splits, t),
-            left(deadline),
-        )
-        starts = [0, *itertools.accumulate(out_splits)]
-        return [out[a : b - 1].cpu() for a, b in itertools.pairwise(starts)]
-
     def barrier(self, timeout: timedelta | None = None) -> None:
         """Return once every member entered the barrier."""
         self._collective("barrier", lambda k, t: k.barrier(t), timeout)
@@ -338,14 +254,6 @@ class Communicator:
             self._lost = reason
         self._retire(pending)
         return PeerLost(self.epoch, self._lost)
-
-    def _refuse_together(self, lengths: list[int], max_bytes: int, what: str) -> None:
-        """``check_lengths``; on ``BadMessage`` the peers hear the abort, not wait for us."""
-        try:
-            check_lengths(lengths, max_bytes, what)
-        except BadMessage as err:
-            self._watch.fire(f"rank {self.rank} ({self.me}): {err}")
-            raise
 
     def _allgather(
         self, what: str, mine: torch.Tensor, deadline: float, into: Alloc | None = None
