@@ -90,11 +90,7 @@ class Member:
         return self._kept(self.hub.round(self.rank, payload))
 
     def alltoall_bytes(
-        self,
-        payloads: Sequence[bytes],
-        max_bytes: int,
-        timeout: timedelta | None = None,
-        inline: int = 0,
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]:
         rows = self.hub.round(self.rank, list(payloads))
         return self._kept([rows[src][self.rank] for src in range(self.size)])
@@ -119,11 +115,7 @@ class Replay:
         return next(self._answers)
 
     def alltoall_bytes(
-        self,
-        payloads: Sequence[bytes],
-        max_bytes: int,
-        timeout: timedelta | None = None,
-        inline: int = 0,
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]:
         return next(self._answers)
 

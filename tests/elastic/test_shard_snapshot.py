@@ -234,7 +234,6 @@ class _Hub:
         self.slots: list[Any] = [None] * world
         self.bytes_moved = 0
         self.alltoalls = 0  # calls of alltoall_bytes, all members together
-        self.frames: list[tuple[int, int]] = []  # per call: inline, the longest payload
 
     def member(self, rank: int) -> _Member:
         return _Member(self, rank)
@@ -258,15 +257,10 @@ class _Member:
         return self._round(payload)
 
     def alltoall_bytes(
-        self,
-        payloads: Sequence[bytes],
-        max_bytes: int,
-        timeout: timedelta | None = None,
-        inline: int = 0,
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]:
         assert len(payloads) == self.hub.world and all(len(p) <= max_bytes for p in payloads)
         self.hub.alltoalls += 1
-        self.hub.frames.append((inline, max(map(len, payloads))))
         rows = self._round(list(payloads))
         return [rows[src][self.rank] for src in range(self.hub.world)]
 
@@ -381,13 +375,7 @@ def test_zero1_fetches_its_new_replicas_on_entering_and_moves_what_the_lost_node
     after = epoch_shards(sizes, survivors, before)
     wanted = [replica_keys(after.held[m], after.owned[m], sizes) for m in survivors]
     needs = [list(after.owned[m]) for m in survivors]
-    hub = _Hub(4)
-    got = _enter([raw[m] for m in survivors], needs, sizes, hub, wanted)
-    # Each member's frame, from the plan alone, takes its largest send: one round.
-    assert len(hub.frames) == 4 and all(
-        0 < inline and most <= inline for inline, most in hub.frames
-    )
-    assert len({inline for inline, _ in hub.frames}) == 1  # the same on every member
+    got = _enter([raw[m] for m in survivors], needs, sizes, _Hub(4), wanted)
     offsets = [0, *itertools.accumulate(sizes)]
     for m, fetched, asked in zip(survivors, got, wanted, strict=True):
         assert asked and list(fetched.replicas) == asked

@@ -36,7 +36,6 @@ from keepstep.elastic.errors import BadMessage, SnapshotCorrupt, StateMissing
 from keepstep.elastic.shard.fetch import (
     Announcement,
     BadAnnouncement,
-    Fetches,
     decode,
     encode,
     minus,
@@ -115,11 +114,7 @@ class PieceExchange(Protocol):
     ) -> list[bytes]: ...
 
     def alltoall_bytes(
-        self,
-        payloads: Sequence[bytes],
-        max_bytes: int,
-        timeout: timedelta | None = None,
-        inline: int = 0,
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]: ...
 
 
@@ -310,28 +305,9 @@ def fetch_and_join(
     ]
     values = (total + len(sizes)) * (len(keys) + 2)
     limit = 16 * values + (1 << 24)  # 8 bytes a value, twice over; headers well inside
-    got = comm.alltoall_bytes(payloads, limit, timeout, _frame_bytes(plan, offsets, keys))
+    got = comm.alltoall_bytes(payloads, limit, timeout)
     joined = [parts, *(unpack_pieces(raw, sizes, keys) for raw in got if raw)]
     return _joined(joined, windows, replicas, keys, sum(len(raw) for raw in got))
-
-
-# The most bytes a member sends in a framed alltoall's first round (its frames to all).
-FRAMED_MAX = 8 << 20
-
-
-def _frame_bytes(plan: Fetches, offsets: Sequence[int], keys: frozenset[str]) -> int:
-    """The frame of the fetch's ``alltoall_bytes`` (its ``inline``): what the plan's
-    largest send can take (8 bytes a value, a header per piece; the same on every
-    member, which computes the same plan), so that one round moves it all, when the
-    frames to every member stay within ``FRAMED_MAX`` (a node loss moves little: the
-    replicas the lost node kept); 0 (lengths first, then the bytes) otherwise."""
-    most = 0
-    for row in plan.sends:
-        for ranges in row:
-            pieces = sum(len(pieces_of(offsets, r.start, r.stop)) for r in ranges)
-            values = sum(r.size for r in ranges) * (len(keys) + 2)
-            most = max(most, 8 * values + 256 * pieces + 4096 if ranges else 0)
-    return most if most * len(plan.sends) <= FRAMED_MAX else 0
 
 
 def _joined(

@@ -2,11 +2,11 @@
 
 Where it sits: a base of communicator.py's ``Communicator``, which runs every round
 through its ``_collective`` (abort watch, deadline, give-up). Gathering and exchanging
-payloads whose lengths differ takes a round for the lengths before the bytes; a framed
-first round (rounds.framed) carries short payloads with their lengths, so the common small
-ones (member views, shard announcements, a recovery's few state pieces) take one round.
-Every length a peer announces is checked before anything is allocated for it, and a rank
-that refuses one writes the abort, so its peers do not wait for it.
+payloads whose lengths differ takes a round for the lengths before the bytes; a gather's
+first round carries short payloads framed with their lengths (rounds.framed), so the
+common small ones (member views, shard announcements) take one round. Every length a
+peer announces is checked before anything is allocated for it, and a rank that refuses
+one writes the abort, so its peers do not wait for it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from keepstep.elastic.comm import rounds
 from keepstep.elastic.comm.rounds import EMPTY, PAD, Alloc, check_lengths, left
 from keepstep.elastic.comm.transport import Link, Pending
 from keepstep.elastic.comm.watch import AbortWatch
-from keepstep.elastic.errors import BadMessage, ConfigError
+from keepstep.elastic.errors import BadMessage
 
 __all__ = ["PayloadRounds"]
 
@@ -82,53 +82,13 @@ class PayloadRounds:
         return [s[:n].cpu().numpy().tobytes() for s, n in zip(slots, lengths, strict=True)]
 
     def alltoall_bytes(
-        self,
-        payloads: Sequence[bytes],
-        max_bytes: int,
-        timeout: timedelta | None = None,
-        inline: int = 0,
+        self, payloads: Sequence[bytes], max_bytes: int, timeout: timedelta | None = None
     ) -> list[bytes]:
         """``payloads[d]`` to rank d; returns what each rank sent here, in rank order
-        (``alltoall_tensors`` over bytes). With ``inline`` > 0 (the same on every rank) the
-        lengths' round carries each payload framed with its first ``inline`` bytes
-        (rounds.framed), and a second round only the rest of longer ones: one round when
-        every payload fits, which each frame's flag lets every rank tell alike."""
-        if isinstance(inline, bool) or not isinstance(inline, int) or inline < 0:
-            raise ConfigError(f"inline must be an int >= 0, got {inline!r}")
+        (``alltoall_tensors`` over bytes)."""
         mine = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else EMPTY for p in payloads]
-        if inline == 0 or self.size == 1:
-            return [g.numpy().tobytes() for g in self.alltoall_tensors(mine, max_bytes, timeout)]
-        sizes = rounds.payload_sizes(mine, self.size)
-        rounds.check_max_bytes(max_bytes)
-        self._refuse_together(sizes, max_bytes, "alltoall_bytes (sent)")
-        deadline = time.monotonic() + self._op_timeout(timeout).total_seconds()
-        more = max(sizes) > inline
-        frames = torch.cat([rounds.framed(p, inline, more) for p in payloads]).to(self.device)
-        out = torch.empty_like(frames)
-        splits = [frames.numel() // self.size] * self.size
-        self._collective(
-            "alltoall_bytes (framed)",
-            lambda k, t: k.alltoall(out, frames, splits, splits, t),
-            left(deadline),
-        )
-        got = list(out.cpu().chunk(self.size))
-        lengths = [rounds.frame_length(f) for f in got]
-        self._refuse_together(lengths, max_bytes, "alltoall_bytes")
-        flags = [rounds.frame_more(f) for f in got]  # every rank sees every sender's flag
-        for src, (n, flag) in enumerate(zip(lengths, flags, strict=True)):
-            if n > inline and not flag:  # its peers would not take the second round
-                error = BadMessage(
-                    f"alltoall_bytes: rank {src} sent {n} bytes, past the {inline} framed, "
-                    "without asking for a second round"
-                )
-                self._watch.fire(f"rank {self.rank} ({self.me}): {error}")
-                raise error
-        heads = [rounds.frame_payload(f, min(n, inline)) for f, n in zip(got, lengths, strict=True)]
-        if not any(flags):
-            return heads
-        rests = [p[inline:] if p.numel() > inline else EMPTY for p in mine]
-        tails = self._exchange(rests, [max(n - inline, 0) for n in lengths], deadline, None)
-        return [h + t.numpy().tobytes() for h, t in zip(heads, tails, strict=True)]
+        got = self.alltoall_tensors(mine, max_bytes, timeout)
+        return [g.numpy().tobytes() for g in got]
 
     def alltoall_tensors(
         self,

@@ -2,10 +2,10 @@
 
 Where it sits: under payloads.py (the ``Communicator``'s payload collectives). Its
 ``alltoall_tensors`` exchanges lengths in a first round and payloads in a second, under
-one deadline; ``allgather_bytes``, and ``alltoall_bytes`` when asked, send each payload
-framed with its length (``framed``) in the first round: one round when every payload
-fits (a member view, a shard announcement, a recovery's few state pieces), a second for
-the rest otherwise. Every length a peer announces is checked here before a buffer is
+one deadline; ``allgather_bytes`` sends each payload framed with its length (``framed``)
+in the first round: one round when every payload fits (a member view, a shard
+announcement: every epoch entry gathers them), a second of the payloads padded to the
+longest otherwise. Every length a peer announces is checked here before a buffer is
 allocated for it. Callers that repeat a collective of the same sizes (a sharded commit,
 ZeRO's parameter gather) hand in buffers kept in a ``Buffers`` (``into=``), and send
 payloads laid out in one (``laid_out``).
@@ -30,7 +30,6 @@ __all__ = [
     "check_lengths",
     "check_max_bytes",
     "frame_length",
-    "frame_more",
     "frame_payload",
     "framed",
     "laid_out",
@@ -47,10 +46,9 @@ Alloc = Callable[[int], torch.Tensor]  # n bytes (1-D uint8) to receive into: fr
 EMPTY = torch.empty(0, dtype=torch.uint8)  # an empty payload
 PAD = torch.zeros(1, dtype=torch.uint8)  # after each payload: gloo moves no empty slices
 # An allgather_bytes payload up to this long goes in its length's round (a frame of
-# 16 + INLINE_BYTES bytes a member): member views and shard announcements are well inside.
+# 8 + INLINE_BYTES bytes a member): member views and shard announcements are well inside.
 INLINE_BYTES = 8192
-_LENGTH = 8  # a frame's little-endian int64 length, then as long a flag
-_HEAD = 2 * _LENGTH  # the frame's bytes before the payload
+_LENGTH = 8  # a frame's little-endian int64 length, before the payload
 
 
 def left(deadline: float) -> timedelta:
@@ -90,17 +88,16 @@ def check_lengths(lengths: list[int], max_bytes: int, what: str = "allgather_byt
             raise BadMessage(f"{what}: rank {rank} sent {n} bytes; allowed are 0 to {max_bytes}")
 
 
-def framed(payload: bytes, inline: int = INLINE_BYTES, more: bool = False) -> torch.Tensor:
-    """``payload``'s frame for a first round (``allgather_bytes``, a framed
-    ``alltoall_bytes``): its length as a little-endian int64, a flag (``more``: its sender
-    has a payload longer than ``inline`` for someone), then its first ``inline`` bytes,
-    zero-padded: 16 + ``inline`` bytes, the same on every member."""
-    frame = torch.zeros(_HEAD + inline, dtype=torch.uint8)
-    head = len(payload).to_bytes(_LENGTH, "little") + int(more).to_bytes(_LENGTH, "little")
-    frame[:_HEAD] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+def framed(payload: bytes, inline: int = INLINE_BYTES) -> torch.Tensor:
+    """``payload``'s frame for the first round of ``allgather_bytes``: its length as a
+    little-endian int64, then its first ``inline`` bytes, zero-padded (8 + ``inline``
+    bytes, the same on every member)."""
+    frame = torch.zeros(_LENGTH + inline, dtype=torch.uint8)
+    head = len(payload).to_bytes(_LENGTH, "little")
+    frame[:_LENGTH] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
     body = payload[:inline]
     if body:
-        frame[_HEAD : _HEAD + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        frame[_LENGTH : _LENGTH + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
     return frame
 
 
@@ -109,14 +106,9 @@ def frame_length(frame: torch.Tensor) -> int:
     return int.from_bytes(frame[:_LENGTH].cpu().numpy().tobytes(), "little", signed=True)
 
 
-def frame_more(frame: torch.Tensor) -> bool:
-    """Whether a peer's frame says its sender has a longer payload for someone."""
-    return bool(frame[_LENGTH:_HEAD].cpu().any())
-
-
 def frame_payload(frame: torch.Tensor, n: int) -> bytes:
     """The first ``n`` payload bytes a frame carries (``n`` within its inline part)."""
-    return frame[_HEAD : _HEAD + n].cpu().numpy().tobytes()
+    return frame[_LENGTH : _LENGTH + n].cpu().numpy().tobytes()
 
 
 def laid_out(payloads: list[torch.Tensor]) -> torch.Tensor | None:
