@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from keepstep.elastic import (
     ScheduleController,
     StateShapeError,
 )
-from keepstep.elastic.errors import PeerLost
+from keepstep.elastic.errors import PeerLost, SnapshotMissing
 from keepstep.elastic.step import CommitResult, StepOutcome
 
 
@@ -235,3 +236,40 @@ def test_commit_returns_what_the_job_applies() -> None:
     with pytest.raises(ConfigError, match="has a record iff it committed"):
         CommitResult(StepOutcome.RETRY, record=result.record)
     assert not CommitResult(StepOutcome.RETRY)
+
+
+def test_a_worker_started_to_resume_holds_the_checkpoint_until_it_commits(
+    tmp_path: Path,
+) -> None:
+    """KEEPSTEP_RESUME names the checkpoint its agent wrote: a worker whose snapshot file
+    holds nothing starts from it, held in memory until its own commits replace it, and
+    ends with the numbers of a run that never stopped; one that holds a snapshot (a
+    restart after its first commits) takes its own."""
+    reference, _ = train(10)
+    model, opt, data = make()
+    first = keepstep.init(model, opt, data, global_batch=32, micro_batch=4, seed=1, env={})
+    for step in first.steps(6):
+        for mb in step.micro_batches():
+            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+        assert step.commit()
+    first.snapshots.wait()
+    checkpoint = tmp_path / "resume.ckpt"
+    checkpoint.write_bytes(first.snapshots.export(6))
+    env = {"KEEPSTEP_RESUME": str(checkpoint), "KEEPSTEP_SNAPSHOT": str(tmp_path / "snap")}
+    model, opt, data = make(seed=5)  # other initial weights: the checkpoint's must win
+    job = keepstep.init(model, opt, data, global_batch=32, micro_batch=4, seed=1, env=env)
+    assert job.done == 6 and [i.step for i in job.snapshots.infos()] == [6]
+    for step in job.steps(10):
+        for mb in step.micro_batches():
+            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+        assert step.commit()
+    assert job.params_sha256() == reference
+    job.snapshots.wait()
+    assert [i.step for i in job.snapshots.infos()] == [10, 9]  # the checkpoint is gone
+    job.snapshots.close()
+    model, opt, data = make()
+    again = keepstep.init(model, opt, data, global_batch=32, micro_batch=4, seed=1, env=env)
+    assert again.done == 10  # its own snapshot, not the checkpoint
+    with pytest.raises(SnapshotMissing, match="the checkpoint to resume from"):
+        env = {"KEEPSTEP_RESUME": str(tmp_path / "absent")}
+        keepstep.init(model, opt, data, global_batch=32, micro_batch=4, seed=1, env=env)

@@ -284,11 +284,11 @@ def test_fall_back_refuses_a_missing_damaged_or_other_checkpoint(tmp_path: Path)
     blob[-1] ^= 0xFF
     damaged = tmp_path / "damaged"
     damaged.write_bytes(bytes(blob))
-    with pytest.raises(SnapshotCorrupt, match="damaged: fallback snapshot: payload checksum"):
+    with pytest.raises(SnapshotCorrupt, match="damaged: checkpoint: payload checksum"):
         fall_back(store, Fallback(8, str(damaged)))
     other = tmp_path / "other"
     other.write_bytes(_store_with(4).export(4))
-    with pytest.raises(SnapshotCorrupt, match="other: fallback snapshot: holds step 4, not 8"):
+    with pytest.raises(SnapshotCorrupt, match="other: checkpoint: holds step 4, not 8"):
         fall_back(store, Fallback(8, str(other)))
     assert [i.step for i in store.infos()] == [10]  # refused before the slots were touched
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.job import Job
 from keepstep.elastic.reduce import ReduceMode
 from keepstep.elastic.slow_drain import DrainSlow
+from keepstep.elastic.snapshot_seed import read_seed
 from keepstep.elastic.snapshot_store import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
 from keepstep.elastic.tracked import Stateful
 
@@ -157,6 +159,9 @@ def init(
         controller = controller_from_env(env)
     path = snapshot_path or env.get(ENV_PREFIX + "SNAPSHOT")
     store = SnapshotStore(_snapshot_buffer(path))
+    resume = env.get(ENV_PREFIX + "RESUME")
+    if resume and not store.infos():  # started from a durable checkpoint, none since
+        store.seed(read_seed(Path(resume), "the checkpoint to resume from"))
     board_dir = _setting("tensorboard", tensorboard, str, env)
     board = open_board(board_dir) if board_dir is not None else None  # refused before training
     job = Job(model, optimizer, dataset, config, controller, store, collate_fn, grad_scaler)

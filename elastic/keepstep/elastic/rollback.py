@@ -21,7 +21,6 @@ state, so all start from the same bits. An epoch that falls back to the durable 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 from keepstep.elastic.control import Fallback
 from keepstep.elastic.errors import BadMessage, ConfigError, SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.shard.chunks import MAX_CHUNKS
+from keepstep.elastic.snapshot_seed import read_seed
 from keepstep.elastic.snapshot_store import SnapshotStore
 
 # A view is a few hundred bytes (the numerics fingerprint is most of it); the bound keeps a
@@ -181,16 +181,7 @@ def fall_back(snapshots: SnapshotStore, fallback: Fallback, timeout: float = 60.
     state, so it is held in memory (``SnapshotStore.seed``), not in the member's slots,
     which keep their size: its own shard and its replicas."""
     path = Path(fallback.path)
-    try:
-        with path.open("rb") as file:
-            blob = bytearray(os.fstat(file.fileno()).st_size)
-            got = file.readinto(blob)
-    except OSError as error:
-        raise SnapshotMissing(
-            f"the checkpoint of step {fallback.step} to fall back to: {error}"
-        ) from error
-    if got != len(blob):
-        raise SnapshotCorrupt(f"{path}: read {got} of its {len(blob)} bytes")
+    blob = read_seed(path, f"the checkpoint of step {fallback.step} to fall back to")
     try:
         return snapshots.seed(blob, fallback.step, timeout).step  # verified first
     except SnapshotCorrupt as error:

@@ -1,22 +1,26 @@
-"""A snapshot held in the worker's memory, outside its slots: a fallback's checkpoint.
+"""A snapshot held in the worker's memory, outside its slots: a checkpoint to start from.
 
-Where it sits: beside snapshot_store.py, whose ``SnapshotStore.seed`` keeps one. When a
-double fault took a sharded job's state, every member falls back to the newest durable
-checkpoint (rollback.fall_back), its parts joined by the node agent: the whole optimizer
-state, many times what a member's slots hold (its own shard and the replicas it keeps).
-Imported into the slots it would grow them, and the node's /dev/shm that a cluster sizes
-from the members' snapshots, to twice the whole state for good. Held here it serves the
-restore and a peer that lacks it, until the member's own commits after it fill both slots.
+Where it sits: beside snapshot_store.py, whose ``SnapshotStore.seed`` keeps one. A job
+resumed from a durable checkpoint (api.init, from the file KEEPSTEP_RESUME names), and a
+sharded job that falls back to one after a double fault (rollback.fall_back), start from
+a checkpoint whose parts the node agent joined: the whole optimizer state, many times
+what a member's slots hold (its own shard and the replicas it keeps). Imported into the
+slots it would grow them, and the node's /dev/shm that a cluster sizes from the members'
+snapshots, to twice the whole state for good. Held here it serves the restore and a peer
+that lacks it, until the member's own commits after it fill both slots.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
+from keepstep.elastic.errors import SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.snapshot_format import read_index
 from keepstep.elastic.snapshot_layout import HEADER, exported_payload
 
-__all__ = ["SEED_SLOT", "Seed"]
+__all__ = ["SEED_SLOT", "Seed", "read_seed"]
 
 SEED_SLOT = -1  # the slot a SnapshotInfo names for the seed: none, it is in memory
 
@@ -47,3 +51,17 @@ class Seed:
         """A private copy of the payload: what a restore loads may change under it (an
         optimizer keeps the tensors it was given), and the seed must stay intact."""
         return memoryview(bytearray(memoryview(self.blob)[HEADER:]))
+
+
+def read_seed(path: Path, what: str) -> bytearray:
+    """The bytes of the checkpoint file at ``path``, read into one buffer (the seed keeps
+    it, not a copy): ``SnapshotMissing`` naming ``what`` if it cannot be read whole."""
+    try:
+        with path.open("rb") as file:
+            blob = bytearray(os.fstat(file.fileno()).st_size)
+            got = file.readinto(blob)
+    except OSError as error:
+        raise SnapshotMissing(f"{what}: {error}") from error
+    if got != len(blob):
+        raise SnapshotCorrupt(f"{what}: read {got} of the {len(blob)} bytes of {path}")
+    return blob

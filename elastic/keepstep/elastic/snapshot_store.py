@@ -121,8 +121,8 @@ class SnapshotStore:
         # destination tensors over the buffer (see SlotViews for when they are dropped).
         self._planner = PayloadPlanner()
         self._views = (SlotViews(), SlotViews())
-        self._seed: Seed | None = None  # a fallback's checkpoint, until two commits after it
-        self._since_seed = 0  # durable commits since it was seeded
+        self._seed: Seed | None = None  # a checkpoint to start from, and the commits since
+        self._since_seed = 0
         self._format()
 
     # -- writing ---------------------------------------------------------------------------
@@ -172,14 +172,14 @@ class SnapshotStore:
         self, blob: bytes | bytearray, step: int | None = None, timeout: float = 60.0
     ) -> SnapshotInfo:
         """Take ``blob`` (an exported snapshot of ``step`` if given, verified here) as this
-        member's state, held in memory (snapshot_seed.py), not in a slot: a fallback's
-        whole checkpoint. The slots are emptied: they hold steps of a timeline the job gave
-        up, which neither this process nor a worker restarted over the same buffer may
-        resume from. ``infos``, ``load`` and ``export`` serve the seed (after the slots)
-        until two commits after it are durable: a member one step behind is still served."""
-        seed = Seed.of(blob, "fallback snapshot")
+        member's state, held in memory (snapshot_seed.py), not in a slot: the whole
+        checkpoint a job resumes or falls back from. The slots are emptied: their steps
+        are of a timeline the job gave up, which neither this process nor a worker
+        restarted over the same buffer may resume from. ``infos``, ``load`` and
+        ``export`` serve it (after the slots) until two commits after it are durable."""
+        seed = Seed.of(blob, "checkpoint")
         if step is not None and seed.step != step:
-            raise SnapshotCorrupt(f"fallback snapshot: holds step {seed.step}, not {step}")
+            raise SnapshotCorrupt(f"checkpoint: holds step {seed.step}, not {step}")
         self.wait(timeout)
         for views in self._views:
             views.clear()

@@ -65,6 +65,16 @@ def test_workers_start_with_deterministic_cublas(
     assert spec.env["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
+def test_a_worker_is_told_the_checkpoint_it_resumes_from_and_only_then(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KEEPSTEP_RESUME", "/inherited/from/the/agent")
+    cfg = config(run_dir=tmp_path)
+    assert "KEEPSTEP_RESUME" not in worker_spec(cfg, "n0/0", "@j", tmp_path / "s").env
+    spec = worker_spec(cfg, "n0/0", "@j", tmp_path / "s", tmp_path / "resume.ckpt")
+    assert spec.env["KEEPSTEP_RESUME"] == str(tmp_path / "resume.ckpt")
+
+
 def test_each_worker_is_told_its_local_slot_like_torchrun(tmp_path: Path) -> None:
     cfg = config(nproc=4, run_dir=tmp_path)
     for slot in range(4):

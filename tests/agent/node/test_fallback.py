@@ -23,6 +23,7 @@ from keepstep.agent.durable.reader import checkpoint_at
 from keepstep.agent.durable.writer import CheckpointWriter
 from keepstep.agent.node.agent import NodeAgent
 from keepstep.agent.node.config import AgentConfig
+from keepstep.agent.node.durable import resume_file
 from keepstep.agent.node.fallback import Fallback
 from keepstep.agent.protocol import EpochRecord, NodeRecord
 from keepstep.agent.protocol.events import read_events
@@ -36,7 +37,7 @@ from keepstep.agent.protocol.messages import (
     Ok,
 )
 from keepstep.agent.worker.link_client import LinkClient
-from keepstep.elastic.errors import SnapshotMissing
+from keepstep.elastic.errors import SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.snapshot_store import MemoryBuffer, SnapshotStore
 from keepstep.elastic.train_state import capture
 
@@ -189,3 +190,12 @@ def test_a_node_whose_agent_refuses_the_probe_is_not_waited_for(
     finally:
         client.close()
     assert isinstance(answer, MembershipReply) and answer.checkpoint_step == 4, answer
+
+
+def test_a_resumed_node_writes_the_checkpoint_once_for_its_workers(tmp_path: Path) -> None:
+    blob = snapshot_blob(12)
+    path, step = resume_file(tmp_path, "n3", blob)
+    assert (path, step) == (tmp_path / "resume-n3-step-12.ckpt", 12)
+    assert path.read_bytes() == blob and stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(SnapshotCorrupt, match=r"the checkpoint to resume from: .*checksum"):
+        resume_file(tmp_path, "n3", blob[:-1] + bytes([blob[-1] ^ 0xFF]))

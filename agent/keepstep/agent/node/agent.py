@@ -30,7 +30,7 @@ from keepstep.agent.durable.writer import CheckpointWriter
 from keepstep.agent.kv import KVError, KVStore, WatchEvent
 from keepstep.agent.node import agreement
 from keepstep.agent.node.config import AgentConfig, answer_bounds, snapshot_path, worker_spec
-from keepstep.agent.node.durable import DurableCheckpoints, seed_snapshot
+from keepstep.agent.node.durable import DurableCheckpoints, resume_file
 from keepstep.agent.node.gates import GateHolds, hold_timeout_for
 from keepstep.agent.node.healer import Healer
 from keepstep.agent.node.heartbeat import HeartbeatMonitor
@@ -74,6 +74,7 @@ class NodeAgent:
         self.done = threading.Event()
         self.closing = False  # workers stopped by close() are not restarted
         self.failed: str | None = None
+        self.resume: Path | None = None  # the checkpoint its workers start from (--resume)
         self.store_host = StoreHost(cfg.host, cfg.store_port, timeout=3 * cfg.op_timeout)
         # Aborts must not wait long on a dead or stopped store node.
         self.stores = StoreClients(timeout=min(cfg.op_timeout, 2.0))
@@ -164,8 +165,10 @@ class NodeAgent:
             self.heartbeat.start()
         if self.cfg.resume_blob is not None:
             blob = self.cfg.resume_blob.read_bytes()
-            for member in self.members():
-                seed_snapshot(self.snapshot_path(member), blob, self.events, member)
+            self.resume, step = resume_file(self.cfg.run_dir, self.cfg.node, blob)
+            for member in self.members():  # each starts from the checkpoint alone
+                self.snapshot_path(member).unlink(missing_ok=True)
+                self.events.write(EventKind.RESUMED, member=member, step=step)
         for member in self.members():
             self._spawn(member)
         if self.spares is not None:
@@ -208,6 +211,7 @@ class NodeAgent:
             member,
             socket_address(self.cfg.job, self.cfg.node),
             self.snapshot_path(member),
+            self.resume,
         )
         spare = self.spares.take(spec.argv, spec.env, spec.log_path) if self.spares else None
         pid = self.supervisor.start(spec, spare)
@@ -261,6 +265,8 @@ class NodeAgent:
         for member in self.members():
             self.snapshot_path(member).unlink(missing_ok=True)
         self.healer.fallback.close()
+        if self.resume is not None:
+            self.resume.unlink(missing_ok=True)
         self.link.close()
         self.probe_server.close()
         self.events.close()

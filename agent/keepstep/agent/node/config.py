@@ -178,8 +178,11 @@ def snapshot_path(cfg: AgentConfig, member: str) -> Path:
     return cfg.snapshot_dir / f"keepstep-{cfg.job}-{member.replace('/', '-')}"
 
 
-def worker_spec(cfg: AgentConfig, member: str, link: str, snapshot: Path) -> WorkerSpec:
-    """How to start one training process: the script, and the job's settings in its env."""
+def worker_spec(
+    cfg: AgentConfig, member: str, link: str, snapshot: Path, resume: Path | None = None
+) -> WorkerSpec:
+    """How to start one training process: the script, and the job's settings in its env
+    (``resume``: the checkpoint it starts from while its snapshot file holds none)."""
     env = dict(os.environ)
     env.update(cfg.worker_env)
     env.update(
@@ -189,6 +192,9 @@ def worker_spec(cfg: AgentConfig, member: str, link: str, snapshot: Path) -> Wor
         KEEPSTEP_SNAPSHOT=str(snapshot),
         OMP_NUM_THREADS="1",
     )
+    env.pop("KEEPSTEP_RESUME", None)
+    if resume is not None:
+        env["KEEPSTEP_RESUME"] = str(resume)
     env.update(answer_bounds(cfg).env())
     # torchrun's names: the worker's slot on this node (keepstep.device() picks GPU
     # LOCAL_RANK) and how many slots the node has. Ranks are the epoch's, never set here.

@@ -1,5 +1,5 @@
 """Durable checkpoints from the agent's side: write them from the node's snapshot file,
-and seed workers' snapshot files from one to resume a whole job.
+and hand workers one to resume a whole job from.
 
 The training process never waits for object storage: the agent reads the verified slot
 the worker already committed to shared memory and hands it to a `CheckpointWriter`.
@@ -8,6 +8,7 @@ the worker already committed to shared memory and hands it to a `CheckpointWrite
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -19,25 +20,35 @@ from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.events import EventKind, EventLog
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.sharded_checkpoint import holds_pieces, join_parts
+from keepstep.elastic.snapshot_seed import Seed
 from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
 
 log = logging.getLogger(__name__)
 
 
-def seed_snapshot(path: Path, blob: bytes, events: EventLog, member: str) -> None:
-    """Put a checkpoint into a worker's (new) snapshot file: the worker resumes from it. A
-    sharded job's checkpoint is its members' parts: joined, they hold every piece of the
-    optimizer state, and the worker keeps its new shard's pieces at its first commit."""
+def resume_file(run_dir: Path, node: str, blob: bytes) -> tuple[Path, int]:
+    """Write a checkpoint for this node's workers to resume from, and return its path and
+    step: each worker holds it in memory until its own commits replace it (the store's
+    ``seed``; KEEPSTEP_RESUME names the file). A sharded job's checkpoint is its members'
+    parts: joined, they hold every piece of the optimizer state, many times what a
+    worker's snapshot slots hold, so it does not go into them; the worker keeps its new
+    shard's pieces at its first commit. ``SnapshotCorrupt`` unless it is a whole
+    snapshot."""
     parts = unbundle(blob)
     if parts is not None:
         blob = join_parts(parts)
+    step = Seed.of(blob, "the checkpoint to resume from").step
+    path = run_dir / f"resume-{node}-step-{step}.ckpt"
+    write_private(path, blob)
+    return path, step
+
+
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` readable by this user only (it is the model's state)."""
     path.unlink(missing_ok=True)
-    buffer = FileBuffer.create(path)
-    try:
-        info = SnapshotStore(buffer, background=False).import_(blob)
-    finally:
-        buffer.close()
-    events.write(EventKind.RESUMED, member=member, step=info.step)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
 
 
 def export_step(path: Path, step: int, attempts: int = 40) -> bytes | None:

@@ -19,13 +19,13 @@ on: `JobCannotContinue`, naming why.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 from keepstep.agent.durable.parts import unbundle
 from keepstep.agent.durable.reader import checkpoint_at, latest_checkpoint
 from keepstep.agent.node.config import AgentConfig
+from keepstep.agent.node.durable import write_private
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.messages import JobCannotContinue
 from keepstep.elastic.sharded_checkpoint import join_parts
@@ -98,7 +98,7 @@ class Fallback:
                     f"{url}, which cannot be read: {error}"
                 ) from error
             path = self.cfg.run_dir / f"fallback-{self.cfg.node}-step-{step}.ckpt"
-            _write_private(path, snapshot)
+            write_private(path, snapshot)
             for old in self._files.values():  # an earlier fallback's: its workers moved on
                 if old != path:
                     old.unlink(missing_ok=True)
@@ -110,11 +110,3 @@ class Fallback:
             for path in self._files.values():
                 path.unlink(missing_ok=True)
             self._files = {}
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` readable by this user only (it is the model's state)."""
-    path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
