@@ -69,8 +69,14 @@ class LocalRay:
     """The module's Ray cluster and a way to remove one of its raylets by node id."""
 
     def __init__(self) -> None:
+        # A raylet added while the machine is loaded may take seconds to answer Ray's
+        # health checks; Ray's defaults (first check 5 s after it registers, 5 misses 3 s
+        # apart) then mark it dead with its actor, a loss keepstep did not cause. A raylet
+        # killed by `remove` refuses the checks at once, so it is found as soon as before.
+        system = {"health_check_initial_delay_ms": 30_000, "health_check_timeout_ms": 30_000}
         self.cluster = Cluster(
-            initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False}
+            initialize_head=True,
+            head_node_args={"num_cpus": 0, "include_dashboard": False, "_system_config": system},
         )
         self.nodes: dict[str, Any] = {}
         for _ in range(RAYLETS):
