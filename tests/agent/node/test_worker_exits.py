@@ -311,3 +311,29 @@ def read(run_dir: Path) -> list[dict[str, Any]]:
 def load_summary(run_dir: Path) -> dict[str, Any]:
     data: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
     return data
+
+
+def test_a_connection_opened_after_the_release_began_is_released_too() -> None:
+    # On a loaded machine a group build's thread can open its store connection only after
+    # the release looked for connections (the CI finding: "released 2", then SIGABRT).
+    from torch._C._distributed_c10d import TCPStore
+
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{host.port}"
+    errors: list[Exception] = []
+
+    def late_rendezvous() -> None:
+        time.sleep(0.3)  # the release has looked once and is waiting for this thread
+        client = stores.connect(address, 60.0)
+        try:
+            client.wait(["never-set"])  # a member that never comes
+        except Exception as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=late_rendezvous, name="keepstep-build-7", daemon=True)
+    thread.start()
+    started = time.monotonic()
+    released = stores.release_connections([address], 10.0)
+    assert not thread.is_alive(), "the late connection was not released"
+    assert released >= 1 and errors, (released, errors)
+    assert time.monotonic() - started < 10.0

@@ -69,6 +69,29 @@ def release_connections(addresses: Collection[str], timeout: float) -> int:
     """
     deadline = time.monotonic() + timeout
     peers = {peer for address in addresses for peer in _resolve(address)}
+    if not os.path.isdir("/proc/self/fd"):
+        return 0
+    done: set[int] = set()
+    released = _shut_down(peers, done)
+    # A store thread may open its connection only now (a group build that a loaded
+    # machine started late): shut down what appears until every such thread has ended.
+    while (waiting := _store_threads()) and time.monotonic() < deadline:
+        waiting[0].join(min(RESCAN_S, max(deadline - time.monotonic(), 0.0)))
+        released += _shut_down(peers, done)
+    return released
+
+
+RESCAN_S = 0.05  # how often a release looks again for connections opened meanwhile
+
+
+def _store_threads() -> list[threading.Thread]:
+    me = threading.current_thread()
+    return [t for t in threading.enumerate() if t.name.startswith(_STORE_THREADS) and t is not me]
+
+
+def _shut_down(peers: set[tuple[str, int]], done: set[int]) -> int:
+    """Shut down every connected stream socket of this process whose peer is in `peers`
+    and whose inode is not in `done` (those shut down before), adding theirs to it."""
     released = 0
     try:
         fds = [int(name) for name in os.listdir("/proc/self/fd")]
@@ -76,7 +99,8 @@ def release_connections(addresses: Collection[str], timeout: float) -> int:
         return 0
     for fd in fds:
         try:
-            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            info = os.fstat(fd)
+            if not stat.S_ISSOCK(info.st_mode) or info.st_ino in done:
                 continue
             sock = socket.socket(fileno=os.dup(fd))
         except OSError:
@@ -85,12 +109,10 @@ def release_connections(addresses: Collection[str], timeout: float) -> int:
             try:
                 if sock.type == socket.SOCK_STREAM and _peer(sock) in peers:
                     sock.shutdown(socket.SHUT_RDWR)  # the socket itself, not only this copy
+                    done.add(info.st_ino)
                     released += 1
             except OSError:
-                continue  # not connected, or not an internet socket
-    for thread in threading.enumerate():
-        if thread.name.startswith(_STORE_THREADS) and thread is not threading.current_thread():
-            thread.join(max(deadline - time.monotonic(), 0.0))
+                continue  # not connected (shut down before), or not an internet socket
     return released
 
 
