@@ -9,7 +9,8 @@ examples/transformer.py (AdamW, dropout; --size picks the model: small is d_mode
 2 layers, seq 32; medium d_model 128, 2 layers, seq 64). So every cell is bench/mttr.py's
 job and fault schedule with another script: each node loss followed by a join (at once,
 or --join-after steps later: a joiner's start-up, ~3.5 CPU-s of python and torch, otherwise
-shares a small machine's cores with the recovery measured), worker
+shares a small machine's cores with the recovery measured; on 2 nodes always at once, and
+worker kills at least 60 steps apart, so that no fault hits a lone survivor), worker
 kills going round the nodes, and a fault-free run of the same length to check the final
 parameters against. The transformer takes no --sleep: its steps take what they take, so on
 fast steps raise --node-spacing until a joiner is admitted before the next node loss (on
@@ -99,9 +100,26 @@ def extra_epochs(report: dict[str, Any]) -> int:
     return sum(len(r["extra_epochs"]) for f in report["kinds"].values() for r in f["runs"])
 
 
+# On 2 nodes the faults alternate between the nodes, so each one hits the lone survivor of
+# the one before unless that fault's replacement was admitted first. Its recovery would then
+# be a cold start (~2 s here), not what the cell measures: worker kills are spaced for the
+# restarted worker's start-up (the transformer's step on one member is ~0.07 s), and a lost
+# node's replacement joins at once.
+TWO_NODE_WORKER_SPACING = 60
+
+
+def cell_settings(cell: Cell, base: mttr.Settings) -> mttr.Settings:
+    """The job of one cell: ``base`` on its node count and shard setting."""
+    s = replace(base, nodes=cell.nodes, shard=None if cell.shard == "none" else cell.shard)
+    if cell.nodes == 2:
+        spacing = max(s.worker_spacing, TWO_NODE_WORKER_SPACING)
+        s = replace(s, worker_spacing=spacing, join_after=0)
+    return s
+
+
 def measure_cell(cell: Cell, count: int, base: mttr.Settings, workdir: Path) -> dict[str, Any]:
     """bench/mttr.py's `measure` for both kinds on one cell, with the row to print."""
-    s = replace(base, nodes=cell.nodes, shard=None if cell.shard == "none" else cell.shard)
+    s = cell_settings(cell, base)
     try:
         report = mttr.measure(KINDS, count, s, workdir / cell.name)
     except SystemExit as failed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +123,15 @@ def test_matrix_row_figures() -> None:
     runs[0]["params_match"] = False
     assert mttr_matrix.params_verdict(r) == "DIFFER"
     assert mttr_matrix.params_verdict(report([], records)) == "-"
+
+
+def test_two_node_cells_leave_time_for_the_replacement() -> None:
+    # On 2 nodes each fault would otherwise hit the lone survivor of the one before, whose
+    # recovery is a cold start: worker kills get room, and a lost node's joiner comes at once.
+    base = mttr.Settings(join_after=15, worker_spacing=25)
+    two = mttr_matrix.cell_settings(mttr_matrix.Cell("zero1", 2), base)
+    assert (two.nodes, two.shard, two.join_after, two.worker_spacing) == (2, "zero1", 0, 60)
+    four = mttr_matrix.cell_settings(mttr_matrix.Cell("none", 4), base)
+    assert (four.nodes, four.shard, four.join_after, four.worker_spacing) == (4, None, 15, 25)
+    wide = mttr_matrix.cell_settings(mttr_matrix.Cell("none", 2), replace(base, worker_spacing=90))
+    assert wide.worker_spacing == 90
