@@ -192,7 +192,13 @@ def check_page(driver: WebDriver, summary: dict[str, Any]) -> None:
     text = page(driver, "return document.getElementById('kpi-recoveries').textContent")
     assert text == str(len(recoveries))
     assert page(driver, "return document.getElementById('kpi-step').textContent") == "20 / 20"
-    chosen = page(driver, "return document.getElementById('run').selectedOptions[0].text")
+    # The run list was read before the run's view: when the run ended in between, the page
+    # polls once more (POLL_MS later) and the label follows.
+    deadline = time.monotonic() + 15
+    while (
+        chosen := page(driver, "return document.getElementById('run').selectedOptions[0].text")
+    ) != "kill-node (finished)" and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert chosen == "kill-node (finished)"
 
 
