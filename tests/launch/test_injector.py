@@ -110,3 +110,35 @@ def test_without_gates_faults_land_when_their_step_is_seen(
     assert started == ["n1"]
     (logged,) = faults.log
     assert (logged["scheduled_step"], logged["step"], logged["held"]) == (2, 4, False)
+
+
+def test_a_held_fault_waits_for_the_checkpoint_due_by_its_step(
+    procs: list[subprocess.Popen[bytes]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checkpoints every 4 steps; a fault held at step 10 lands after step 8's is published,
+    # however long the agents' background writes take on a loaded machine.
+    answers = iter([-1, 4, 4, 8])
+    asked: list[int] = []
+
+    def published() -> int:
+        asked.append(next(answers, 8))
+        return asked[-1]
+
+    notes: list[str] = []
+    faults = FaultInjector(
+        [parse_fault("kill-node:0@step=10")], 1, {"n0": sleeper(procs)}, print, set(),
+        notes.append, published, 4,
+    )  # fmt: skip
+    faults._await_checkpoint(10)
+    assert asked == [-1, 4, 4, 8] and notes == []
+    faults._await_checkpoint(3)  # none due yet
+    assert len(asked) == 4
+    # One that never comes is waited for only so long, and said.
+    monkeypatch.setattr("keepstep.launch.injector.CHECKPOINT_WAIT_S", 0.3)
+    stuck = FaultInjector([], 1, {}, print, set(), notes.append, lambda: 4, 4)
+    stuck._await_checkpoint(8)
+    assert notes == ["the checkpoint of step 8 was not published within 0.3 s: the faults of "
+                     "step 8 land without it"]  # fmt: skip
+    # Without checkpoints nothing is awaited.
+    FaultInjector([], 1, {}, print, set(), notes.append)._await_checkpoint(8)
+    assert len(notes) == 1

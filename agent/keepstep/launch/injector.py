@@ -41,6 +41,7 @@ from keepstep.launch.slowdown import Ongoing, Slowdown, slow_down
 
 GATE_OWNER = "run"  # the launcher's gates are named run-step-<K>
 NODES_TIMEOUT_S = 2.0  # reading the node records (the workers' pids) for a kill-worker
+CHECKPOINT_WAIT_S = 30.0  # for the durable checkpoint due by a held fault's step
 
 
 class FaultInjector:
@@ -52,13 +53,18 @@ class FaultInjector:
         start_node: Callable[[str], None],
         stopped: set[str],
         note: Callable[[str], None],
+        published: Callable[[], int] | None = None,
+        checkpoint_every: int = 0,
     ) -> None:
         """`agents`: the launcher's node processes (read when a fault lands); `start_node`
-        starts a joining node; `stopped` collects the nodes a hang stopped."""
+        starts a joining node; `stopped` collects the nodes a hang stopped. With durable
+        checkpoints every `checkpoint_every` steps, `published` gives the newest published
+        checkpoint's step (-1: none), and a held fault waits for the one due by its step."""
         self.pending = sorted(faults, key=lambda f: f.step)
         self.log: list[dict[str, Any]] = []
         self.next_node = nodes
         self.agents, self.start_node, self.stopped, self.note = agents, start_node, stopped, note
+        self.published, self.checkpoint_every = published, checkpoint_every
         self.gates: GateClient | None = None
         self.kv: KVStore | None = None
         self.job = ""
@@ -131,9 +137,30 @@ class FaultInjector:
     def _fire(self, claimed: Claimed) -> None:
         assert self.gates is not None
         try:
+            if claimed.held:
+                self._await_checkpoint(claimed.step)
             self._inject_step(claimed)
         finally:
             self.gates.release(claimed)  # also when an injection failed: never hold for good
+
+    def _await_checkpoint(self, step: int) -> None:
+        """While the job is held at `step`, wait (at most CHECKPOINT_WAIT_S) until the
+        newest durable checkpoint due by then is published: agents write checkpoints in the
+        background, and on a loaded machine a fault would otherwise land before it, so that
+        which checkpoint a fallback finds would depend on the load."""
+        every = self.checkpoint_every
+        if self.published is None or every <= 0 or step < every:
+            return
+        due = step // every * every
+        deadline = time.monotonic() + CHECKPOINT_WAIT_S
+        while self.published() < due:
+            if time.monotonic() >= deadline:
+                self.note(
+                    f"the checkpoint of step {due} was not published within "
+                    f"{CHECKPOINT_WAIT_S:g} s: the faults of step {step} land without it"
+                )
+                return
+            time.sleep(0.1)
 
     def _inject_step(self, claimed: Claimed) -> None:
         faults = [f for f in self.pending if f.step == claimed.step]

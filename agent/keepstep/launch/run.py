@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from keepstep.agent import protocol
-from keepstep.agent.durable.writer import latest_checkpoint
+from keepstep.agent.durable.writer import latest_checkpoint, list_checkpoints
 from keepstep.agent.kv import KVError
 from keepstep.agent.kv.etcd import EtcdCredentials, EtcdKV
 from keepstep.agent.kv.etcd_auth import enable_auth, grant_job
@@ -65,7 +65,14 @@ class Launcher:
         self.last_line = 0.0
         self.stopped: set[str] = set()
         self.faults = FaultInjector(
-            cfg.faults, cfg.nodes, self.agents, self._start_node, self.stopped, self._note
+            cfg.faults,
+            cfg.nodes,
+            self.agents,
+            self._start_node,
+            self.stopped,
+            self._note,
+            self._published if cfg.checkpoint_url else None,
+            cfg.checkpoint_every,
         )
         self.faults_log = self.faults.log
         self.networks: NodeNetworks | None = None
@@ -234,6 +241,15 @@ class Launcher:
         self._show(step, newest)
         rate = newest.samples_per_s / self.cfg.global_batch if newest is not None else 0.0
         return step, rate
+
+    def _published(self) -> int:
+        """The step of the newest published durable checkpoint (-1: none, or unreadable)."""
+        assert self.cfg.checkpoint_url is not None
+        try:
+            found = list_checkpoints(self.cfg.checkpoint_url, 5.0, self.cfg.storage_options)
+        except (KeepstepError, OSError):
+            return -1
+        return max((info.step for info in found), default=-1)
 
     def _note(self, text: str) -> None:
         prefix = "\r" if self.out.isatty() else ""
