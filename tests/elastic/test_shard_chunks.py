@@ -40,7 +40,10 @@ from keepstep.elastic.snapshot_shard import merge
 from keepstep.errors import ConfigError
 
 FAST = settings(max_examples=40, deadline=None)
-HEAVY = settings(max_examples=15, deadline=None)  # realistic sizes: thousands of chunks
+# Realistic sizes: thousands of chunks. The same examples on every run: a random search
+# found the uneven clusters in test_uneven_clusters_past_the_bounds (a defect still open),
+# and CI must say the same thing twice.
+HEAVY = settings(max_examples=15, deadline=None, derandomize=True)
 
 
 # Realistic: 10**7 elements or more, so each member's slice of a chunk is whole 128-element
@@ -272,6 +275,26 @@ def test_determinism_whatever_the_member_order(
 def test_single_node_loss(members: list[str], sizes: list[int], data: st.DataObject) -> None:
     node = data.draw(st.sampled_from(sorted({node_of(m) for m in members})), label="lost")
     check_single_node_loss(members, sizes, node)
+
+
+# Found by test_single_node_loss's random search: one node of 14 members, one of 4 or 6,
+# most of one or two, and a one-member node lost. The load bound then moves 13% of the lost
+# elements to new owners (bound 10%), or one member sends 71,680 elements, over twice the
+# survivors' mean plus a chunk. Still open (issue 21); strict, so a fix must remove these.
+_BIG, _ONES = [f"n0/{i}" for i in range(14)], [f"n{i}/0" for i in range(8, 16)]
+_PAIRS = ["n2/0", "n3/0", "n4/0", "n4/1", "n5/0", "n5/1", "n6/0", "n6/1", "n7/0"]
+
+
+@pytest.mark.xfail(strict=True, reason="the load bound on clusters this uneven (issue 21)")
+@pytest.mark.parametrize(
+    ("members", "sizes"),
+    [
+        ([*_BIG, *(f"n1/{i}" for i in range(6)), *_PAIRS, "n7/1", *_ONES], [15436286]),
+        ([*_BIG, *(f"n1/{i}" for i in range(4)), *_PAIRS, *_ONES], [15721513]),
+    ],
+)
+def test_uneven_clusters_past_the_bounds(members: list[str], sizes: list[int]) -> None:
+    check_single_node_loss(members, sizes, "n2")
 
 
 def test_losing_the_node_of_most_members() -> None:
