@@ -45,7 +45,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def run(
-    run_dir: Path, steps: int, env: dict[str, str], *args: str, nodes: int = 2
+    run_dir: Path,
+    steps: int,
+    env: dict[str, str],
+    *args: str,
+    nodes: int = 2,
+    script_args: tuple[str, ...] = (),
 ) -> dict[str, object]:
     cmd = [
         sys.executable,
@@ -68,6 +73,7 @@ def run(
         "90",
         *args,
         MLP,
+        *script_args,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=110, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -93,7 +99,11 @@ def test_resume_from_a_durable_checkpoint(
             KEEPSTEP_S3_ENDPOINT=server.endpoint,
         )
         options = server.storage_options()
-    first = run(tmp_path / "a", FIRST, env, "--checkpoint", url, "--checkpoint-every", "5")
+    # Steps of ~0.3 s (--sleep only waits): on a loaded machine, steps of milliseconds let
+    # the last snapshot replace every pending write before the writer's thread ran, and
+    # the checkpoint of step 12 was the only one.
+    first = run(tmp_path / "a", FIRST, env, "--checkpoint", url, "--checkpoint-every", "5",
+                script_args=("--sleep", "0.05"))  # fmt: skip
     assert first["steps"] == FIRST
     steps = [c.step for c in list_checkpoints(url, 30.0, options)]
     # Due every 5 steps and at the last; a slow store may skip one or take it late (the
