@@ -38,7 +38,13 @@ def launch(
     crashed: tuple[str, ...] = (),
     **kw: Any,
 ) -> LocalResult:
-    """Run the job; ``crashed``: members the script kills (besides the launcher's crash)."""
+    """Run the job; ``crashed``: members the script kills (besides the launcher's crash).
+
+    Store and collective timeouts are raised 4x: on a loaded machine a joiner's start-up
+    can keep a member's store reads waiting past the default 2 s, which would read as a
+    lost store (no fault here is a hang, so only the detection of one would be slower).
+    """
+    kw.setdefault("timeout_scale", 4.0)
     run = LocalRun(
         script=SCRIPT,
         steps=STEPS,
