@@ -41,8 +41,8 @@ from keepstep.errors import ConfigError
 
 FAST = settings(max_examples=40, deadline=None)
 # Realistic sizes: thousands of chunks. The same examples on every run: a random search
-# found the uneven clusters in test_uneven_clusters_past_the_bounds (a defect still open),
-# and CI must say the same thing twice.
+# found the uneven clusters of test_very_uneven_clusters_keep_the_bounds, and CI must say
+# the same thing twice.
 HEAVY = settings(max_examples=15, deadline=None, derandomize=True)
 
 
@@ -254,6 +254,55 @@ def test_balance_within_ten_percent(members: list[str], sizes: list[int]) -> Non
     layout = make_chunk_layout(sizes, members, align=128)
     mean = sum(sizes) / len(members)
     assert max(layout.shard_sizes()) <= 1.1 * mean
+    # The replicas each member keeps too (ZeRO-1 steps them): within 10% of the mean,
+    # unless one node owns more than the others' caps can keep (then some spill).
+    if not layout.assignment.spilled and len(layout.node_members) > 1:
+        kept = place_replicas(layout).load()
+        assert max(kept.values()) <= 1.1 * mean
+
+
+@FAST
+@given(clusters(min_nodes=2), st.lists(st.integers(0, 10**6), min_size=1, max_size=12))
+def test_replicas_are_a_stable_assignment_under_the_caps(
+    members: list[str], sizes: list[int]
+) -> None:
+    # Each replica is on a node other than its owner's, no node keeps more replicas than
+    # its cap (spills aside), a replica spills only when every other node is full of
+    # nearer ones, and no chunk would rather be at a node that has room or keeps a
+    # farther replica.
+    layout = make_chunk_layout(sizes, members, chunk=max(1, sum(sizes) // 500))
+    a = layout.assignment
+    nodes = range(len(a.groups))
+    kept = Counter(a.nexts[c] for c in range(layout.chunks) if c not in a.spilled)
+    assert all(kept[n] == a.rloads[n] <= a.caps[n] for n in nodes)
+    farthest = {
+        n: max((a.rdists[c] for c in a.by_next.get(n, ()) if c not in a.spilled), default=-1)
+        for n in nodes
+    }
+    for c in range(layout.chunks):
+        owner, holder = a.owners[c], a.nexts[c]
+        assert holder != owner and holder >= 0
+        assert c in a.by_next[holder]
+        for n, dist in a.ring.ranking(c, a.present, a.live):
+            if n == holder and c not in a.spilled:
+                break  # every node it prefers turned it away, and would again
+            if n != owner:
+                assert kept[n] >= a.caps[n] and farthest[n] < dist, (c, n)
+
+
+def test_replicas_spill_only_where_the_caps_cannot_hold_them() -> None:
+    # Two nodes: every chunk's replica must be on the other one. n0 owns more chunks than
+    # n1's cap, so some of n0's replicas spill onto n1 above its cap; none of n1's do.
+    layout = make_chunk_layout(10**5, ["n0/0", "n0/1", "n0/2", "n1/0"], chunk=50)
+    a = layout.assignment
+    n0, n1 = (layout.ring.node_id[n] for n in ("n0", "n1"))
+    assert a.loads[n0] > a.caps[n1] and a.rloads[n1] == a.caps[n1]
+    assert len(a.spilled) == a.loads[n0] - a.caps[n1]
+    assert all(a.owners[c] == n0 and a.nexts[c] == n1 for c in a.spilled)
+    assert all(a.nexts[c] == n0 for c in a.by_node[n1])
+    # A third node of three members has room for them: nothing spills.
+    grown = make_chunk_layout(10**5, [*layout.members, "n2/0", "n2/1", "n2/2"], chunk=50)
+    assert not grown.assignment.spilled
 
 
 @FAST
@@ -278,14 +327,19 @@ def test_single_node_loss(members: list[str], sizes: list[int], data: st.DataObj
 
 
 # Found by test_single_node_loss's random search: one node of 14 members, one of 4 or 6,
-# most of one or two, and a one-member node lost. The load bound then moves 13% of the lost
-# elements to new owners (bound 10%), or one member sends 71,680 elements, over twice the
-# survivors' mean plus a chunk. Still open (issue 21); strict, so a fix must remove these.
+# most of one or two. Node sizes 14, 6 (or 4), 2 and 1 made chunk_size round each chunk up
+# to 28 units, half the chunks aimed at; with ~120 chunks on a one-member node its load
+# was noisy enough that losing one (n2) sent 13% of the lost elements to new owners, and
+# one member sent 71,680 elements, over twice the survivors' mean plus a chunk. Now the
+# chunk rounds to the nearest multiple (14 units), and both bounds hold for every node
+# lost. The replicas move more here, within 20% of the lost elements beyond the copies:
+# the big node cannot keep its own chunks' replicas, so the small nodes' replica caps
+# bind, and each cap that grows as the world shrinks takes back replicas it turned away.
 _BIG, _ONES = [f"n0/{i}" for i in range(14)], [f"n{i}/0" for i in range(8, 16)]
 _PAIRS = ["n2/0", "n3/0", "n4/0", "n4/1", "n5/0", "n5/1", "n6/0", "n6/1", "n7/0"]
 
 
-@pytest.mark.xfail(strict=True, reason="the load bound on clusters this uneven (issue 21)")
+@pytest.mark.timeout(300)  # thousands of chunks per loss: slow on a loaded machine
 @pytest.mark.parametrize(
     ("members", "sizes"),
     [
@@ -293,8 +347,10 @@ _PAIRS = ["n2/0", "n3/0", "n4/0", "n4/1", "n5/0", "n5/1", "n6/0", "n6/1", "n7/0"
         ([*_BIG, *(f"n1/{i}" for i in range(4)), *_PAIRS, *_ONES], [15721513]),
     ],
 )
-def test_uneven_clusters_past_the_bounds(members: list[str], sizes: list[int]) -> None:
-    check_single_node_loss(members, sizes, "n2")
+def test_very_uneven_clusters_keep_the_bounds(members: list[str], sizes: list[int]) -> None:
+    assert chunk_size(sum(sizes), members, 128) == 14 * 128
+    for node in ("n0", "n1", "n2", "n4", "n8", "n15"):
+        check_single_node_loss(members, sizes, node, replica_extra=0.2)
 
 
 def test_losing_the_node_of_most_members() -> None:
@@ -302,7 +358,9 @@ def test_losing_the_node_of_most_members() -> None:
     check_single_node_loss(["n0/0", "n0/1", "n0/2", "n1/0"], [2240, 10093327], "n0")
 
 
-def check_single_node_loss(members: list[str], sizes: list[int], node: str) -> None:
+def check_single_node_loss(
+    members: list[str], sizes: list[int], node: str, replica_extra: float = 0.1
+) -> None:
     old = place_replicas(make_chunk_layout(sizes, members, align=128))
     lost_members = [m for m in members if node_of(m) == node]
     layout = old.layout.without(lost_members)
@@ -324,9 +382,9 @@ def check_single_node_loss(members: list[str], sizes: list[int], node: str) -> N
     # In all, owners fetch what the bound moves: at most 10% of the lost bytes.
     assert plan.elements(owners=True) <= 0.1 * lost
     # Replicas: a new copy of every chunk the lost node owned, the copies it kept, and
-    # what the bound moved.
+    # what the bounds moved.
     recreate = lost_copies(old, node) - lost + (lost if replicas else 0)
-    assert plan.elements(owners=False) <= recreate + 0.1 * lost
+    assert plan.elements(owners=False) <= recreate + replica_extra * lost
     # Re-replication is spread: each chunk is sent by its one live holder, so a member
     # sends about its share of what the lost node held: at most one shard's worth when 4
     # or more equal nodes remain, and never far above the survivors' mean.

@@ -15,8 +15,9 @@ communicator) builds on it. Torch-free: tools and the agent may import it too.
     chunks.py    fixed chunks owned by nodes under a load bound, sliced among members
     ring.py      how a chunk ranks the nodes (points on a circle, probed)
     assign.py    the bounded stable assignment, built or derived after a loss
+    replica_assign.py  the same for each chunk's replica, over the other nodes
     blocks.py    per-chunk columns that derived layouts share until they differ
-    copies.py    replicas on the next nodes of each ranking; the chunked transfer plan
+    copies.py    replicas on the assigned and next nodes; the chunked transfer plan
     fetch.py     entering an epoch: who sends which held elements to whom (disjoint)
 
     layout = make_layout(sizes, members)

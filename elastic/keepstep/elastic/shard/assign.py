@@ -13,9 +13,10 @@ The assignment
     nearest chunks (by the distance the chunk ranked it by) and turns the farthest away,
     which asks on. With one weight on both sides the stable assignment is unique: neither
     the order of asking nor the state one resumes from changes the end, if the end is
-    stable. Each chunk also records the next node after its owner in its ranking
-    (``nexts``): its replica lives there, and it is where the chunk goes if the owner's
-    node is lost and that node has room.
+    stable. Each chunk's replica node (``nexts``) is then assigned the same way over the
+    nodes other than its owner's, under the same caps (``replica_assign``): mostly the
+    next node after the owner in its ranking, which is where the chunk goes if the
+    owner's node is lost and that node has room.
 
 What ``without`` does
     1. Chunks of lost nodes, chunks of a shrunk node whose distance to it grew (fewer
@@ -27,8 +28,7 @@ What ``without`` does
     3. The free chunks ask down their rankings, as in :func:`assign`; a full node ranked
        before a chunk's last owner that has neither taken nor given a chunk since turned
        it away before and would again, so the chunk passes it by.
-    4. Chunks whose next node left, shrank, or (a shrunk node being farther now) may have
-       slipped in after their owner look their next node up again.
+    4. The replicas are updated the same way (``ReplicaBuilder.update``).
 """
 
 from __future__ import annotations
@@ -36,10 +36,12 @@ from __future__ import annotations
 import heapq
 from array import array
 from bisect import bisect_left, insort
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain, islice
 
 from keepstep.elastic.shard.blocks import Blocks
+from keepstep.elastic.shard.replica_assign import ReplicaBuilder, Tops, place_replicas
 from keepstep.elastic.shard.ring import Caps, Ring
 
 __all__ = ["Assignment", "assign", "without"]
@@ -61,10 +63,14 @@ class Assignment:
     loads: list[int]
     owners: Blocks  # per chunk: its node
     dists: Blocks  # per chunk: its distance to its owner
-    nexts: Blocks  # per chunk: the next node in its ranking after the owner (-1: none)
+    nexts: Blocks  # per chunk: the node keeping its replica (-1: no other node)
+    rdists: Blocks  # per chunk: its distance to that node
+    rloads: list[int]  # per node: replicas kept under the cap (spilled ones not counted)
     by_node: dict[int, array[int]] = field(default_factory=dict)  # node -> chunks, sorted
-    by_next: dict[int, array[int]] = field(default_factory=dict)  # node -> chunks it is next for
+    by_next: dict[int, array[int]] = field(default_factory=dict)  # node -> replicas, sorted
     rejected: dict[int, list[int]] = field(default_factory=dict)  # node -> heap of keys
+    rrejected: dict[int, list[int]] = field(default_factory=dict)  # the same, for replicas
+    spilled: set[int] = field(default_factory=set)  # replicas kept above a node's cap
     parent: Assignment | None = field(default=None, repr=False)
     moved: frozenset[int] = frozenset()  # chunks whose owner or next differs from parent's
     shrunk: frozenset[int] = frozenset()  # nodes that lost members since the parent
@@ -73,10 +79,10 @@ class Assignment:
 class _Builder:
     """Deferred acceptance resumed over a forked assignment (see :func:`without`).
 
-    ``by_node``/``by_next`` are kept up to date as chunks move; their arrays and the
-    ``rejected`` heaps are shared with the old assignment, so each is copied before its
-    first write. A full node's heap of held keys is gathered on first need and its stale
-    entries (chunks that left) dropped when they surface.
+    ``by_node`` is kept up to date as chunks move; its arrays and the ``rejected`` heaps
+    are shared with the old assignment, so each is copied before its first write. A full
+    node's heap of held keys is gathered on first need and its stale entries (chunks that
+    left) dropped when they surface.
     """
 
     def __init__(self, a: Assignment) -> None:
@@ -91,11 +97,11 @@ class _Builder:
     def key(self, dist: int, c: int) -> int:
         return (dist << self.shift) | c
 
-    def _index(self, which: int, n: int) -> array[int]:
-        index = self.a.by_node if which == 0 else self.a.by_next
-        if (which, n) not in self.own:
+    def _index(self, n: int) -> array[int]:
+        index = self.a.by_node
+        if (0, n) not in self.own:
             index[n] = array("i", index.get(n, ()))
-            self.own.add((which, n))
+            self.own.add((0, n))
         return index[n]
 
     def _turned(self, n: int) -> list[int]:
@@ -120,28 +126,12 @@ class _Builder:
             heapq.heappop(heap)
         return heap
 
-    def set_next(self, c: int, nxt: int) -> None:
-        a = self.a
-        was = a.nexts[c]
-        if was == nxt:
-            return
-        if was >= 0 and was in a.by_next:
-            mine = self._index(1, was)
-            i = bisect_left(mine, c)
-            if i < len(mine) and mine[i] == c:
-                del mine[i]
-        if nxt >= 0:
-            insort(self._index(1, nxt), c)
-        a.nexts[c] = nxt
-        self.touched.add(c)
-
-    def take(self, c: int, n: int, dist: int, nxt: int) -> None:
+    def take(self, c: int, n: int, dist: int) -> None:
         a = self.a
         a.owners[c], a.dists[c] = n, dist
         a.loads[n] += 1
         self.unsteady.add(n)
-        self.set_next(c, nxt)
-        insort(self._index(0, n), c)
+        insort(self._index(n), c)
         if n in self.heaps:
             heapq.heappush(self.heaps[n], -self.key(dist, c))
         self.touched.add(c)
@@ -152,16 +142,13 @@ class _Builder:
         n = a.owners[c]
         a.loads[n] -= 1
         self.unsteady.add(n)
-        mine = self._index(0, n)
+        mine = self._index(n)
         del mine[bisect_left(mine, c)]
         a.owners[c] = -1
         self.touched.add(c)
 
     def turn_away(self, n: int, key: int) -> None:
         heapq.heappush(self._turned(n), key)
-
-    def next_after(self, c: int, dist: int, n: int) -> int:
-        return _next_after(self.a.ring, c, self.a.present, self.a.live, dist, n)
 
     def ask(self, c: int) -> None:
         """Chunk c (free) asks down its ranking; whoever it displaces asks on.
@@ -181,17 +168,15 @@ class _Builder:
                 if dist < hint and n not in self.unsteady and a.loads[n] >= a.caps[n]:
                     continue
                 if a.loads[n] < a.caps[n]:
-                    nxt = next(ranking, None)
-                    self.take(c, n, dist, nxt[0] if nxt else self.next_after(c, dist, n))
+                    self.take(c, n, dist)
                     return
                 key = self.key(dist, c)
                 heap = self.heap(n)
                 if key < -heap[0]:
                     out = -heap[0]
                     bumped = out & self.low
-                    nxt = next(ranking, None)
                     self.release(bumped)
-                    self.take(c, n, dist, nxt[0] if nxt else self.next_after(c, dist, n))
+                    self.take(c, n, dist)
                     self.turn_away(n, out)
                     c, floor = bumped, out >> self.shift
                     hint = -1
@@ -216,20 +201,8 @@ class _Builder:
                 if o < 0 or o == n or a.dists[c] <= dist:
                     continue  # free (it asks later), or it no longer prefers n
                 self.release(c)
-                self.take(c, n, dist, self.next_after(c, dist, n))
+                self.take(c, n, dist)
                 todo.append(o)
-
-
-def _next_after(ring: Ring, c: int, present: bytearray, live: int, dist: int, n: int) -> int:
-    """The node after ``n`` (at ``dist``) in chunk c's ranking; if none, the first other
-    node (a replica must live on another node); -1 when there is no other node."""
-    first = -1
-    for m, d in ring.ranking(c, present, live):
-        if d > dist:
-            return m
-        if first < 0 and m != n:
-            first = m
-    return first
 
 
 def assign(ring: Ring, count: int, units: int, slack: int) -> Assignment:
@@ -244,18 +217,26 @@ def assign(ring: Ring, count: int, units: int, slack: int) -> Assignment:
     cap = [node_caps[n] for n in range(len(groups))]
     owners = array("i", [-1]) * count
     dists = array("Q", [0]) * count
-    nexts = array("i", [-1]) * count
     loads = [0] * len(groups)
     shift = max(count - 1, 1).bit_length()
     low = (1 << shift) - 1
     held: dict[int, list[int]] = {}  # node -> negated keys, until it fills
     heaps: dict[int, list[int]] = {}  # full node -> max-heap (negated keys)
     rejected: dict[int, list[int]] = {}
+    # Each chunk's first two nodes: where its replica goes unless that node is full.
+    zeros = array("Q", [0]) * count
+    tops = Tops(array("i", [-1]) * count, zeros, array("i", [-1]) * count, array("Q", zeros))
     ranking = ring.ranking
     for first in range(count):
         c, floor = first, -1
         while c >= 0:
-            walk = ranking(c, present, len(groups))
+            walk: Iterator[tuple[int, int]] = ranking(c, present, len(groups))
+            if c == first:  # its first walk
+                head = list(islice(walk, 2))
+                tops.first[c], tops.first_dist[c] = head[0]
+                if len(head) > 1:
+                    tops.second[c], tops.second_dist[c] = head[1]
+                walk = chain(head, walk)
             for n, dist in walk:
                 if dist <= floor:
                     continue
@@ -277,9 +258,7 @@ def assign(ring: Ring, count: int, units: int, slack: int) -> Assignment:
                 else:
                     heapq.heappush(rejected.setdefault(n, []), key)
                     continue
-                nxt = next(walk, None)
                 owners[c], dists[c] = n, dist
-                nexts[c] = nxt[0] if nxt else _next_after(ring, c, present, len(groups), dist, n)
                 c = c_next
                 break
             else:
@@ -296,13 +275,14 @@ def assign(ring: Ring, count: int, units: int, slack: int) -> Assignment:
         loads,
         Blocks("i", owners),
         Blocks("Q", dists),
-        Blocks("i", nexts),
+        Blocks("i", array("i", [-1]) * count),
+        Blocks("Q", array("Q", [0]) * count),
+        [0] * len(groups),
         rejected=rejected,
     )
-    for index, values in ((a.by_node, owners), (a.by_next, nexts)):
-        for c, n in enumerate(values):
-            if n >= 0:
-                index.setdefault(n, array("i")).append(c)
+    for c, n in enumerate(owners):
+        a.by_node.setdefault(n, array("i")).append(c)
+    place_replicas(a, tops)
     return a
 
 
@@ -330,19 +310,21 @@ def without(old: Assignment, removed: Collection[str]) -> Assignment:
         old.owners.fork(),
         old.dists.fork(),
         old.nexts.fork(),
-        dict(old.by_node),
-        dict(old.by_next),
-        dict(old.rejected),
-        old,
+        old.rdists.fork(),
+        [*old.rloads],
+        by_node=dict(old.by_node),
+        by_next=dict(old.by_next),
+        rejected=dict(old.rejected),
+        rrejected=dict(old.rrejected),
+        spilled=set(old.spilled),
+        parent=old,
     )
     b = _Builder(a)
     free: list[int] = []
-    stale_next: list[int] = []  # chunks whose next node shrank or left
     shrunk = sorted({ring.member_node[ring.member_id[m]] for m in removed})
     b.unsteady.update(shrunk)
     for n in shrunk:
         g = groups[n]
-        stale_next += a.by_next.pop(n, ()) if g == 0 else a.by_next.get(n, ())
         if g == 0:  # the node is gone: its chunks are free
             for c in a.by_node.pop(n, ()):
                 a.owners[c] = -1
@@ -355,10 +337,7 @@ def without(old: Assignment, removed: Collection[str]) -> Assignment:
             if ring.distance(c, n, present) != a.dists[c]:
                 b.release(c)
                 free.append(c)
-        # Chunks it turned away rank it before their owner; now farther, it may fall
-        # between their owner and their next node.
         turned = [k & b.low for k in a.rejected.get(n, ())]
-        stale_next += turned
         rekeyed = [b.key(ring.distance(c, n, present), c) for c in turned]
         heapq.heapify(rekeyed)
         a.rejected[n] = rekeyed
@@ -372,11 +351,12 @@ def without(old: Assignment, removed: Collection[str]) -> Assignment:
     b.refill(list(a.rejected))
     for c in free:
         b.ask(c)
-    for c in stale_next:
-        if a.owners[c] == old.owners[c] and a.dists[c] == old.dists[c]:
-            b.set_next(c, b.next_after(c, a.dists[c], a.owners[c]))
+    r = ReplicaBuilder(a)
+    r.update(old, shrunk, b.touched)
     a.shrunk = frozenset(shrunk)
     a.moved = frozenset(
-        c for c in b.touched if a.owners[c] != old.owners[c] or a.nexts[c] != old.nexts[c]
+        c
+        for c in b.touched | r.touched
+        if a.owners[c] != old.owners[c] or a.nexts[c] != old.nexts[c]
     )
     return a

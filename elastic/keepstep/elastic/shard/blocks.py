@@ -1,6 +1,6 @@
 """Columns of ints, one entry per chunk, that derived layouts share until they differ.
 
-Where it sits: storage for ``assign`` (each chunk's owner node, distance and next node).
+Where it sits: storage for ``assign`` (each chunk's owner and replica nodes, and distances).
 A layout derived after a loss changes about a thousand entries out of millions: copying the
 columns would cost more than the whole update, so a copy shares every block of 1,024
 entries and copies one only before writing it.

@@ -26,9 +26,10 @@ The rule
 
 Why nodes own chunks, and members slices
     Nodes fail whole, so the node is the unit that must hand its chunks on. A chunk's
-    replica lives on the next node after its owner in its ranking, cut the same way among
-    that node's members (``copies``); when the owner's node is lost the assignment resumes
-    at exactly that node, and its members own what they already keep. Bounding per node
+    replica lives, under the same bound, on the first node other than its owner's in its
+    ranking that has room (``replica_assign``), mostly the next node after its owner, cut
+    the same way among that node's members (``copies``); when the owner's node is lost the
+    assignment resumes at that node, and its members own what they already keep. Bounding per node
     also sees about 512 chunks per node rather than 64 per member, so the sampling noise
     of a node's load is ~4.4% instead of ~12%, the 10% bound seldom binds, and it forces
     few moves (2-3% of a loss at 1,000-100,000 members; ``bench/shard_plan.py``). With 256
@@ -84,9 +85,15 @@ def chunk_size(total: int, members: Sequence[str], align: int = 1) -> int:
     target = min(max(PER_MEMBER * sum(sizes), PER_NODE * len(sizes)), MAX_CHUNKS)
     per = max(1, -(-units // target))
     step = reduce(lcm, sizes, 1)
-    if step > per:
-        step = max(sizes, default=1)
-    return -(-per // step) * step * align
+    if step <= per:
+        return -(-per // step) * step * align
+    # Too coarse: a multiple of the largest node's size, the nearest one (rounding up
+    # could halve the chunks, and the small nodes' loads would be the noisier for it).
+    step = max(sizes, default=1)
+    near = max(step, (2 * per + step) // (2 * step) * step)
+    if -(-units // near) > MAX_CHUNKS:
+        near = -(-per // step) * step
+    return near * align
 
 
 @dataclass(frozen=True, eq=False)

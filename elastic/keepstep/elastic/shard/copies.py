@@ -1,20 +1,23 @@
-"""Replicas and transfers for the chunked layout: copies on the next nodes of each ranking.
+"""Replicas and transfers for the chunked layout: copies on the assigned and next nodes.
 
 Where it sits: the chunked counterpart of ``replicas`` and ``plan`` (which dispatch here:
 ``place_replicas`` and ``plan_transfers`` accept a ``ChunkLayout`` and its placement).
 
 The rule
-    Copy k of chunk c lives on the k-th node after its owner in c's ranking (ranked
-    before the owner only if fewer than k come after it), cut among that node's members
-    as the owner's node cuts it. With one replica that node is ``nexts[c]``, recorded by
-    the assignment, so placing costs nothing and follows a derived layout's updates.
+    Copy 1 of chunk c lives on ``nexts[c]``, the node the assignment gives its replica
+    (``replica_assign``: the first node after its owner in c's ranking that has room for
+    it under the load bound), so placing costs nothing and follows a derived layout's
+    updates. Copy k > 1 lives on the (k-1)-th node after its owner in c's ranking, the
+    owner's and copy 1's nodes passed by (ranked before the owner only if too few come
+    after it). Each is cut among that node's members as the owner's node cuts it.
 
 Why this node
     When the owner's node is lost, the chunk asks the nodes after its owner, in order: the
-    first is where its replica lives. If that node has room it becomes the owner with the
-    data in place (nothing moves to owners); only the new replica is sent, by the node
-    that kept the old one. Whether it has room is the load bound's business; the plan
-    moves whatever the new assignment says, and ``bench/shard_plan.py`` counts it.
+    first is where its replica mostly lives. If that node has room it becomes the owner
+    with the data in place (nothing moves to owners); only the new replica is sent, by the
+    node that kept the old one. Whether it has room, and whether the replica was moved on
+    by the replicas' cap, is the load bound's business; the plan moves whatever the new
+    assignment says, and ``bench/shard_plan.py`` counts it.
 
 Transfers
     For every chunk whose holders or holders' members change, each new holder's slice is
@@ -137,21 +140,23 @@ def place_chunk_replicas(layout: ChunkLayout, replicas: int = 1) -> ChunkPlaceme
     a = layout.assignment
     if replicas <= 1:
         return ChunkPlacement(layout, replicas, (a.nexts,) if replicas else ())
-    columns: list[list[int]] = [[] for _ in range(replicas)]
+    columns: list[list[int]] = [[] for _ in range(replicas - 1)]
     for c in range(layout.chunks):
-        owner, dist = a.owners[c], a.dists[c]
+        owner, dist, first = a.owners[c], a.dists[c], a.nexts[c]
         after: list[int] = []
         before: list[int] = []
         for n, d in a.ring.ranking(c, a.present, a.live):
+            if n == first:
+                continue
             if d > dist:
                 after.append(n)
-                if len(after) == replicas:
+                if len(after) == replicas - 1:
                     break
             elif n != owner:
                 before.append(n)
-        for k, n in enumerate((after + before)[:replicas]):
+        for k, n in enumerate((after + before)[: replicas - 1]):
             columns[k].append(n)
-    return ChunkPlacement(layout, replicas, tuple(columns))
+    return ChunkPlacement(layout, replicas, (a.nexts, *columns))
 
 
 def _visit(old: ChunkPlacement, new: ChunkPlacement, dead: frozenset[str]) -> Iterable[int]:
