@@ -59,8 +59,8 @@ __all__ = ["ReplicaBuilder", "Tops", "place_replicas"]
 @dataclass(frozen=True)
 class Tops:
     """Per chunk, the first two nodes of its ranking and their distances (-1: none), as
-    the owners' pass saw them: a chunk's replica asks the first that is not its owner's
-    first, and most are taken there, with no second walk down the ranking."""
+    the owners' pass saw them. A chunk's replica asks first whichever of the two is not
+    its owner, and most are taken there, with no second walk down the ranking."""
 
     first: array[int]
     first_dist: array[int]
