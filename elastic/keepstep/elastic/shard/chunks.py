@@ -77,8 +77,9 @@ def chunk_size(total: int, members: Sequence[str], align: int = 1) -> int:
 
     About ``max(32 * members, 512 * nodes)`` chunks (at most 2**23), each a multiple of
     ``align``. The unit count per chunk is rounded up to a multiple of the node sizes'
-    least common multiple (of the largest node's size, if that is too coarse), so each
-    member's slice of a chunk is whole units and slices are equal.
+    least common multiple, so each member's slice of a chunk is whole units and slices
+    are equal; if that is too coarse, to the nearest multiple of the largest node's size
+    (up only past 2**23 chunks).
     """
     units = -(-total // align)
     sizes = Counter(node_of(m) for m in members).values()
