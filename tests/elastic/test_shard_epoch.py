@@ -114,7 +114,10 @@ def test_a_job_cuts_more_chunks_as_its_nodes_outgrow_them(nodes: int, chunks: in
         (8, 20 * MIN_CHUNK, 256),  # 256 chunks of under MIN_CHUNK: as few as 8 allow
         (8, 600 * MIN_CHUNK, 512),  # halved while a chunk holds under MIN_CHUNK
         (8, 1024 * MIN_CHUNK, 1024),  # large enough: as many as without the size
-        (40, 10, 2048),  # 32 a member: 1,280, up to a power of two
+        (16, 10, 512),
+        (17, 10, 2048),  # past 16, 64 each whatever the model
+        (40, 10, 4096),
+        (64, 184 * 10**6, 4096),  # not the 2,048 that MIN_CHUNK alone would give
         (40, 10**12, 4096),
     ],
 )
@@ -124,7 +127,10 @@ def test_a_small_model_is_cut_into_fewer_chunks_but_32_a_member(
     got = job_chunks(nodes, elements)
     assert got == chunks
     assert got >= 32 * nodes and got <= job_chunks(nodes)
-    assert elements >= MIN_CHUNK * got or got // 2 < 32 * nodes  # halved no further
+    if nodes <= 16:
+        assert elements >= MIN_CHUNK * got or got // 2 < 32 * nodes  # halved no further
+    else:
+        assert got == job_chunks(nodes)
 
 
 def test_the_agreed_count_is_the_largest_any_member_cut_unless_the_epoch_outgrew_it() -> None:
@@ -145,8 +151,9 @@ def test_the_agreed_count_is_the_largest_any_member_cut_unless_the_epoch_outgrew
     four = [f"n{n}/0" for n in range(4)]
     assert agreed_chunks(four, (), small) == 128
     assert agreed_chunks(four, [512, 512, None, 512], small) == 512
-    # ... and cut anew only when a join outgrows it.
-    assert agreed_chunks([*eight, "n8/0"], [512] * 16 + [None], small) == 1024
+    # ... and cut anew only when a join outgrows it: past 16 members, 64 a member
+    # whatever the model.
+    assert agreed_chunks([*eight, "n8/0"], [512] * 16 + [None], small) == 2048
 
 
 @settings(max_examples=25, deadline=None)

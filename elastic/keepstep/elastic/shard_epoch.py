@@ -57,10 +57,17 @@ __all__ = [
 
 JOB_CHUNKS = 1024  # the fewest chunks of a large model: a job of up to 16 nodes
 _PER_NODE = 64  # the fewest chunks a node keeps (below twice that), past 16 nodes
-# A small model's chunks: at least this many elements each (a piece costs ~30-50 us of
-# CPU to lay out, unpack and join, the copy of ~64 Ki float32 elements), while each of
-# the layout's members keeps at least _FEWEST_PER_MEMBER: with 16, losing a node made the
-# survivors give up 12% more than the lost share (tests/elastic/test_zero_job.py).
+_SMALL_JOB = 16  # members (agreed_chunks counts members): up to this many, a small model
+# may keep fewer (below)
+# A small model's chunks in a job of up to _SMALL_JOB members: at least this many elements
+# each (a piece costs ~30-50 us of CPU to lay out, unpack and join, the copy of ~64 Ki
+# float32 elements), while each of the layout's members keeps at least
+# _FEWEST_PER_MEMBER: with 16, losing a node made the survivors give up 12% more than the
+# lost share (tests/elastic/test_zero_job.py). Past _SMALL_JOB members every member keeps
+# _PER_NODE whatever the model: with 32 each, the caps on owners and replicas bind so
+# often that a loss at 64 nodes moved 0.5x the lost elements to owners and ZeRO-1
+# re-fetched 1.92x what the lost node held; with 64, 0.28x and 1.38x
+# (bench/shard_recovery_bytes.py, a 184M-element model).
 MIN_CHUNK = 1 << 16
 _FEWEST_PER_MEMBER = 32
 
@@ -68,12 +75,13 @@ _FEWEST_PER_MEMBER = 32
 def job_chunks(nodes: int, elements: int | None = None) -> int:
     """The chunk count for an epoch of ``nodes`` nodes: ``JOB_CHUNKS``, doubled until each
     node has at least ``_PER_NODE`` chunks (and so fewer than twice that); for a model of
-    ``elements`` (None: a large one) halved while a chunk would hold fewer than
-    ``MIN_CHUNK`` elements and each would still keep ``_FEWEST_PER_MEMBER``."""
+    ``elements`` (None: a large one) in a job of up to ``_SMALL_JOB`` of them, halved while
+    a chunk would hold fewer than ``MIN_CHUNK`` elements and each would still keep
+    ``_FEWEST_PER_MEMBER``."""
     chunks = JOB_CHUNKS
     while chunks < _PER_NODE * nodes and chunks < MAX_CHUNKS:
         chunks *= 2
-    if elements is not None:
+    if elements is not None and nodes <= _SMALL_JOB:
         while elements < MIN_CHUNK * chunks and chunks // 2 >= _FEWEST_PER_MEMBER * nodes:
             chunks //= 2
     return chunks
