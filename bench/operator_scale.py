@@ -371,10 +371,7 @@ def main() -> int:
             with EtcdServer.start(str(cp.bin_dir / "etcd"), work / "etcd") as server:
                 etcd = f"http://{server.endpoint}"
                 cp.kubectl("apply", "-f", str(CRD), check=True)
-                cp.kubectl(
-                    "wait", "--for=condition=Established", "crd/trainjobs.keepstep.dev",
-                    "--timeout=60s", check=True,
-                )  # fmt: skip
+                cp.wait_for_crds(["trainjobs.keepstep.dev"], timeout=60.0)
                 log = args.operator_log or work / "op.log"
                 figures: dict[str, Any] = {
                     "setup": {

@@ -107,11 +107,7 @@ def node_ready(cp: ControlPlane, node: str) -> str | None:
 def apply_crd(cp: ControlPlane) -> None:
     """Apply the TrainJob CRD and wait until it is Established (idempotent)."""
     cp.kubectl("apply", "-f", str(CRD), check=True)
-    done = cp.kubectl(
-        "wait", "--for=condition=Established", "crd/trainjobs.keepstep.dev", "--timeout=30s",
-        timeout=40,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    cp.wait_for_crds(["trainjobs.keepstep.dev"])
 
 
 class Operator(OperatorProcess):

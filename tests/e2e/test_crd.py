@@ -288,8 +288,7 @@ def test_the_crd_lives_beside_another_trainjob_kind(cp: ControlPlane, namespace:
     crd = json.dumps(OTHER_TRAINJOB_CRD)
     cp.kubectl("apply", "-f", "-", input=crd, check=True)
     try:
-        name = "crd/trainjobs.trainer.example.org"
-        cp.kubectl("wait", "--for=condition=Established", name, "--timeout=30s", check=True)
+        cp.wait_for_crds(["trainjobs.trainer.example.org"])
         create(cp, namespace, load("samples/trainjob.yaml"))
         other = {"apiVersion": "trainer.example.org/v1", "kind": "TrainJob",
                  "metadata": {"name": "theirs"}}  # fmt: skip

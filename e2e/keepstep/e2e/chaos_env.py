@@ -154,7 +154,7 @@ class ChaosCluster:
 
     def _set_up(self, nodes: int) -> None:
         self.kubectl("apply", "-f", str(CRD))
-        self.kubectl("wait", "--for=condition=Established", "crd/trainjobs.keepstep.dev")
+        self.cp.wait_for_crds(["trainjobs.keepstep.dev"], timeout=60.0)
         self.kubectl("create", "namespace", self.namespace, namespaced=False)
         self.cp.wait_for_service_account(self.namespace)
         # Pods run in the repository (scenario scripts are relative to it) with this

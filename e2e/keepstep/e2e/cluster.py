@@ -157,13 +157,8 @@ class _Up:
         applied = cp.kubectl("apply", "-f", str(CRD_DIR), "-o", "name", timeout=60.0)
         if applied.returncode != 0:
             raise StartupError("manifests/crd", f"kubectl apply failed:\n{applied.stderr}")
-        left = max(int(self.deadline - time.monotonic()), 1)
-        names = applied.stdout.split()
-        waited = cp.kubectl(
-            "wait", "--for=condition=Established", f"--timeout={left}s", *names, timeout=left + 10
-        )
-        if waited.returncode != 0:
-            raise StartupError("manifests/crd", f"not Established:\n{waited.stderr}")
+        names = [name.rpartition("/")[2] for name in applied.stdout.split()]
+        cp.wait_for_crds(names, timeout=max(self.deadline - time.monotonic(), 1.0))
 
     def _watched(self) -> list[tuple[ProcessRecord, Popen]]:
         return [(r, self.popens[r.pid]) for r in self.state.processes if r.pid in self.popens]

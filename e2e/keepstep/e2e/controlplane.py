@@ -14,11 +14,12 @@ within seconds and its pods are evicted soon after (the defaults take minutes).
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 import urllib.request
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -198,6 +199,37 @@ class ControlPlane:
             lambda: self.access.get(path, timeout=2.0)[0] == 200,
             deadline=time.monotonic() + timeout,
             what=f"the default ServiceAccount of namespace {namespace!r}",
+        )
+
+    def wait_for_crds(self, names: Sequence[str], *, timeout: float = 30.0) -> None:
+        """Wait until each CustomResourceDefinition in `names` (e.g.
+        "trainjobs.keepstep.dev") is Established and its resources can be listed.
+
+        Polled here, not with `kubectl wait --for=condition=Established`: kubectl fails at
+        once ("accessor error: <nil>") when it reads a CRD before the API server wrote its
+        first conditions, which a loaded machine makes likely; and a list can still be
+        refused (429, "storage is (re)initializing") just after.
+        """
+        crds = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions"
+
+        def served(name: str) -> bool:
+            status, body = self.access.get(f"{crds}/{name}", timeout=2.0)
+            if status != 200:
+                return False
+            crd = json.loads(body)
+            conditions = (crd.get("status") or {}).get("conditions") or []
+            if not any(c["type"] == "Established" and c["status"] == "True" for c in conditions):
+                return False
+            spec = crd["spec"]
+            version = next(v["name"] for v in spec["versions"] if v.get("served"))
+            path = f"/apis/{spec['group']}/{version}/{spec['names']['plural']}?limit=1"
+            return self.access.get(path, timeout=2.0)[0] == 200
+
+        procs.wait_ready(
+            self._watched(),
+            lambda: all(served(name) for name in names),
+            deadline=time.monotonic() + timeout,
+            what=f"the CustomResourceDefinitions {', '.join(names)} to be served",
         )
 
     def stop(self, timeout: float = 15.0) -> None:
