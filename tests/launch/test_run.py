@@ -211,7 +211,10 @@ def test_sharded_state_missing_after_a_double_fault_waits_for_the_restarted_work
     s = check(proc, summary, reference, tmp_path)  # the numbers of full replicas
     events = read_events(tmp_path / "run")
     missing = [e for e in events if e["kind"] == "fault-detected" and e["cause"] == "missing-state"]
-    assert missing and all("no live copy" in e["reason"] for e in missing), s["recoveries"]
+    assert missing and all("no live copy" in e["reason"] for e in missing), (
+        s["recoveries"],
+        proc.stdout[-3000:],
+    )
     reasons = [e["reason"] for e in events if e["kind"] == "epoch-agreed"]
     assert any("admit n0/0 for the missing sharded state" in r for r in reasons), reasons
     started = [e["member"] for e in events if e["kind"] == "worker-started"]
@@ -246,7 +249,10 @@ def test_a_double_fault_that_loses_sharded_state_falls_back_to_the_checkpoint(
     s = check(proc, summary, reference, tmp_path)
     events = read_events(tmp_path / "run")
     missing = [e for e in events if e["kind"] == "fault-detected" and e["cause"] == "missing-state"]
-    assert missing and all("no live copy" in e["reason"] for e in missing), s["recoveries"]
+    assert missing and all("no live copy" in e["reason"] for e in missing), (
+        s["recoveries"],
+        proc.stdout[-3000:],
+    )
     [fallback] = s["fallbacks"]
     assert fallback["checkpoint_step"] in (4, 8), fallback
     assert fallback["rerun_steps"] == 10 - fallback["checkpoint_step"], fallback

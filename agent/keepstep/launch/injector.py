@@ -33,6 +33,7 @@ from typing import Any
 
 from keepstep.agent import protocol
 from keepstep.agent.kv import KVError, KVStore
+from keepstep.agent.node.gates import HOLD_TIMEOUT_S
 from keepstep.agent.protocol import NodeRecord
 from keepstep.launch.cgroups import PREFIX
 from keepstep.launch.faults import FaultKind, FaultSpec
@@ -41,7 +42,10 @@ from keepstep.launch.slowdown import Ongoing, Slowdown, slow_down
 
 GATE_OWNER = "run"  # the launcher's gates are named run-step-<K>
 NODES_TIMEOUT_S = 2.0  # reading the node records (the workers' pids) for a kill-worker
-CHECKPOINT_WAIT_S = 30.0  # for the durable checkpoint due by a held fault's step
+# For the durable checkpoint due by a held fault's step. Within the agents' hold: they let
+# their workers go after HOLD_TIMEOUT_S (a gate being fired gets as long again), and a
+# longer wait let the job run on and finish before the faults landed.
+CHECKPOINT_WAIT_S = 0.8 * HOLD_TIMEOUT_S
 
 
 class FaultInjector:
