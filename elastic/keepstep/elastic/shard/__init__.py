@@ -16,6 +16,7 @@ communicator) builds on it. Torch-free: tools and the agent may import it too.
     ring.py      how a chunk ranks the nodes (points on a circle, probed)
     assign.py    the bounded stable assignment, built or derived after a loss
     replica_assign.py  the same for each chunk's replica, over the other nodes
+    accept.py    one side of deferred acceptance, as both passes above run it
     blocks.py    per-chunk columns that derived layouts share until they differ
     copies.py    replicas on the assigned and next nodes; the chunked transfer plan
     fetch.py     entering an epoch: who sends which held elements to whom (disjoint)

@@ -40,6 +40,7 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, islice
 
+from keepstep.elastic.shard.accept import TAKEN, TURNED_AWAY, Acceptance
 from keepstep.elastic.shard.blocks import Blocks
 from keepstep.elastic.shard.replica_assign import ReplicaBuilder, Tops, place_replicas
 from keepstep.elastic.shard.ring import Caps, Ring
@@ -220,9 +221,8 @@ def assign(ring: Ring, count: int, units: int, slack: int) -> Assignment:
     loads = [0] * len(groups)
     shift = max(count - 1, 1).bit_length()
     low = (1 << shift) - 1
-    held: dict[int, list[int]] = {}  # node -> negated keys, until it fills
-    heaps: dict[int, list[int]] = {}  # full node -> max-heap (negated keys)
     rejected: dict[int, list[int]] = {}
+    offers = Acceptance(cap, loads, rejected)
     # Each chunk's first two nodes: where its replica goes unless that node is full.
     zeros = array("Q", [0]) * count
     tops = Tops(array("i", [-1]) * count, zeros, array("i", [-1]) * count, array("Q", zeros))
@@ -240,26 +240,11 @@ def assign(ring: Ring, count: int, units: int, slack: int) -> Assignment:
             for n, dist in walk:
                 if dist <= floor:
                     continue
-                key = (dist << shift) | c
-                if loads[n] < cap[n]:
-                    loads[n] += 1
-                    if loads[n] < cap[n]:
-                        held.setdefault(n, []).append(-key)
-                    else:
-                        heap = held.pop(n, [])
-                        heap.append(-key)
-                        heapq.heapify(heap)
-                        heaps[n] = heap
-                    c_next = -1
-                elif key < -heaps[n][0]:
-                    out = -heapq.heapreplace(heaps[n], -key)
-                    heapq.heappush(rejected.setdefault(n, []), out)
-                    c_next, floor = out & low, out >> shift
-                else:
-                    heapq.heappush(rejected.setdefault(n, []), key)
+                out = offers.offer(n, (dist << shift) | c)
+                if out == TURNED_AWAY:
                     continue
                 owners[c], dists[c] = n, dist
-                c = c_next
+                c, floor = (-1, floor) if out == TAKEN else (out & low, out >> shift)
                 break
             else:
                 raise AssertionError(f"chunk {c} found no node with room")  # caps sum >= count

@@ -50,6 +50,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from keepstep.elastic.shard.accept import TAKEN, TURNED_AWAY, Acceptance
+
 if TYPE_CHECKING:
     from keepstep.elastic.shard.assign import Assignment
 
@@ -77,9 +79,7 @@ def place_replicas(a: Assignment, tops: Tops) -> None:
     owners, nexts, rdists, loads = a.owners, a.nexts, a.rdists, a.rloads
     shift = max(a.count - 1, 1).bit_length()
     low = (1 << shift) - 1
-    held: dict[int, list[int]] = {}  # node -> negated keys, until it fills
-    heaps: dict[int, list[int]] = {}  # full node -> max-heap (negated keys)
-    rejected = a.rrejected
+    offers = Acceptance(cap, loads, a.rrejected)
     ranking = ring.ranking
     for first in range(a.count):
         c, floor = first, -1
@@ -87,9 +87,8 @@ def place_replicas(a: Assignment, tops: Tops) -> None:
         dist = tops.first_dist[c]
         if n == owners[c]:
             n, dist = tops.second[c], tops.second_dist[c]
-        if n >= 0 and loads[n] + 1 < cap[n]:  # taken by its first choice, which has room
-            loads[n] += 1
-            held.setdefault(n, []).append(-((dist << shift) | c))
+        if n >= 0 and loads[n] < cap[n]:  # taken by its first choice, which has room
+            offers.offer(n, (dist << shift) | c)
             nexts[c], rdists[c] = n, dist
             continue
         while c >= 0:
@@ -101,26 +100,11 @@ def place_replicas(a: Assignment, tops: Tops) -> None:
                     spare, spare_dist = n, dist
                 if dist <= floor:
                     continue
-                key = (dist << shift) | c
-                if loads[n] < cap[n]:
-                    loads[n] += 1
-                    if loads[n] < cap[n]:
-                        held.setdefault(n, []).append(-key)
-                    else:
-                        heap = held.pop(n, [])
-                        heap.append(-key)
-                        heapq.heapify(heap)
-                        heaps[n] = heap
-                    c_next = -1
-                elif key < -heaps[n][0]:
-                    out = -heapq.heapreplace(heaps[n], -key)
-                    heapq.heappush(rejected.setdefault(n, []), out)
-                    c_next, floor = out & low, out >> shift
-                else:
-                    heapq.heappush(rejected.setdefault(n, []), key)
+                out = offers.offer(n, (dist << shift) | c)
+                if out == TURNED_AWAY:
                     continue
                 nexts[c], rdists[c] = n, dist
-                c = c_next
+                c, floor = (-1, floor) if out == TAKEN else (out & low, out >> shift)
                 break
             else:  # every other node turned it away (or there is none): it spills
                 nexts[c], rdists[c] = spare, spare_dist
