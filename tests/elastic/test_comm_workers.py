@@ -33,6 +33,10 @@ _EPOCHS = {  # rebuild scenario: n2 leaves after epoch 0, n3 joins at epoch 2
     2: ("n0", "n1", "n3"),
 }
 _GROUP_TIMEOUT = timedelta(seconds=30)
+# The store is the test's own and never fails here, but two test sessions share two cores:
+# a read of it can wait seconds for a core, which the default (2 s) would take for a dead
+# store. No scenario here detects a loss through the store.
+_STORE_TIMEOUT = timedelta(seconds=20)
 
 
 def _report(**fields: Any) -> None:
@@ -40,7 +44,9 @@ def _report(**fields: Any) -> None:
 
 
 def _worker_collectives(store: Store, me: str) -> None:
-    comm = Communicator.create(store, 0, ["n0", "n1", "n2"], me, timeout=_GROUP_TIMEOUT)
+    comm = Communicator.create(
+        store, 0, ["n0", "n1", "n2"], me, timeout=_GROUP_TIMEOUT, store_timeout=_STORE_TIMEOUT
+    )
     r = comm.rank
     ints = torch.tensor([r + 1, 2**40 + r, -(2**50)], dtype=torch.int64)
     comm.allreduce(ints, dist.ReduceOp.SUM)
@@ -66,7 +72,9 @@ def _worker_rebuild(store: Store, me: str) -> None:
     for epoch, members in _EPOCHS.items():
         if me not in members:
             continue
-        comm = Communicator.create(store, epoch, members, me, timeout=_GROUP_TIMEOUT)
+        comm = Communicator.create(
+            store, epoch, members, me, timeout=_GROUP_TIMEOUT, store_timeout=_STORE_TIMEOUT
+        )
         t = torch.tensor([comm.rank + 1, 10 * (epoch + 1)], dtype=torch.int64)
         comm.allreduce(t)
         names = [b.decode() for b in comm.allgather_bytes(me.encode(), 64)]
@@ -86,7 +94,7 @@ def _worker_blocked(store: Store, me: str, scenario: str) -> None:
     members = ["n0", "n1", "n2", "n3"] if scenario == "kill" else ["n0", "n1", "n2"]
     # With 90 s, waiting the group timeout out on the way to exit would fail the test.
     timeout = _GROUP_TIMEOUT if scenario == "kill" else timedelta(seconds=90)
-    comm = Communicator.create(store, 0, members, me, timeout=timeout)
+    comm = Communicator.create(store, 0, members, me, timeout=timeout, store_timeout=_STORE_TIMEOUT)
     comm.allreduce(torch.ones(4))  # warm: every pair is connected
     store.set(f"entered/{me}", "1")
     if me == members[-1]:
@@ -107,7 +115,9 @@ def _worker_blocked(store: Store, me: str, scenario: str) -> None:
     comm.close()
     close_s = time.perf_counter() - begin
     if scenario == "kill":  # the survivors go on in the same process
-        comm = Communicator.create(store, 1, ["n0", "n1", "n2"], me, timeout=_GROUP_TIMEOUT)
+        comm = Communicator.create(
+            store, 1, ["n0", "n1", "n2"], me, timeout=_GROUP_TIMEOUT, store_timeout=_STORE_TIMEOUT
+        )
         t = torch.tensor([comm.rank + 1], dtype=torch.int64)
         comm.allreduce(t)
         _report(me=me, close_s=close_s, next_sum=t.item(), build_s=comm.build_seconds)
