@@ -29,7 +29,10 @@ from typing import Any
 
 from torch._C._distributed_c10d import PrefixStore, TCPStore
 
-from keepstep.elastic.control import CommitRecord, ScheduleController
+from keepstep.agent.worker import stores
+from keepstep.agent.worker.controller import RELEASE_TIMEOUT
+from keepstep.elastic.control import CommitRecord, Membership, ScheduleController
+from keepstep.elastic.errors import PeerLost
 from keepstep.errors import ConfigError, KeepstepError
 
 CONTROLLER_SPEC = "keepstep.launch.local:controller_from_env"
@@ -37,14 +40,29 @@ CONTROLLER_SPEC = "keepstep.launch.local:controller_from_env"
 
 @dataclass
 class _CrashingController(ScheduleController):
-    """A schedule controller that SIGKILLs its own process after committing a given step."""
+    """A schedule controller that SIGKILLs its own process after committing a given step.
+
+    A failure the schedule has no epoch for ends the job. The process then releases its
+    connections to the launcher's store (`stores.release_connections`): a group build the
+    failure interrupted may still sit in a store call, and a thread that wakes from one
+    while the interpreter exits kills the process with SIGABRT instead of the error.
+    """
 
     die_after: int | None = None
+    store_address: str = ""
 
     def on_commit(self, record: CommitRecord) -> None:
         super().on_commit(record)
         if self.die_after is not None and record.step + 1 == self.die_after:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_failure(self, epoch: int, done: int, error: PeerLost, timeout: float) -> Membership:
+        try:
+            return super().on_failure(epoch, done, error, timeout)
+        except PeerLost:
+            if self.store_address:
+                stores.release_connections({self.store_address}, RELEASE_TIMEOUT)
+            raise
 
 
 def controller_from_env(env: Mapping[str, str]) -> ScheduleController:
@@ -64,6 +82,7 @@ def controller_from_env(env: Mapping[str, str]) -> ScheduleController:
         result_path=Path(result) if result else None,
         timeout_scale=float(plan.get("timeout_scale", 1.0)),
         die_after=int(die) if die else None,
+        store_address=env["KEEPSTEP_STORE"],
     )
 
 

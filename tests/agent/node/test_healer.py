@@ -44,7 +44,9 @@ from keepstep.agent.protocol.messages import (
     Ok,
     PendingPush,
     Reply,
+    error_reply,
 )
+from keepstep.agent.worker import stores
 from keepstep.agent.worker.controller import AgentController
 from keepstep.agent.worker.link_client import LinkClient
 from keepstep.elastic.control import Fallback
@@ -316,6 +318,34 @@ def test_an_excluded_worker_asks_to_be_admitted_again() -> None:
         assert (membership.epoch, membership.members) == (3, ("n0/0", "n1/0"))
         assert asked == [Failure("n0/0", 1, 9, "lost"), Initial("n0/0")]
         assert controller.change_pending()  # the flag the agent pushed at hello
+    finally:
+        controller.close()
+        agent.close()
+
+
+def test_a_worker_whose_failure_ends_the_job_releases_its_store_connections(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Its group build may still sit in a store call; left there, the thread would wake in
+    # the exiting interpreter and end the process with SIGABRT instead of the error.
+    released: list[set[str]] = []
+    monkeypatch.setattr(
+        stores, "release_connections", lambda addresses, timeout: released.append(set(addresses))
+    )
+
+    def answer(conn: Connection, message: Message) -> Reply | None:
+        if isinstance(message, Initial):
+            return MembershipReply(1, ("n0/0", "n1/0"), "127.0.0.1:7001")
+        return error_reply(JobCannotContinue("too few nodes left"))
+
+    agent = FakeAgent(answer)
+    controller = AgentController(agent.address, "n0/0", bounds=AnswerBounds(reply=T))
+    try:
+        controller.initial(timeout=60.0)
+        assert released == []
+        with pytest.raises(JobCannotContinue, match="too few nodes left"):
+            controller.on_failure(1, 9, PeerLost(1, "lost"), 60.0)
+        assert released == [{"127.0.0.1:7001"}]
     finally:
         controller.close()
         agent.close()

@@ -19,9 +19,10 @@ key under the epoch's secret prefix from the membership (`stores.for_epoch`), so
 library's rendezvous, abort and wake keys are out of reach of anyone who did not get the
 epoch from an agent.
 
-When the worker's part in the job is over (it finished, or a membership leaves it out)
-it releases its connections to the epochs' stores, so that no thread of it is still in a
-store call when the interpreter exits (see `stores.release_connections`).
+When the worker's part in the job is over (it finished, a membership leaves it out, or
+the agent answers its failure with an error that ends the job) it releases its
+connections to the epochs' stores, so that no thread of it is still in a store call when
+the interpreter exits (see `stores.release_connections`).
 """
 
 from __future__ import annotations
@@ -171,7 +172,12 @@ class AgentController:
         request = Failure(self.member, epoch, done, error.reason, error.missing_state)
         # Missing state: the agents wait (their `missing_state_wait`) for a worker to admit.
         bound = self.bounds.admission if error.missing_state else self.bounds.decision
-        membership = self._membership(self._client.request(request, bound))
+        try:
+            reply = self._client.request(request, bound)
+        except Exception:
+            self._release()  # the agent gave the job up (or is wedged): this worker ends
+            raise
+        membership = self._membership(reply)
         assert membership is not None, "the agent answers a failure with a membership"
         return membership
 
