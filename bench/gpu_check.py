@@ -40,7 +40,7 @@ Checks, each true or false in "checks":
       keepstep.init, AdamW, clipping, autocast), trained 6 steps in each of two fresh
       processes: both finish and end with the same params_sha256.
 Figures (not checked): the fused reduction's ms per 1e9 parameters beside fp32 gradient
-accumulation into .grad (the issue's target: <= 2x); snapshot_pinned_gb_s,
+accumulation into .grad (the issue's target: <= 2x; gpu_check_figures.py); snapshot_pinned_gb_s,
 snapshot_pageable_gb_s, pinned_vs_pageable, compute_slowdown_under_copy (a matmul loop
 with a pinned copy beside it on another stream, over alone); nccl_init_s,
 nccl_first_allreduce_s, nccl_abort_s (close until the group's abort() returned),
@@ -57,12 +57,11 @@ import hashlib
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -75,6 +74,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "elastic") not in sys.path:
     sys.path.append(str(REPO / "elastic"))  # after PYTHONPATH's entries: those win
 
+import gpu_check_figures  # noqa: E402  (beside this file; needs keepstep on the path)
 from keepstep.elastic import reduce_kernels  # noqa: E402
 from keepstep.elastic.numerics import current  # noqa: E402
 from keepstep.elastic.reduce import ExactReducer, ReduceDone, ReduceOverflow  # noqa: E402
@@ -289,45 +289,6 @@ def check_fwd_bwd(device: str) -> dict[str, Any]:
     }
 
 
-# -- figures ----------------------------------------------------------------------------
-
-
-def median_s(fn: Callable[[], object], device: str, repeats: int) -> float:
-    times = []
-    for _ in range(repeats + 1):  # the first warms caches and the allocator
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
-def figures(device: str, numel: int) -> dict[str, float]:
-    shapes = [(numel // 64,)] * 48 + [(numel // 256,)] * 64  # 3/4 in big tensors, 1/4 small
-    params = [torch.zeros(s, device=device) for s in shapes]
-    grads = [torch.randn(s, device=device) for s in shapes]
-    total = sum(p.numel() for p in params)
-    out = {"params": float(total)}
-
-    def accumulate() -> None:
-        torch._foreach_add_(params, grads)
-
-    out["fp32_accumulate_ms_per_1e9"] = median_s(accumulate, device, 5) * 1e12 / total
-    variants: dict[str, dict[str, Any]] = {"fused_eager": {"compile": False}}
-    if device == "cuda":
-        variants["fused"] = {}
-    for name, extra in variants.items():
-        reducer = ExactReducer(params, N_MICRO, device_ops=True, **extra)
-        reducer.begin_step()
-        ms = median_s(partial(reducer.add_micro_batch, grads), device, 5) * 1e12 / total
-        out[f"{name}_ms_per_1e9"] = ms
-        out[f"{name}_vs_fp32_accumulate"] = ms / out["fp32_accumulate_ms_per_1e9"]
-    return out
-
-
 # -- main -------------------------------------------------------------------------------
 
 
@@ -371,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         report["errors"]["fwd_bwd"] = traceback.format_exc()[-3000:]
     progress(started, "fwd_bwd", report)
     try:
-        report["figures"] = figures(device, numel)
+        report["figures"] = gpu_check_figures.figures(device, numel, N_MICRO)
     except Exception:
         report["errors"]["figures"] = traceback.format_exc()[-3000:]
     progress(started, "figures", report)
