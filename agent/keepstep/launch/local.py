@@ -37,6 +37,13 @@ from keepstep.errors import ConfigError, KeepstepError
 
 CONTROLLER_SPEC = "keepstep.launch.local:controller_from_env"
 
+# The members' store and collective timeouts, x their defaults. An agent doubles an epoch's
+# after a false alarm and goes on; a scripted run cannot, so a read of its store that a
+# busy machine delays past the default 2 s would end it. The store is this launcher's own,
+# on the same machine, and the only fault a run injects is a SIGKILL, which the
+# communicator sees at once: longer timeouts cost a run nothing.
+LOCAL_TIMEOUT_SCALE = 4.0
+
 
 @dataclass
 class _CrashingController(ScheduleController):
@@ -95,7 +102,8 @@ class LocalRun:
     epoch 0 are started at once and wait to be admitted in `first_epoch[member]`.
     `restart` maps a crashing member to the epoch its restarted process enters: the new
     process starts once the old one is gone, with the same snapshot file. `timeout_scale`
-    raises every epoch's timeouts (see `ScheduleController`).
+    raises every epoch's timeouts (see `ScheduleController`); it is `LOCAL_TIMEOUT_SCALE`
+    unless given.
     """
 
     script: str
@@ -110,7 +118,7 @@ class LocalRun:
     crash: Mapping[str, int] = field(default_factory=dict)
     restart: Mapping[str, int] = field(default_factory=dict)
     timeout: float = 300.0
-    timeout_scale: float = 1.0
+    timeout_scale: float = LOCAL_TIMEOUT_SCALE
 
     def __post_init__(self) -> None:
         for member, epoch in self.restart.items():
