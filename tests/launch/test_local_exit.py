@@ -1,5 +1,5 @@
 """The local launcher's members exit with their error when a failure ends the job, not
-with SIGABRT from a group-build thread left in a store call (schedule_exit_job.py)."""
+with SIGABRT from a group-build thread left in a store call (store_exit_job.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 def test_a_failure_that_ends_the_job_exits_with_the_error(mode: str, code: int) -> None:
     # "keep" checks that the scenario still reproduces the abort the release prevents.
     proc = subprocess.run(
-        [sys.executable, str(HERE / "schedule_exit_job.py"), mode],
+        [sys.executable, str(TESTS / "store_exit_job.py"), "schedule", mode],
         capture_output=True,
         text=True,
         timeout=60,

@@ -46,6 +46,7 @@ from keepstep.agent.worker.link_client import LinkClient
 from keepstep.elastic.comm import abort_key
 
 HERE = Path(__file__).resolve().parent
+TESTS = HERE.parents[1]
 
 
 # -- the decision ---------------------------------------------------------------------
@@ -245,8 +246,9 @@ def test_releasing_store_connections_lets_a_done_worker_exit_cleanly(
     # store's node exits while this process shuts down. Without the release the thread
     # wakes in a finalizing interpreter and the process dies of SIGABRT (the finding);
     # this also checks that the scenario still reproduces it.
+    mode = "release" if release else "keep"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "store_exit_job.py"), "release" if release else "keep"],
+        [sys.executable, str(TESTS / "store_exit_job.py"), "worker", mode],
         capture_output=True,
         text=True,
         timeout=60,
