@@ -30,6 +30,7 @@ import torch
 
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, SnapshotMissing
 from keepstep.elastic.snapshot_buffer import SHM_DIR, FileBuffer, MemoryBuffer, SnapshotBuffer
+from keepstep.elastic.snapshot_device import DeviceCopier
 from keepstep.elastic.snapshot_format import decode_payload, read_index
 from keepstep.elastic.snapshot_layout import (
     ALIGN,
@@ -51,6 +52,7 @@ from keepstep.elastic.snapshot_layout import (
 from keepstep.elastic.snapshot_seed import SEED_SLOT, Seed
 from keepstep.elastic.snapshot_write import (
     CopyJob,
+    CopySeconds,
     PayloadPlanner,
     SlotViews,
     check_tensors,
@@ -111,10 +113,22 @@ class _Changed(Exception):
 class SnapshotStore:
     """Two slots in one buffer; ``commit`` writes the one not holding the newest snapshot."""
 
-    def __init__(self, buffer: SnapshotBuffer, *, background: bool = True) -> None:
+    def __init__(
+        self,
+        buffer: SnapshotBuffer,
+        *,
+        background: bool = True,
+        copier: DeviceCopier | None = None,
+    ) -> None:
+        """``copier`` copies device tensors (snapshot_device.py); the default page-locks the
+        buffer's mapping at the first commit of CUDA tensors."""
         self._buffer = buffer
+        self._copier = copier if copier is not None else DeviceCopier()
         self._pool = ThreadPoolExecutor(1, "keepstep-snapshot") if background else None
         self._inflight: Future[None] | None = None
+        self._job: CopyJob | None = None
+        # Where the last durable commit's copy spent its time (snapshot_write.CopySeconds).
+        self.last_copy: CopySeconds | None = None
         self._inflight_slot = 0
         self._known_good: dict[int, int] = {}  # slot -> generation verified or written here
         # Kept between commits: the last layout's index and entries, and per slot the
@@ -140,9 +154,11 @@ class SnapshotStore:
         plan = self._planner.plan(tensors, meta)  # validates the tensors of a new layout
         self.wait(timeout)
         slot, at = self._prepare(step, plan.nbytes)
-        job = CopyJob(self._buffer, at, step, plan, list(tensors.values()), self._views[slot])
+        job = CopyJob(
+            self._buffer, at, step, plan, list(tensors.values()), self._views[slot], self._copier
+        )
         self._known_good.pop(slot, None)
-        self._inflight_slot = slot
+        self._inflight_slot, self._job = slot, job
         if self._pool is None:
             job.run()
             self._durable(slot)
@@ -188,7 +204,7 @@ class SnapshotStore:
         self._seed, self._since_seed = seed, 0
         return SnapshotInfo(seed.step, SEED_SLOT, seed.nbytes, seed.checksum)
 
-    def import_(self, blob: bytes, timeout: float = 60.0) -> SnapshotInfo:
+    def import_(self, blob: bytes | bytearray | memoryview, timeout: float = 60.0) -> SnapshotInfo:
         """Verify a slot received from ``export`` on a peer and write it into the older slot."""
         if not isinstance(blob, bytes | bytearray | memoryview):
             raise ConfigError(f"blob: must be bytes, got {type(blob).__name__}")
@@ -244,6 +260,7 @@ class SnapshotStore:
                 self._pool = None
             for views in self._views:  # release their export, so the buffer can close
                 views.clear()
+            self._copier.release()  # the mapping is no longer page-locked
 
     def __enter__(self) -> Self:
         return self
@@ -258,6 +275,8 @@ class SnapshotStore:
     def _durable(self, slot: int) -> None:
         """A commit into ``slot`` is in the buffer: known good; the second since a seed
         fills both slots, and the seed goes."""
+        if self._job is not None:
+            self.last_copy, self._job = self._job.seconds, None
         self._known_good[slot] = self._header(slot).generation
         self._since_seed += 1
         if self._since_seed >= 2:

@@ -5,19 +5,23 @@ these on every commit, and the layout (snapshot_layout.py), which says where eac
 goes. Every step writes the same layout again, so the per-step work is kept small: a
 ``PayloadPlanner`` builds the index and entries once per layout, a ``SlotViews`` keeps each
 slot's destination tensors, and a ``CopyJob`` makes one batched copy and one checksum pass
-over the payload (the same value as chaining it entry by entry).
+over the payload (the same value as chaining it entry by entry). Device tensors are copied
+on a side stream into page-locked slots (snapshot_device.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.snapshot_buffer import SnapshotBuffer
+from keepstep.elastic.snapshot_device import DeviceCopier, Ready
 from keepstep.elastic.snapshot_format import TensorEntry
 from keepstep.elastic.snapshot_layout import (
     FILE_MAGIC,
@@ -148,7 +152,8 @@ class SlotViews:
 
 
 class CopyJob:
-    """One copy of tensors into a slot already marked WRITING; runs on the copy thread."""
+    """One copy of tensors into a slot already marked WRITING; made on the committing
+    thread (which records where device tensors are ready), run on the copy thread."""
 
     def __init__(
         self,
@@ -158,25 +163,43 @@ class CopyJob:
         plan: PayloadPlan,
         tensors: list[torch.Tensor],
         views: SlotViews,
+        copier: DeviceCopier,
     ) -> None:
         self.buffer, self.at, self.step, self.plan = buffer, at, step, plan
-        self.tensors, self.views = tensors, views
+        self.tensors, self.views, self.copier = tensors, views, copier
+        self.ready: Ready | None = copier.mark(tensors)
+        self.seconds: CopySeconds | None = None  # set by run
 
     def run(self) -> None:
+        t0 = time.perf_counter()
         view = self.buffer.view()
         base, plan = self.at + HEADER, self.plan
         dsts = self.views.get(view, base, plan)
         plan.write_head(view, base)
+        t1 = time.perf_counter()
         if dsts:
             srcs = self.tensors
             if plan.filled is not None:
                 srcs = [srcs[i] for i in plan.filled]
             with torch.no_grad():
-                torch._foreach_copy_(dsts, srcs)  # one call instead of a copy_ per tensor
+                self.copier.copy(view, dsts, srcs, self.ready)
+        t2 = time.perf_counter()
         # One pass over the whole payload gives the same value as chaining per entry: the
         # head, the tensors and their padding are contiguous and in order.
         crc = payload_checksum(view[base : base + plan.nbytes], self.step)
         finish_slot(view, self.at, crc)
+        self.seconds = CopySeconds(t1 - t0, t2 - t1, time.perf_counter() - t2, plan.nbytes)
+
+
+class CopySeconds(NamedTuple):
+    """Where one commit's copy spent its time, on the copy thread: the slot's views (built,
+    and zero-filled, when the slot or the layout is new) and the head; the tensors' copy
+    (a device copy: until its bytes are on the host); the checksum."""
+
+    prepare: float
+    copy: float
+    checksum: float
+    nbytes: int
 
 
 def check_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
