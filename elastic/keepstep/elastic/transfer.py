@@ -9,7 +9,9 @@ What arrives is bounded before it is allocated: views by `VIEW_MAX_BYTES` (JSON,
 pickle), a snapshot by a limit derived from this member's own model (a snapshot holds the
 parameters, the optimizer's slots and the tracked state, which are a few copies of the
 parameters at most). A peer that announces more is refused on every member that would
-receive it (`BadMessage`), never allocated.
+receive it (`BadMessage`), never allocated. The snapshot crosses in broadcasts of at most
+`TRANSFER_CHUNK_BYTES` (`broadcast_bytes`): no side holds a second whole copy for the wire,
+and an NCCL epoch stages it through one device tensor of that size.
 
 Each view carries its member's numerics fingerprint (numerics.py): in exact mode members
 whose kernels may round differently are refused here, before any step (`NumericsMismatch`).
@@ -21,10 +23,11 @@ import functools
 from dataclasses import replace
 from datetime import timedelta
 
+import numpy as np
 import torch
 
 from keepstep.elastic.comm import Communicator
-from keepstep.elastic.errors import BadMessage
+from keepstep.elastic.errors import BadMessage, ConfigError
 from keepstep.elastic.numerics import agree, current
 from keepstep.elastic.reduce_base import ReduceMode
 from keepstep.elastic.rollback import VIEW_MAX_BYTES, MemberView, ResumePlan
@@ -35,6 +38,8 @@ from keepstep.elastic.snapshot_store import SnapshotStore
 # the model's state, plus a fixed allowance for small models' meta and tracked values.
 SNAPSHOT_COPIES_MAX = 8
 SNAPSHOT_SLACK_BYTES = 64 << 20
+# A snapshot crosses the wire in broadcasts of at most this many bytes (transfer_snapshot).
+TRANSFER_CHUNK_BYTES = 64 << 20
 
 
 def snapshot_limit(model: torch.nn.Module) -> int:
@@ -67,13 +72,14 @@ def transfer_snapshot(
     decision: ResumePlan,
     limit: int,
     timeout: timedelta,
+    chunk_bytes: int = TRANSFER_CHUNK_BYTES,
 ) -> bool:
     """Send the source's snapshot of the resume step to the needy; True if it came here."""
     if not decision.needy:
         return False
     source = decision.source
     blob = snapshots.export(decision.resume_step) if comm.rank == source else b""
-    size = torch.tensor([len(blob)], dtype=torch.int64)
+    size = torch.tensor([len(blob)], dtype=torch.int64, device=comm.device)
     comm.broadcast(size, source, timeout)
     n = int(size.item())
     if not 0 <= n <= limit:
@@ -82,13 +88,53 @@ def transfer_snapshot(
             f"rank {source} announced a snapshot of {n} bytes for step "
             f"{decision.resume_step}; this job's snapshots are at most {limit} bytes"
         )
-    wire = (
-        torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-        if comm.rank == source
-        else torch.empty(n, dtype=torch.uint8)
-    )
-    comm.broadcast(wire, source, timeout)
-    if comm.rank not in decision.needy:
+    got = broadcast_bytes(comm, blob, n, source, timeout, chunk_bytes)
+    if got is None or comm.rank not in decision.needy:
         return False
-    snapshots.import_(wire.numpy().tobytes())
+    snapshots.import_(got)
     return True
+
+
+def broadcast_bytes(
+    comm: Communicator,
+    blob: bytes,
+    n: int,
+    source: int,
+    timeout: timedelta,
+    chunk_bytes: int = TRANSFER_CHUNK_BYTES,
+) -> bytearray | None:
+    """The source's ``blob`` (``n`` bytes, known to all) on every other member (the source
+    gets None), sent in broadcasts of at most ``chunk_bytes``: the wire never needs a second
+    whole copy of a snapshot, and over NCCL each chunk passes through one device tensor of
+    that size. Each chunk's broadcast has ``timeout``."""
+    if chunk_bytes < 1:
+        raise ConfigError(f"chunk_bytes={chunk_bytes!r}: must be >= 1")
+    sending = comm.rank == source
+    if sending and len(blob) != n:
+        raise ConfigError(f"a blob of {len(blob)} bytes, but {n} were announced")
+    out = None if sending else bytearray(n)
+    if n == 0:
+        return out
+    chunk, on_device = min(chunk_bytes, n), comm.device.type != "cpu"
+    # The source stages each chunk of its read-only blob; a receiver on the CPU receives
+    # straight into its result; on a device every chunk passes through `wire`.
+    host = torch.empty(chunk, dtype=torch.uint8, pin_memory=on_device) if sending else None
+    wire = torch.empty(chunk, dtype=torch.uint8, device=comm.device) if on_device else None
+    whole = None if out is None else torch.frombuffer(out, dtype=torch.uint8)
+    for lo in range(0, n, chunk):
+        m = min(chunk, n - lo)
+        if host is not None:
+            host.numpy()[:m] = np.frombuffer(blob, dtype=np.uint8, count=m, offset=lo)
+            part = host[:m]
+        else:
+            assert whole is not None
+            part = whole[lo : lo + m]
+        if wire is None:
+            comm.broadcast(part, source, timeout)
+            continue
+        if sending:
+            wire[:m].copy_(part)
+        comm.broadcast(wire[:m], source, timeout)
+        if not sending:
+            part.copy_(wire[:m])
+    return out
