@@ -176,6 +176,15 @@ def test_step_metrics_reduce_in_micro_batch_order() -> None:
     assert a.reduce(summed, 0) == {"loss": total / 4}
 
 
+def test_the_buffer_goes_to_the_communicators_device() -> None:
+    """NCCL reduces device tensors only: the step asks for the buffer on comm.device."""
+    m = StepMetrics(("loss",), 2)
+    m.log(1, {"loss": 0.5})
+    assert m.buffer().device.type == "cpu"
+    moved = m.buffer(torch.device("meta"))  # any device: the values move as they are
+    assert moved.device.type == "meta" and moved.shape == (4,)
+
+
 @pytest.mark.parametrize(
     ("values", "words"),
     [

@@ -42,14 +42,16 @@ class StepMetrics:
                 )
             self._values[(self.names.index(name), mb_id)] = _scalar(name, value)
 
-    def buffer(self) -> torch.Tensor:
-        """Values then presence, one float64 slot per (name, micro-batch); zeros elsewhere."""
+    def buffer(self, device: torch.device | None = None) -> torch.Tensor:
+        """Values then presence, one float64 slot per (name, micro-batch); zeros elsewhere.
+        Filled on the CPU, then moved to ``device`` (the communicator's: NCCL reduces only
+        device tensors)."""
         k, n = len(self.names), self.n_micro
         out = torch.zeros(2 * k * n, dtype=torch.float64)
         for (i, mb), value in self._values.items():
             out[i * n + mb] = value
             out[k * n + i * n + mb] = 1.0
-        return out
+        return out if device is None else out.to(device)
 
     def reduce(self, summed: torch.Tensor, step: int) -> dict[str, float]:
         """Each name's mean over the step's micro-batches, from the all-reduced buffer."""

@@ -249,7 +249,7 @@ class Step:
             # Before `finish`, which writes the gradient and moves the reducer's exponents:
             # a member that lost a peer here must still be where a member that lost it in
             # the gradient's sum is, or the step repeated after the rollback differs.
-            summed = self._metrics.buffer()
+            summed = self._metrics.buffer(comm.device)
             try:
                 comm.allreduce(summed, dist.ReduceOp.SUM, timeout)
             except PeerLost as error:
