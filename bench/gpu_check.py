@@ -27,6 +27,11 @@ Checks, each true or false in "checks":
   snapshot_copy_exact (CUDA only)
       1 GiB of float32 copied device to host, into pinned and into pageable memory: bits
       equal to the source.
+  store_copy_exact, store_slots_pinned (CUDA only; gpu_check_store.py)
+      A 1B-parameter AdamW state (12 GB) committed to keepstep's SnapshotStore: copied on
+      a side stream into page-locked slots, bit for bit; the slots really page-locked.
+      Figures: copy and checksum GB/s into page-locked and pageable slots, and the cost to
+      a step that overlaps a commit (store_pinned_snapshot_cost_per_step).
   nccl_one_rank_allreduce, nccl_reinit (CUDA only)
       keepstep's NCCL transport on one rank (the flavour, NCCL2 or legacy, in details): an
       epoch's group built, an allreduce and an allgather right, its abort at close; then

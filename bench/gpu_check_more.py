@@ -37,6 +37,7 @@ if str(REPO / "elastic") not in sys.path:
 
 from gpu_check_gloo import gloo_kill_rebuild  # noqa: E402  (beside this file)
 from gpu_check_job import job_end_to_end  # noqa: E402  (beside this file)
+from gpu_check_store import snapshot_store  # noqa: E402  (beside this file)
 from keepstep.elastic.comm import Communicator  # noqa: E402
 from keepstep.elastic.comm.exit_guard import EXIT_GUARD  # noqa: E402
 from keepstep.elastic.comm.group import EpochSpec, GroupBuild  # noqa: E402
@@ -260,6 +261,7 @@ def done(watch: AbortWatch, pending: Pending, what: str) -> None:
 
 PLANS = (
     Plan(snapshot_copy, ("snapshot_copy_exact",), cuda_only=True),
+    Plan(snapshot_store, ("store_copy_exact", "store_slots_pinned"), cuda_only=True),
     Plan(nccl_one_rank, ("nccl_one_rank_allreduce", "nccl_reinit"), cuda_only=True),
     Plan(
         gloo_kill_rebuild,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and figure in one command, for a session that is lent a GPU machine
 # (one H200, its own torch, no package index): run from the repository root there,
-#   bash bench/gpu_session.sh OUT_DIR          (about 4 minutes)
+#   bash bench/gpu_session.sh OUT_DIR          (about 5 minutes)
 # It writes each part's output to OUT_DIR and prints a summary; it needs only python3
 # with torch (and pytest for the tests). Each part has its own time limit, so one that
 # hangs leaves the others' results. Exits non-zero if any part failed.
@@ -25,7 +25,7 @@ print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda
 'nccl2', hasattr(d, 'ProcessGroupNCCL2'), 'cudnn', torch.backends.cudnn.version())"
 } >"$out/env.txt" 2>&1
 cat "$out/env.txt"
-timeout 300 python3 bench/gpu_check.py >"$out/gpu_check.json" 2>"$out/gpu_check.err"
+timeout 360 python3 bench/gpu_check.py >"$out/gpu_check.json" 2>"$out/gpu_check.err"
 rc=$?
 echo "== gpu_check: exit $rc"
 [ "$rc" = 0 ] || status=1
@@ -37,7 +37,7 @@ part pytest 200 env PYTHONPATH=elastic python3 -m pytest -q -o addopts= -W error
     --noconftest -p no:cacheprovider \
     tests/elastic/test_transport_nccl_gpu.py tests/elastic/test_reduce_device.py \
     tests/elastic/test_rng.py tests/elastic/test_numerics.py tests/elastic/test_transport.py \
-    tests/elastic/test_device.py
+    tests/elastic/test_device.py tests/elastic/test_snapshot_device.py tests/elastic/test_transfer.py
 tail -n 3 "$out/pytest.txt"
 cat "$out/nccl_abort.txt" "$out/reduce_device_cost.txt"
 python3 -c "import json, sys; r = json.load(open(sys.argv[1])); \
