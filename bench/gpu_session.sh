@@ -31,7 +31,7 @@ echo "== gpu_check: exit $rc"
 [ "$rc" = 0 ] || status=1
 grep '^\[gpu_check' "$out/gpu_check.err"
 part nccl_abort 120 python3 bench/nccl_abort.py
-part reduce_device_cost 120 python3 bench/reduce_device_cost.py
+part reduce_device_cost 240 python3 bench/reduce_device_cost.py --profile
 part pytest 200 env PYTHONPATH=elastic python3 -m pytest -q -o addopts= -W error \
     -W "ignore:\`torch.jit.script_method\` is deprecated:DeprecationWarning" \
     --noconftest -p no:cacheprovider \

@@ -1,12 +1,19 @@
 """What the exact reduction's device path costs per micro-batch, and where: the fused
-quantize-and-accumulate (reduce_device.py) eager and compiled, against fp32 accumulation
-into .grad, on gradients shaped like bench/gpu_check.py's figures (3/4 of the elements in
-48 big tensors, 1/4 in 64 small ones), plus one call on one tensor of all the elements.
+quantize-and-accumulate (reduce_device.py) eager and compiled tensor by tensor, the whole
+micro-batch as one compiled call (reduce_graph.py; also with Inductor's combo kernels),
+against fp32 accumulation into .grad, on gradients shaped like bench/gpu_check.py's figures
+(3/4 of the elements in 48 big tensors, 1/4 in 64 small ones), plus one call on one tensor
+of all the elements.
 
     python3 bench/reduce_device_cost.py [--numel N] [--profile]
 
-Prints JSON: ms per call of each variant (the median of 5 after a warm one) and, with
---profile, the top CUDA kernels and CPU ops of one compiled micro-batch.
+Prints JSON: ms per call of each variant (`*_ms`, the median of 5 after a warm one), the
+same per 1e9 elements (`per_1e9_elements_ms`) and over fp32 `_foreach_add_` of the same
+gradients (`vs_fp32_foreach`: the issue's target is <= 2), the CUDA kernels one call of
+each micro-batch graph launches (`*_kernels`), the seconds to build each (compile and
+warm-up, less on a warm Inductor cache), and with --profile the top CUDA kernels and CPU
+ops of one micro-batch graph call. Each figure also goes to stderr as it is measured, so a
+run cut short by a time limit still shows the ones it had.
 """
 
 from __future__ import annotations
@@ -25,8 +32,11 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.append(str(REPO / "elastic"))
 
-from keepstep.elastic.reduce_device import DeviceOps, quantize_add  # noqa: E402
+from keepstep.elastic.reduce_device import AddPath, DeviceOps, quantize_add  # noqa: E402
+from keepstep.elastic.reduce_graph import MicroBatchGraph  # noqa: E402
 from keepstep.elastic.rng import fix_determinism  # noqa: E402
+
+TARGET = 2.0  # the issue's bound on the exact reduction over fp32 accumulation
 
 
 def median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
@@ -38,6 +48,31 @@ def median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[1:])
+
+
+class Figures(dict[str, object]):
+    """The JSON's figures; each one set is also printed to stderr at once."""
+
+    def __setitem__(self, key: str, value: object) -> None:
+        print(f"reduce_device_cost: {key} = {value}", file=sys.stderr)
+        super().__setitem__(key, value)
+
+
+def timed_s(build: Callable[[], object]) -> tuple[object, float]:
+    start = time.perf_counter()
+    built = build()
+    torch.cuda.synchronize()
+    return built, time.perf_counter() - start
+
+
+def kernels(fn: Callable[[], object]) -> int:
+    """CUDA kernels one call launches (after a warm one)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.profiler.DeviceType.CUDA)
 
 
 def main() -> int:
@@ -55,13 +90,30 @@ def main() -> int:
         offsets.append(offsets[-1] + n)
     acc = torch.zeros(sum(shapes), dtype=torch.float64, device=dev)
     specs = [(torch.Size([n]), torch.float32) for n in shapes]
-    out: dict[str, object] = {"elements": sum(shapes), "tensors": len(shapes)}
+    scale_vec = torch.ones(len(shapes), dtype=torch.float64, device=dev)
+    out = Figures(elements=sum(shapes), tensors=len(shapes))
     out["fp32_foreach_add_ms"] = median_ms(lambda: torch._foreach_add_(params, grads))
     given = list(enumerate(grads))
+    # First: the build compiles (DeviceOps' per-tensor graphs and the micro-batch graph).
+    ops, out["graph_build_s"] = timed_s(lambda: DeviceOps(specs, offsets, dev, compile=True))
+    assert isinstance(ops, DeviceOps)
+    ops.set_scales(scale_vec)
+    graph_call = partial(ops.add, given, acc)
+    out["graph_ms"] = median_ms(graph_call)
+    assert ops.last_path == AddPath.GRAPH, ops.last_path  # not its eager fallback
+    out["graph_kernels"] = kernels(graph_call)
     for name, compile_ in (("eager", False), ("compiled", True)):
-        ops = DeviceOps(specs, offsets, dev, compile=compile_)
-        ops.set_scales(torch.ones(len(shapes), dtype=torch.float64, device=dev))
-        out[f"{name}_ms"] = median_ms(partial(ops.add, given, acc))
+        per_tensor = DeviceOps(specs, offsets, dev, compile=compile_)
+        per_tensor.set_scales(scale_vec)
+        out[f"{name}_ms"] = median_ms(partial(per_tensor.add_per_tensor, given, acc))
+    combo, out["graph_combo_build_s"] = timed_s(
+        lambda: MicroBatchGraph(specs, offsets, dev, combo_kernels=True)
+    )
+    assert isinstance(combo, MicroBatchGraph)
+    combo_call = partial(combo, grads, scale_vec, acc)
+    out["graph_combo_ms"] = median_ms(combo_call)
+    assert combo_call()[1], "the combo graph ran eager"
+    out["graph_combo_kernels"] = kernels(combo_call)
     scale = torch.ones((), dtype=torch.float32, device=dev)
     one = torch.randn(sum(shapes), device=dev)
     with torch.no_grad():
@@ -71,14 +123,18 @@ def main() -> int:
         dynamic = torch.compile(quantize_add, fullgraph=True, dynamic=True)
         out["dynamic_one_tensor_ms"] = median_ms(lambda: dynamic(one, scale, acc))
         out["dynamic_one_tensor_view_ms"] = median_ms(lambda: dynamic(one[2:], scale, acc[2:]))
+    # Every variant handles all the elements once: ms per 1e9 of them, and over fp32.
+    timings = {k: v for k, v in out.items() if k.endswith("_ms") and isinstance(v, float)}
+    base = timings["fp32_foreach_add_ms"]
+    ratios = {k: v / base for k, v in timings.items()}
+    out["per_1e9_elements_ms"] = {k: v * 1e9 / sum(shapes) for k, v in timings.items()}
+    out["vs_fp32_foreach"] = ratios
+    out["target_vs_fp32_foreach"] = TARGET
+    out["graph_within_target"] = min(ratios["graph_ms"], ratios["graph_combo_ms"]) <= TARGET
     if args.profile:
-        ops = DeviceOps(specs, offsets, dev, compile=True)
-        ops.set_scales(torch.ones(len(shapes), dtype=torch.float64, device=dev))
-        ops.add(given, acc)
-        torch.cuda.synchronize()
         acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=acts) as prof:
-            ops.add(given, acc)
+            graph_call()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12)
         out["profile_cuda"] = table

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from keepstep.elastic import reduce_device, reduce_kernels
+from keepstep.elastic import reduce_device, reduce_graph, reduce_kernels
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.reduce import (
     ExactReducer,
@@ -123,17 +123,20 @@ class Run:
     outcomes: list[ReduceOutcome]
     grads: list[list[torch.Tensor | None]]
     exponents: list[tuple[int, ...]]
+    added: list[reduce_device.AddPath | None]  # how the device path added each micro-batch
 
 
 def run(case: Case, path: dict[str, bool]) -> Run:
     params = case.params()
     reducer = ExactReducer(params, case.n_micro, **path)
-    out = Run([], [], [], [], [])
+    device = reducer._device
+    out = Run([], [], [], [], [], [])
     for batches in case.steps:
         for attempt in range(2):
             reducer.begin_step()
             for grads in batches:
                 reducer.add_micro_batch(grads)
+                out.added.append(None if device is None else device.last_path)
                 out.buffers.append(reducer.buffer().clone())
                 out.maxima.append(reducer.retry_max_buffer())
             outcome = reducer.finish(reducer.buffer().clone(), case.n_micro, params)
@@ -264,7 +267,9 @@ def test_a_compiler_that_fails_is_named_when_compile_was_asked_for(
 
         return run
 
-    reduce_device._compiled.cache_clear()  # one compiled wrapper per process: a fresh one
+    # One compiled wrapper per process: fresh ones.
+    reduce_device._compiled.cache_clear()
+    reduce_graph._compiled.cache_clear()
     monkeypatch.setattr(torch, "compile", broken)
     try:
         with pytest.raises(ConfigError, match=r"compile=True but torch.compile failed.*no C\+\+"):
@@ -273,13 +278,16 @@ def test_a_compiler_that_fails_is_named_when_compile_was_asked_for(
         assert ExactReducer([torch.zeros(4)], 2, device_ops=True).path == "device-eager"
     finally:
         reduce_device._compiled.cache_clear()
+        reduce_graph._compiled.cache_clear()
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_compiled_ops_give_the_same_bits_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inductor's CPU code stands in for its CUDA code here: the same graph (round half to
-    even, nan-propagating max, the in-place add into a view of the buffer), one graph per
+def test_the_compiled_ops_give_the_same_bits_on_the_cpu() -> None:
+    """Inductor's CPU code stands in for its CUDA code here: the same graphs (round half to
+    even, nan-propagating max, the in-place add into a view of the buffer). The second
+    micro-batch of each step lacks a gradient, so it goes tensor by tensor (the others are
+    one call of the micro-batch graph: tests/elastic/test_reduce_graph.py): one graph per
     dtype for every size and reducer: each compiled copy (one per class of buffer offset:
     0, 1, more) may build only as many graphs as the dtypes it sees. A warm-up with grad
     mode on once doubled them, and a warm-up at another offset class than the buffer's
@@ -289,7 +297,6 @@ def test_the_compiled_ops_give_the_same_bits_on_the_cpu(monkeypatch: pytest.Monk
     first compilation takes a minute."""
     torch._dynamo.reset()
     reduce_device._compiled.cache_clear()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     spec = [((5, 7), torch.float32, True), ((33,), torch.bfloat16, False)]
     spec += [((9,), torch.float64, False), ((1,), torch.float16, False)]
     gen = torch.Generator().manual_seed(11)
@@ -303,15 +310,17 @@ def test_the_compiled_ops_give_the_same_bits_on_the_cpu(monkeypatch: pytest.Monk
                 x.view(-1)[0] = SPECIAL[(mb + step) % len(SPECIAL)] if step else 2.5 * 2.0**-35
                 g = x.to(dtype)
                 grads.append(g.t().contiguous().t() if transposed else g)
+            grads[-1] = None if mb == 1 else grads[-1]
             batches.append(grads)
         steps.append(batches)
     case = Case(spec, 3, steps)
-    compiled = ExactReducer(case.params(), 3, device_ops=True, compile=True)
-    assert compiled.path == "device-compiled"
     n_data = sum(math.prod(s) for s, _, _ in spec)
-    assert_same_run(
-        run(case, {"device_ops": True, "compile": True}), run(case, {"kernels": False}), n_data
-    )
+    with torch._dynamo.config.patch(recompile_limit=2):
+        compiled = ExactReducer(case.params(), 3, device_ops=True, compile=True)
+        assert compiled.path == "device-compiled"
+        result = run(case, {"device_ops": True, "compile": True})
+    assert_same_run(result, run(case, {"kernels": False}), n_data)
+    assert set(result.added) == {reduce_device.AddPath.GRAPH, reduce_device.AddPath.PER_TENSOR}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiled Inductor path")
@@ -327,4 +336,5 @@ def test_compiled_cuda_path_gives_the_cpu_bits() -> None:
         g = [torch.randn(p.shape, generator=gen).to(p.dtype) for p in cpu]
         a.add_micro_batch(g)
         b.add_micro_batch([x.cuda() for x in g])
+        assert b._device is not None and b._device.last_path == reduce_device.AddPath.GRAPH
     assert torch.equal(a.buffer().view(torch.int64), b.buffer().cpu().view(torch.int64))

@@ -1,4 +1,5 @@
-"""Device-side exact reduction: one fused quantize-and-accumulate per tensor, in torch ops.
+"""Device-side exact reduction: fused quantize-and-accumulate in torch ops, one compiled call
+per micro-batch where it can, else one per tensor.
 
 Where it sits: `ExactReducer` (reduce_exact.py) hands each micro-batch to `DeviceOps` when
 the parameters are off the CPU (or on the CPU when asked, which is how CPU CI tests this
@@ -12,23 +13,34 @@ Per gradient g of tensor t, with the agreed scale s = 2**k_t held in the compute
     acc[t] += round_half_even(c(g) * s)     then widened to float64 and added
     peak_t  = max |g|                       nan if any element is nan, else inf if any is
 
-The sum is one compiled pointwise kernel (`torch.compile`, Inductor on CUDA): it reads g
-once and updates the float64 sum in place, with no float32 scratch copy and no widened
-copy. The peak is one eager reduction (aminmax): Inductor compiles a reduction over a
-dynamic size to run on one thread block, ~1000x slower than a split one on an H200. Why the bits do
-not depend on the device or on compilation: c(g) is exact (float32 holds every bfloat16 and
-float16 value), the product by a power of two is exact unless it is subnormal, and the
-reducer clamps k so that a subnormal product is < 0.5 and rounds to a zero of the same sign
-whether or not the hardware flushes it; the rounded value is an integer, so widening and
-adding it to float64 integers is exact too. The buffer starts each step at +0.0 and is only
-added to, so a -0.0 never survives into it (the sign of zero is part of the bits).
+Compiled (`torch.compile`, Inductor; by default on CUDA only), a micro-batch that gives every
+tensor's gradient is one call (reduce_graph.py): a graph over all the gradients, the scale
+vector and one buffer view per tensor, for the job's static shapes, that reads each g once
+for the sum and once for the peak and updates the float64 sum in place. Otherwise (a
+gradient absent, or not compiled) tensor by tensor: the sum one compiled pointwise kernel
+for dynamic sizes (one graph per dtype), with no float32 scratch copy and no widened copy,
+and the peak one eager reduction (aminmax): Inductor compiles a reduction over a dynamic
+size to run on one thread block, ~1000x slower than a split one on an H200. A call per
+tensor costs ~0.25 ms of launches and guards whatever its size, which is why the whole
+micro-batch is one call when it can be.
 
-The division in `finish` stays eager on purpose: torch's eager float64 division is correctly
-rounded on every device, and a compiler may turn x / d into x * (1 / d), which is not.
+Why the bits do not depend on the path, the device or on compilation: c(g) is exact
+(float32 holds every bfloat16 and float16 value), the product by a power of two is exact
+unless it is subnormal, and the reducer clamps k so that a subnormal product is < 0.5 and
+rounds to a zero of the same sign whether or not the hardware flushes it; the rounded value
+is an integer, so widening and adding it to float64 integers is exact too; max |g| is one
+of g's values, and nan propagates through every max here (eager, and Inductor's reductions).
+The buffer starts each step at +0.0 and is only added to, so a -0.0 never survives into it
+(the sign of zero is part of the bits).
+
+The division in `set_grads` stays eager on purpose: torch's eager float64 division is
+correctly rounded on every device, and a compiler may turn x / d into x * (1 / d), which
+is not.
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import logging
 import types
@@ -37,28 +49,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.reduce_graph import MicroBatchGraph, accumulate, compute_dtype, peak
 
-__all__ = ["DeviceOps", "quantize_add"]
+__all__ = ["AddPath", "DeviceOps", "quantize_add"]
 
 _log = logging.getLogger(__name__)
-
-
-def accumulate(grad: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> None:
-    """acc += round_half_even(grad * scale) in `scale`'s dtype: the part that is compiled.
-
-    `grad` flat and non-empty; `scale` a 0-dim float32 or float64 tensor holding a power
-    of two; `acc` a 1-D float64 view of grad.numel() elements."""
-    acc.add_(torch.round(grad.to(scale.dtype) * scale))
-
-
-def peak(grad: torch.Tensor) -> torch.Tensor:
-    """max |grad| as a 0-dim float64 tensor (nan if any element is nan, else inf if any is):
-    the larger magnitude of the min and the max, in one pass and no |grad| temporary
-    (aminmax and maximum propagate nan). Eager on every path: Inductor runs a reduction
-    over a dynamic size on one thread block (on an H200, 0.9 s for 67M elements against
-    0.5 ms for the fused kernel compiled for the size: bench/reduce_device_cost.py)."""
-    lo, hi = torch.aminmax(grad)
-    return torch.maximum(lo.abs(), hi.abs()).to(torch.float64)
 
 
 def quantize_add(grad: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
@@ -99,16 +94,23 @@ def _compiled(klass: int) -> Accumulate:
     return torch.compile(fn, dynamic=True, fullgraph=True)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+class AddPath(enum.Enum):
+    """How `DeviceOps.add` added a micro-batch (every way gives the same bits)."""
+
+    GRAPH = "graph"  # all tensors in one compiled call (reduce_graph.py)
+    GRAPH_EAGER = "graph-eager"  # that call's guards failed: its body ran eager (logged)
+    PER_TENSOR = "per-tensor"  # a call per tensor: compiled ones, or eager ops
 
 
 class DeviceOps:
     """The fused path for one reducer: `add` quantizes one micro-batch into the buffer.
 
     `compile`: None compiles on CUDA and falls back to eager ops (logged) if that fails;
-    True compiles or raises ConfigError with the reason; False runs eager ops. Compilation
-    is warmed up here, for every dtype the parameters use, so no step pays for it.
+    True compiles or raises ConfigError with the reason; False runs eager ops. Compiled,
+    a micro-batch that gives every tensor's gradient runs as one call (`MicroBatchGraph`),
+    others tensor by tensor; `last_path` says which added the last one. Compilation is
+    warmed up here, for every dtype the parameters use, so no step pays for it; the
+    micro-batch graph's warm-up writes +0.0 into `buffer` (the reducer's, all +0.0) if given.
     """
 
     def __init__(
@@ -117,6 +119,7 @@ class DeviceOps:
         offsets: Sequence[int],
         device: torch.device,
         compile: bool | None = None,
+        buffer: torch.Tensor | None = None,
     ) -> None:
         if compile is not None and not isinstance(compile, bool):
             raise ConfigError(f"compile={compile!r} must be a bool or None")
@@ -124,23 +127,27 @@ class DeviceOps:
             raise ConfigError(f"{len(specs)} tensor specs but {len(offsets)} offsets")
         self._numels = [s.numel() for s, _ in specs]
         self._offsets = list(offsets)
-        self._compute = [_compute_dtype(d) for _, d in specs]
+        self._compute = [compute_dtype(d) for _, d in specs]
         self._device = device
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self._scales: list[torch.Tensor] = []
+        self._scale_vec = torch.ones(len(specs), dtype=torch.float64, device=device)
         self.compiled = False
+        self.last_path: AddPath | None = None
         self._fns: tuple[Accumulate, ...] = ()
+        self._graph: MicroBatchGraph | None = None
         want = device.type == "cuda" if compile is None else compile
         if want:
             try:
                 fns = tuple(_compiled(k) for k in range(len(_OFFSET_CLASSES)))
                 self._warm_up(fns, specs)
+                graph = MicroBatchGraph(specs, offsets, device, acc=buffer)
             except Exception as e:  # the compiler's failures have no common type
                 if compile:
                     raise ConfigError(f"compile=True but torch.compile failed: {e!r}") from e
                 _log.warning("exact reduction runs eager torch ops: torch.compile failed: %r", e)
             else:
-                self._fns, self.compiled = fns, True
+                self._fns, self._graph, self.compiled = fns, graph, True
 
     def _warm_up(
         self, fns: Sequence[Accumulate], specs: Sequence[tuple[torch.Size, torch.dtype]]
@@ -156,7 +163,7 @@ class DeviceOps:
         }
         with torch.no_grad():
             for dtype, klass in sorted(needed, key=str):
-                scale = torch.ones((), dtype=_compute_dtype(dtype), device=self._device)
+                scale = torch.ones((), dtype=compute_dtype(dtype), device=self._device)
                 at = (0, 1, 3)[klass]
                 grad = torch.ones(17, dtype=dtype, device=self._device)
                 fns[klass](grad, scale, acc[at : at + 17])
@@ -164,6 +171,7 @@ class DeviceOps:
     def set_scales(self, scale_vec: torch.Tensor) -> None:
         """The step's per-tensor 2**k as a float64 vector on the device (exact in float32
         for the float32-computed tensors, whose k the reducer clamps to float32's range)."""
+        self._scale_vec = scale_vec
         wide, narrow = scale_vec.unbind(), scale_vec.to(torch.float32).unbind()
         self._scales = [
             wide[i] if c == torch.float64 else narrow[i] for i, c in enumerate(self._compute)
@@ -171,7 +179,19 @@ class DeviceOps:
 
     def add(self, given: Sequence[tuple[int, torch.Tensor]], acc: torch.Tensor) -> torch.Tensor:
         """Add each given gradient's integers to `acc` (the data region must start the step
-        at +0.0); returns the per-tensor peaks, 0 for absent and empty ones."""
+        at +0.0); returns the per-tensor peaks, 0 for absent and empty ones. `given` holds
+        (index, gradient) in index order, each index once, as ParamLayout.present gives."""
+        if self._graph is not None and len(given) == len(self._numels):
+            peaks, compiled = self._graph([g for _, g in given], self._scale_vec, acc)
+            self.last_path = AddPath.GRAPH if compiled else AddPath.GRAPH_EAGER
+            return peaks
+        return self.add_per_tensor(given, acc)
+
+    def add_per_tensor(
+        self, given: Sequence[tuple[int, torch.Tensor]], acc: torch.Tensor
+    ) -> torch.Tensor:
+        """`add` tensor by tensor whatever was given (the compiled path's fallback)."""
+        self.last_path = AddPath.PER_TENSOR
         peaks = [self._zero] * len(self._numels)
         with torch.no_grad():
             for i, g in given:

@@ -49,10 +49,12 @@ quantized peak sum, micro-batches that gave a gradient | the caller's slots (see
 PyTorch would leave it.
 Nothing syncs with the host per micro-batch; `finish` reads the tail once.
 
-Paths (same bits, checked in tests/elastic/test_reduce_kernels.py and test_reduce_device.py):
-off the CPU, one fused quantize-and-accumulate per tensor (reduce_device.py, compiled on
-CUDA); on the CPU, numba's one-pass loops for float32/float64 (reduce_kernels.py) and tensor
-ops through float32/float64 scratch buffers for the rest.
+Paths (same bits, checked in tests/elastic/test_reduce_kernels.py, test_reduce_device.py and
+test_reduce_graph.py): off the CPU, fused quantize-and-accumulate in torch ops
+(reduce_device.py; compiled on CUDA, a micro-batch that gives every tensor's gradient is one
+call for all of them, reduce_graph.py, others a call per tensor); on the CPU, numba's
+one-pass loops for float32/float64 (reduce_kernels.py) and tensor ops through
+float32/float64 scratch buffers for the rest.
 """
 
 from __future__ import annotations
@@ -96,11 +98,12 @@ class ExactReducer:
     """Fixed-point accumulation (integers in float64) with agreed per-tensor power-of-two
     scales.
 
-    `device_ops` picks the fused per-tensor torch ops (reduce_device.py; `compile` as
-    there); the default uses them off the CPU. `kernels` picks the one-pass CPU loops
-    (reduce_kernels.py) for float32 and float64 parameters; the default uses them on the
-    CPU when numba is installed. Otherwise tensor ops through scratch buffers, `fused`
-    picking multi-tensor (foreach) kernels. All paths give the same bits.
+    `device_ops` picks the fused torch ops (reduce_device.py: one compiled call per
+    micro-batch where it can, else per tensor; `compile` as there); the default uses them
+    off the CPU. `kernels` picks the one-pass CPU loops (reduce_kernels.py) for float32 and
+    float64 parameters; the default uses them on the CPU when numba is installed. Otherwise
+    tensor ops through scratch buffers, `fused` picking multi-tensor (foreach) kernels. All
+    paths give the same bits.
     """
 
     def __init__(
@@ -137,7 +140,9 @@ class ExactReducer:
         self._n_t, self._lo = n_t, self._offsets()
         use = on_cpu and not use_dev and reduce_kernels.available() if kernels is None else kernels
         self._kernels = reduce_kernels.CpuKernels(layout.specs, self._lo) if use else None
-        self._device = DeviceOps(layout.specs, self._lo, dev, compile) if use_dev else None
+        self._device = (
+            DeviceOps(layout.specs, self._lo, dev, compile, buffer=self._acc) if use_dev else None
+        )
         if self._device is None:
             self._make_scratch()
         self._step_max = torch.zeros(n_t, dtype=torch.float64, device=dev)
