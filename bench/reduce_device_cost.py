@@ -1,9 +1,9 @@
 """What the exact reduction's device path costs per micro-batch, and where: the fused
-quantize-and-accumulate (reduce_device.py) eager and compiled tensor by tensor, the whole
-micro-batch as one compiled call (reduce_graph.py; also with Inductor's combo kernels),
-against fp32 accumulation into .grad, on gradients shaped like bench/gpu_check.py's figures
-(3/4 of the elements in 48 big tensors, 1/4 in 64 small ones), plus one call on one tensor
-of all the elements.
+quantize-and-accumulate (reduce_device.py) eager tensor by tensor and the whole micro-batch
+as one compiled call (reduce_graph.py; also with Inductor's combo kernels), against fp32
+accumulation into .grad, on gradients shaped like bench/gpu_check.py's figures (3/4 of the
+elements in 48 big tensors, 1/4 in 64 small ones), plus one call on one tensor of all the
+elements.
 
     python3 bench/reduce_device_cost.py [--numel N] [--profile]
 
@@ -94,7 +94,7 @@ def main() -> int:
     out = Figures(elements=sum(shapes), tensors=len(shapes))
     out["fp32_foreach_add_ms"] = median_ms(lambda: torch._foreach_add_(params, grads))
     given = list(enumerate(grads))
-    # First: the build compiles (DeviceOps' per-tensor graphs and the micro-batch graph).
+    # First: the build compiles the micro-batch graph.
     ops, out["graph_build_s"] = timed_s(lambda: DeviceOps(specs, offsets, dev, compile=True))
     assert isinstance(ops, DeviceOps)
     ops.set_scales(scale_vec)
@@ -102,10 +102,9 @@ def main() -> int:
     out["graph_ms"] = median_ms(graph_call)
     assert ops.last_path == AddPath.GRAPH, ops.last_path  # not its eager fallback
     out["graph_kernels"] = kernels(graph_call)
-    for name, compile_ in (("eager", False), ("compiled", True)):
-        per_tensor = DeviceOps(specs, offsets, dev, compile=compile_)
-        per_tensor.set_scales(scale_vec)
-        out[f"{name}_ms"] = median_ms(partial(per_tensor.add_per_tensor, given, acc))
+    eager = DeviceOps(specs, offsets, dev, compile=False)  # tensor by tensor
+    eager.set_scales(scale_vec)
+    out["eager_ms"] = median_ms(partial(eager.add, given, acc))
     combo, out["graph_combo_build_s"] = timed_s(
         lambda: MicroBatchGraph(specs, offsets, dev, combo_kernels=True)
     )

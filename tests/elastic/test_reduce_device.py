@@ -1,10 +1,10 @@
-"""Tests of keepstep.elastic.reduce_device: the fused per-tensor torch ops (the path used off
-the CPU, run here on CPU tensors, eager) give the bits of the numba kernels and of the
-tensor-op path, micro-batch by micro-batch and after `finish`, for any mix of dtypes,
-layouts, absent gradients, ties, subnormals, signed zeros, overflow (and its retry) and
-non-finite values.
+"""Tests of keepstep.elastic.reduce_device: the fused torch ops (the path used off the CPU,
+run here on CPU tensors, eager) give the bits of the numba kernels and of the tensor-op
+path, micro-batch by micro-batch and after `finish`, for any mix of dtypes, layouts, absent
+gradients, ties, subnormals, signed zeros, overflow (and its retry) and non-finite values.
 
-Compilation needs CUDA to be worth it; bench/gpu_check.py checks the compiled path there.
+Compiled, a micro-batch is one call of a graph: test_reduce_graph.py compiles it on the CPU,
+and bench/gpu_check.py checks it on a GPU.
 """
 
 from __future__ import annotations
@@ -267,8 +267,7 @@ def test_a_compiler_that_fails_is_named_when_compile_was_asked_for(
 
         return run
 
-    # One compiled wrapper per process: fresh ones.
-    reduce_device._compiled.cache_clear()
+    # One compiled wrapper per process: a fresh one.
     reduce_graph._compiled.cache_clear()
     monkeypatch.setattr(torch, "compile", broken)
     try:
@@ -277,50 +276,7 @@ def test_a_compiler_that_fails_is_named_when_compile_was_asked_for(
         # Not asked for (the CPU's default): eager ops, the compiler never called.
         assert ExactReducer([torch.zeros(4)], 2, device_ops=True).path == "device-eager"
     finally:
-        reduce_device._compiled.cache_clear()
         reduce_graph._compiled.cache_clear()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_the_compiled_ops_give_the_same_bits_on_the_cpu() -> None:
-    """Inductor's CPU code stands in for its CUDA code here: the same graphs (round half to
-    even, nan-propagating max, the in-place add into a view of the buffer). The second
-    micro-batch of each step lacks a gradient, so it goes tensor by tensor (the others are
-    one call of the micro-batch graph: tests/elastic/test_reduce_graph.py): one graph per
-    dtype for every size and reducer: each compiled copy (one per class of buffer offset:
-    0, 1, more) may build only as many graphs as the dtypes it sees. A warm-up with grad
-    mode on once doubled them, and a warm-up at another offset class than the buffer's
-    first tensor added more; on a GPU a job with four dtypes then failed at dynamo's limit
-    of 8. Here offset 0 takes float32, later offsets bfloat16 and float64 (the float16
-    tensor has one element: eager), so 2 graphs a copy is the most there may be. Slow: a
-    first compilation takes a minute."""
-    torch._dynamo.reset()
-    reduce_device._compiled.cache_clear()
-    spec = [((5, 7), torch.float32, True), ((33,), torch.bfloat16, False)]
-    spec += [((9,), torch.float64, False), ((1,), torch.float16, False)]
-    gen = torch.Generator().manual_seed(11)
-    steps: list[list[Grads]] = []
-    for step in range(2):
-        batches: list[Grads] = []
-        for mb in range(3):
-            grads: Grads = []
-            for shape, dtype, transposed in spec:
-                x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2.0 ** (10 * mb - 5)
-                x.view(-1)[0] = SPECIAL[(mb + step) % len(SPECIAL)] if step else 2.5 * 2.0**-35
-                g = x.to(dtype)
-                grads.append(g.t().contiguous().t() if transposed else g)
-            grads[-1] = None if mb == 1 else grads[-1]
-            batches.append(grads)
-        steps.append(batches)
-    case = Case(spec, 3, steps)
-    n_data = sum(math.prod(s) for s, _, _ in spec)
-    with torch._dynamo.config.patch(recompile_limit=2):
-        compiled = ExactReducer(case.params(), 3, device_ops=True, compile=True)
-        assert compiled.path == "device-compiled"
-        result = run(case, {"device_ops": True, "compile": True})
-    assert_same_run(result, run(case, {"kernels": False}), n_data)
-    assert set(result.added) == {reduce_device.AddPath.GRAPH, reduce_device.AddPath.PER_TENSOR}
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: compiled Inductor path")

@@ -1,9 +1,9 @@
 """Tests of keepstep.elastic.reduce_graph through the reducer: a micro-batch that gives every
 gradient is one compiled call (Inductor's CPU code standing in for its CUDA code), with the
 bits of the eager device ops, the numba kernels and the tensor ops, through ties,
-subnormals, signed zeros, an overflow and its retry, and non-finite values; a micro-batch
-without every gradient goes tensor by tensor; no step compiles; a guard that fails anyway
-runs the same body eager.
+subnormals, signed zeros, an overflow and its retry, and non-finite values; absent
+gradients go in the same call as zeros; no step compiles; a guard that fails anyway runs
+the same body eager.
 
 Every test uses the same tensors, so the graph compiles once per process (seconds on a CPU).
 """
@@ -77,11 +77,17 @@ def test_a_micro_batch_with_every_gradient_is_one_compiled_call() -> None:
     assert isinstance(outcomes[3], ReduceNonFinite)
 
 
-def test_a_micro_batch_without_every_gradient_goes_tensor_by_tensor() -> None:
-    steps = [[grads(11, 1.0), grads(12, 2.0, skip=1), grads(13, 4.0, skip=0)]] * 2
+def test_absent_gradients_go_in_the_same_call_as_zeros() -> None:
+    """A micro-batch that leaves tensors out (each dtype, the empty one, a step where a
+    tensor is absent in every micro-batch) is still one call, with the bits of every path:
+    the zeros add nothing, peak at 0, and the tensor still counts as not given."""
+    steps = [
+        [grads(11, 1.0), grads(12, 2.0, skip=1), grads(13, 4.0, skip=0)],
+        [grads(14, 1.0, skip=2), grads(15, 0.5, skip=2), grads(16, 3.0, skip=2)],
+        [grads(17, 1.0, skip=4), grads(18, 2.0, skip=5), grads(19, 1.0, skip=3)],
+    ]
     added = check_every_path(Case(SPEC, N_MICRO, steps))
-    by_tensor = AddPath.PER_TENSOR
-    assert added == [AddPath.GRAPH, by_tensor, by_tensor] * 2
+    assert added == [AddPath.GRAPH] * 9
 
 
 def test_no_step_compiles() -> None:

@@ -1,5 +1,5 @@
 """Device-side exact reduction: fused quantize-and-accumulate in torch ops, one compiled call
-per micro-batch where it can, else one per tensor.
+per micro-batch (eager ops tensor by tensor when nothing is compiled).
 
 Where it sits: `ExactReducer` (reduce_exact.py) hands each micro-batch to `DeviceOps` when
 the parameters are off the CPU (or on the CPU when asked, which is how CPU CI tests this
@@ -13,16 +13,15 @@ Per gradient g of tensor t, with the agreed scale s = 2**k_t held in the compute
     acc[t] += round_half_even(c(g) * s)     then widened to float64 and added
     peak_t  = max |g|                       nan if any element is nan, else inf if any is
 
-Compiled (`torch.compile`, Inductor; by default on CUDA only), a micro-batch that gives every
-tensor's gradient is one call (reduce_graph.py): a graph over all the gradients, the scale
-vector and one buffer view per tensor, for the job's static shapes, that reads each g once
-for the sum and once for the peak and updates the float64 sum in place. Otherwise (a
-gradient absent, or not compiled) tensor by tensor: the sum one compiled pointwise kernel
-for dynamic sizes (one graph per dtype), with no float32 scratch copy and no widened copy,
-and the peak one eager reduction (aminmax): Inductor compiles a reduction over a dynamic
-size to run on one thread block, ~1000x slower than a split one on an H200. A call per
-tensor costs ~0.25 ms of launches and guards whatever its size, which is why the whole
-micro-batch is one call when it can be.
+Compiled (`torch.compile`, Inductor; by default on CUDA only), a micro-batch is one call
+(reduce_graph.py): a graph over all the gradients (zeros standing in for absent ones), the
+scale vector and one buffer view per tensor, for the job's static shapes, that reads each g
+once for the sum and once for the peak and updates the float64 sum in place, with no
+float32 scratch copy and no widened copy. Static sizes also let Inductor split the peaks'
+reductions: over a dynamic size it runs one on a single thread block, ~1000x slower on an
+H200. A compiled call per tensor cost ~0.25 ms of launches and guards whatever the
+tensor's size (31.9 ms for 112 tensors, slower than eager ops): hence one call for all.
+Not compiled, eager ops run tensor by tensor.
 
 Why the bits do not depend on the path, the device or on compilation: c(g) is exact
 (float32 holds every bfloat16 and float16 value), the product by a power of two is exact
@@ -41,10 +40,8 @@ is not.
 from __future__ import annotations
 
 import enum
-import functools
 import logging
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -68,38 +65,12 @@ def quantize_add(grad: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> 
     return peak(x)
 
 
-# Dynamo specializes a tensor's storage offset of 0 or 1 (as it does sizes): a buffer view
-# at offset 0, 1 and >= 2 are three graphs per dtype. Each class gets its own compiled copy
-# of `accumulate` (own code object, so own cache and own limit of 8 graphs): with one graph
-# per gradient dtype each, the four float dtypes never reach the limit, where one shared
-# function would (a ninth graph with fullgraph is an error in the middle of a step).
-Accumulate = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-_OFFSET_CLASSES = ("0", "1", "n")
-
-
-def offset_class(offset: int) -> int:
-    """Which compiled copy takes a buffer view at this storage offset: 0, 1, or more."""
-    return min(offset, 2)
-
-
-@functools.cache
-def _compiled(klass: int) -> Accumulate:
-    """One compiled wrapper per process and offset class. Dynamic sizes and flat inputs:
-    one graph per gradient dtype whatever the shapes and offsets of that class, as long as
-    every call runs with grad mode off (grad mode is part of a graph's guards) and the
-    gradient starts its storage (a view of a bucket goes eager)."""
-    name = f"accumulate_at_{_OFFSET_CLASSES[klass]}"
-    code = accumulate.__code__.replace(co_name=name, co_qualname=name)
-    fn = types.FunctionType(code, accumulate.__globals__, name)
-    return torch.compile(fn, dynamic=True, fullgraph=True)
-
-
 class AddPath(enum.Enum):
     """How `DeviceOps.add` added a micro-batch (every way gives the same bits)."""
 
     GRAPH = "graph"  # all tensors in one compiled call (reduce_graph.py)
     GRAPH_EAGER = "graph-eager"  # that call's guards failed: its body ran eager (logged)
-    PER_TENSOR = "per-tensor"  # a call per tensor: compiled ones, or eager ops
+    PER_TENSOR = "per-tensor"  # eager ops tensor by tensor (not compiled)
 
 
 class DeviceOps:
@@ -107,10 +78,11 @@ class DeviceOps:
 
     `compile`: None compiles on CUDA and falls back to eager ops (logged) if that fails;
     True compiles or raises ConfigError with the reason; False runs eager ops. Compiled,
-    a micro-batch that gives every tensor's gradient runs as one call (`MicroBatchGraph`),
-    others tensor by tensor; `last_path` says which added the last one. Compilation is
-    warmed up here, for every dtype the parameters use, so no step pays for it; the
-    micro-batch graph's warm-up writes +0.0 into `buffer` (the reducer's, all +0.0) if given.
+    every micro-batch is one call (`MicroBatchGraph`): a tensor it gave no gradient for
+    goes in as zeros, which add +0.0 to a buffer that holds no -0.0 and peak at 0, as an
+    absent one does. Eager, the ops run tensor by tensor. `last_path` says how the last
+    micro-batch was added. The graph is compiled and warmed up here, writing +0.0 into
+    `buffer` (the reducer's, all +0.0) if given, so no step pays for compilation.
     """
 
     def __init__(
@@ -125,6 +97,7 @@ class DeviceOps:
             raise ConfigError(f"compile={compile!r} must be a bool or None")
         if len(specs) != len(offsets):
             raise ConfigError(f"{len(specs)} tensor specs but {len(offsets)} offsets")
+        self._specs = list(specs)
         self._numels = [s.numel() for s, _ in specs]
         self._offsets = list(offsets)
         self._compute = [compute_dtype(d) for _, d in specs]
@@ -132,41 +105,20 @@ class DeviceOps:
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self._scales: list[torch.Tensor] = []
         self._scale_vec = torch.ones(len(specs), dtype=torch.float64, device=device)
+        self._zeros: dict[torch.dtype, torch.Tensor] = {}  # stand-ins for absent gradients
         self.compiled = False
         self.last_path: AddPath | None = None
-        self._fns: tuple[Accumulate, ...] = ()
         self._graph: MicroBatchGraph | None = None
         want = device.type == "cuda" if compile is None else compile
         if want:
             try:
-                fns = tuple(_compiled(k) for k in range(len(_OFFSET_CLASSES)))
-                self._warm_up(fns, specs)
-                graph = MicroBatchGraph(specs, offsets, device, acc=buffer)
+                self._graph = MicroBatchGraph(specs, offsets, device, acc=buffer)
             except Exception as e:  # the compiler's failures have no common type
                 if compile:
                     raise ConfigError(f"compile=True but torch.compile failed: {e!r}") from e
                 _log.warning("exact reduction runs eager torch ops: torch.compile failed: %r", e)
             else:
-                self._fns, self._graph, self.compiled = fns, graph, True
-
-    def _warm_up(
-        self, fns: Sequence[Accumulate], specs: Sequence[tuple[torch.Size, torch.dtype]]
-    ) -> None:
-        """Compile now each graph a step will use: per dtype, the offset classes its
-        tensors' buffer views fall in (the buffer starts its storage), with grad mode off as
-        in `add`. Other offsets (a buffer that is itself a view) compile at first use."""
-        acc = torch.zeros(40, dtype=torch.float64, device=self._device)
-        needed = {
-            (d, offset_class(lo))
-            for (_, d), n, lo in zip(specs, self._numels, self._offsets, strict=True)
-            if n > 1
-        }
-        with torch.no_grad():
-            for dtype, klass in sorted(needed, key=str):
-                scale = torch.ones((), dtype=compute_dtype(dtype), device=self._device)
-                at = (0, 1, 3)[klass]
-                grad = torch.ones(17, dtype=dtype, device=self._device)
-                fns[klass](grad, scale, acc[at : at + 17])
+                self.compiled = True
 
     def set_scales(self, scale_vec: torch.Tensor) -> None:
         """The step's per-tensor 2**k as a float64 vector on the device (exact in float32
@@ -181,32 +133,43 @@ class DeviceOps:
         """Add each given gradient's integers to `acc` (the data region must start the step
         at +0.0); returns the per-tensor peaks, 0 for absent and empty ones. `given` holds
         (index, gradient) in index order, each index once, as ParamLayout.present gives."""
-        if self._graph is not None and len(given) == len(self._numels):
-            peaks, compiled = self._graph([g for _, g in given], self._scale_vec, acc)
-            self.last_path = AddPath.GRAPH if compiled else AddPath.GRAPH_EAGER
-            return peaks
-        return self.add_per_tensor(given, acc)
+        if self._graph is None:
+            return self.add_per_tensor(given, acc)
+        grads = [g for _, g in given]
+        if len(grads) != len(self._numels):
+            grads = self._with_zeros(given)
+        peaks, compiled = self._graph(grads, self._scale_vec, acc)
+        self.last_path = AddPath.GRAPH if compiled else AddPath.GRAPH_EAGER
+        return peaks
+
+    def _with_zeros(self, given: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
+        """Every tensor's gradient, a zero view for the absent ones: views of one zero block
+        per dtype, as large as that dtype's largest tensor (made at the first absence)."""
+        have = dict(given)
+        full = []
+        for i, (shape, dtype) in enumerate(self._specs):
+            g = have.get(i)
+            if g is None:
+                block = self._zeros.get(dtype)
+                if block is None:
+                    numels = zip(self._numels, self._specs, strict=True)
+                    size = max(n for n, (_, d) in numels if d == dtype)
+                    block = self._zeros[dtype] = torch.zeros(size, dtype=dtype, device=self._device)
+                g = block[: self._numels[i]].view(shape)
+            full.append(g)
+        return full
 
     def add_per_tensor(
         self, given: Sequence[tuple[int, torch.Tensor]], acc: torch.Tensor
     ) -> torch.Tensor:
-        """`add` tensor by tensor whatever was given (the compiled path's fallback)."""
+        """`add` in eager ops, tensor by tensor (the path when nothing is compiled)."""
         self.last_path = AddPath.PER_TENSOR
         peaks = [self._zero] * len(self._numels)
         with torch.no_grad():
             for i, g in given:
                 n, lo = self._numels[i], self._offsets[i]
-                if not n:
-                    continue
-                # Flat (a copy only if g is not contiguous). Size 1 and a gradient inside a
-                # larger storage go eager: a dynamic graph would specialize them (more
-                # graphs per dtype). Same bits either way.
-                flat, view = g.reshape(-1), acc[lo : lo + n]
-                fn: Accumulate = accumulate
-                if self._fns and n > 1 and flat.storage_offset() == 0:
-                    fn = self._fns[offset_class(int(view.storage_offset()))]
-                fn(flat, self._scales[i], view)
-                peaks[i] = peak(flat)
+                if n:
+                    peaks[i] = quantize_add(g, self._scales[i], acc[lo : lo + n])
             return torch.stack(peaks)
 
     def set_grads(

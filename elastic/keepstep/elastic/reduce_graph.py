@@ -1,13 +1,13 @@
 """The exact reduction's device arithmetic, and a whole micro-batch of it in one compiled call.
 
-Where it sits: `DeviceOps` (reduce_device.py) adds a micro-batch with these functions, tensor
-by tensor (`accumulate` compiled per dtype, `peak` eager) or, when its path is compiled and
-the micro-batch gives a gradient for every tensor, all tensors in one call of a
-`MicroBatchGraph`. reduce_device.py says why the bits do not depend on the path.
+Where it sits: `DeviceOps` (reduce_device.py) adds a micro-batch with these functions: when
+its path is compiled, all tensors in one call of a `MicroBatchGraph` (zeros standing in for
+absent gradients); otherwise eager, tensor by tensor. reduce_device.py says why the bits do
+not depend on the path.
 
-Why one call: a compiled per-tensor call costs ~0.25 ms of launches and dynamo guards
+Why one call: a compiled per-tensor call cost ~0.25 ms of launches and dynamo guards
 whatever its size (on an H200, 32 ms for a micro-batch of 112 tensors and 67M elements
-against 0.29 ms for fp32 `_foreach_add_` of the same gradients: bench/reduce_device_cost.py).
+against 0.29 ms for fp32 `_foreach_add_` of the same gradients).
 The graph is compiled once per process for the job's shapes, which are fixed for its life:
 static sizes, so Inductor also splits the peaks' reductions (over a dynamic size it runs one
 on a single thread block). It is compiled and run once at construction, with grad mode off
@@ -52,7 +52,7 @@ Spec = tuple[torch.Size, torch.dtype]
 
 
 def accumulate(grad: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> None:
-    """acc += round_half_even(grad * scale) in `scale`'s dtype: the part that is compiled.
+    """acc += round_half_even(grad * scale) in `scale`'s dtype.
 
     `grad` flat and non-empty; `scale` a 0-dim float32 or float64 tensor holding a power
     of two; `acc` a 1-D float64 view of grad.numel() elements."""
@@ -62,10 +62,9 @@ def accumulate(grad: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> No
 def peak(grad: torch.Tensor) -> torch.Tensor:
     """max |grad| as a 0-dim float64 tensor (nan if any element is nan, else inf if any is):
     the larger magnitude of the min and the max, in one pass and no |grad| temporary
-    (aminmax and maximum propagate nan). Eager on the per-tensor path: Inductor runs a
-    reduction over a dynamic size on one thread block (on an H200, 0.9 s for 67M elements
-    against 0.5 ms for the fused kernel compiled for the size: bench/reduce_device_cost.py);
-    the whole-micro-batch graph compiles it for static sizes."""
+    (aminmax and maximum propagate nan). Compiled only in the micro-batch graph, for static
+    sizes: Inductor runs a reduction over a dynamic size on one thread block (on an H200,
+    0.9 s for 67M elements against 0.5 ms compiled for the size)."""
     lo, hi = torch.aminmax(grad)
     return torch.maximum(lo.abs(), hi.abs()).to(torch.float64)
 
