@@ -389,3 +389,17 @@ def test_the_module_imports_no_torch() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
     )
     assert not {"torch", "numpy"} & set(done.stdout.split())
+
+
+def test_members_beyond_the_ratio_bound_get_its_last_grid_points() -> None:
+    """A member 5000x slower and one 10,000x faster than the median: their weights are the
+    grid's ends, within 1000x of the median either way (the grid once ran a point past
+    the bound, a weight of 1020)."""
+    policy = SpeedPolicy(window=3, min_observations=1, confirm_steps=1)
+    per_mb = {"m0": 1.0, "m1": 5000.0, "m2": 1.0, "m3": 1e-4, "m4": 1.0}
+    state = SpeedState(policy)
+    for step in range(3):
+        state = observe(state, step, {m: StepTiming(2 * s, 2) for m, s in per_mb.items()})
+    weights = state.weights
+    assert weights["m0"] == weights["m2"] == weights["m4"] == 1.0
+    assert 1e-3 <= weights["m1"] < 1.1e-3 and 900 < weights["m3"] <= 1e3

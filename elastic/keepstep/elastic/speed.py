@@ -194,7 +194,7 @@ def _clipped_mean(xs: Sequence[float]) -> float:
 def _grid(step: float) -> tuple[float, ...]:
     """Points ``(1 + step)**k`` within ``_MAX_RATIO`` of 1, built by exact-rounded products."""
     up, down = [1.0], [1.0]
-    while up[-1] < _MAX_RATIO:
+    while up[-1] * (1.0 + step) <= _MAX_RATIO:  # the next point must stay within the bound
         up.append(up[-1] * (1.0 + step))
         down.append(down[-1] / (1.0 + step))
     return (*reversed(down[1:]), *up)
