@@ -11,9 +11,10 @@ Prints JSON: ms per call of each variant (`*_ms`, the median of 5 after a warm o
 same per 1e9 elements (`per_1e9_elements_ms`) and over fp32 `_foreach_add_` of the same
 gradients (`vs_fp32_foreach`: the issue's target is <= 2), the CUDA kernels one call of
 each micro-batch graph launches (`*_kernels`), the seconds to build each (compile and
-warm-up, less on a warm Inductor cache), and with --profile the top CUDA kernels and CPU
-ops of one micro-batch graph call. Each figure also goes to stderr as it is measured, so a
-run cut short by a time limit still shows the ones it had.
+warm-up) and to build it again in a fresh process on the caches the first filled
+(`graph_build_restart_s`: what a restarted worker pays), and with --profile the top CUDA
+kernels and CPU ops of one micro-batch graph call. Each figure also goes to stderr as it
+is measured, so a run cut short by a time limit still shows the ones it had.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -79,10 +81,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=2**26)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     fix_determinism(8)
     dev = torch.device("cuda", 0)
     shapes = [args.numel // 64] * 48 + [args.numel // 256] * 64
+    if args.build_only:  # a restarted worker: a fresh process, this machine's caches warm
+        specs = [(torch.Size([n]), torch.float32) for n in shapes]
+        offsets = [sum(shapes[:i]) for i in range(len(shapes))]
+        print(timed_s(lambda: DeviceOps(specs, offsets, dev, compile=True))[1])
+        return 0
     grads = [torch.randn(n, device=dev) for n in shapes]
     params = [torch.zeros(n, device=dev) for n in shapes]
     offsets = [0]
@@ -97,6 +105,14 @@ def main() -> int:
     # First: the build compiles the micro-batch graph.
     ops, out["graph_build_s"] = timed_s(lambda: DeviceOps(specs, offsets, dev, compile=True))
     assert isinstance(ops, DeviceOps)
+    # The same build in a new process, on the compile caches this one just filled: what a
+    # worker restarted on this node pays before its first micro-batch (not counting imports).
+    again = subprocess.run(
+        [sys.executable, __file__, "--numel", str(args.numel), "--build-only"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    lines = again.stdout.split()
+    out["graph_build_restart_s"] = float(lines[-1]) if again.returncode == 0 and lines else None
     ops.set_scales(scale_vec)
     graph_call = partial(ops.add, given, acc)
     out["graph_ms"] = median_ms(graph_call)
