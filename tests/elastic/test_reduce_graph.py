@@ -90,6 +90,19 @@ def test_absent_gradients_go_in_the_same_call_as_zeros() -> None:
     assert added == [AddPath.GRAPH] * 9
 
 
+def test_the_zeros_for_absent_gradients_are_as_large_as_the_largest_absent_one() -> None:
+    params = Case(SPEC, N_MICRO, []).params()
+    reducer = ExactReducer(params, N_MICRO, **COMPILED)
+    assert reducer._device is not None
+    reducer.begin_step()
+    reducer.add_micro_batch(grads(41, 1.0, skip=3))  # the one-element float16 tensor
+    assert reducer._device._zeros[torch.float16].numel() == 1  # not the (2, 3) one's 6
+    reducer.add_micro_batch(grads(42, 1.0, skip=5))  # the (2, 3) float16 tensor: it grows
+    assert reducer._device._zeros[torch.float16].numel() == 6
+    assert torch.float32 not in reducer._device._zeros
+    assert reducer._device.last_path == AddPath.GRAPH
+
+
 def test_no_step_compiles() -> None:
     """Compiled at construction: then new gradients, both layouts of the transposed one,
     a new buffer (more caller slots), a second reducer of the same tensors, and a limit of

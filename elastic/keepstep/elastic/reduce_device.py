@@ -144,18 +144,19 @@ class DeviceOps:
 
     def _with_zeros(self, given: Sequence[tuple[int, torch.Tensor]]) -> list[torch.Tensor]:
         """Every tensor's gradient, a zero view for the absent ones: views of one zero block
-        per dtype, as large as that dtype's largest tensor (made at the first absence)."""
+        per dtype, as large as the largest absent tensor of that dtype so far (an unused
+        bias does not cost an embedding's worth of memory)."""
         have = dict(given)
         full = []
         for i, (shape, dtype) in enumerate(self._specs):
             g = have.get(i)
             if g is None:
+                n = self._numels[i]
                 block = self._zeros.get(dtype)
-                if block is None:
-                    numels = zip(self._numels, self._specs, strict=True)
-                    size = max(n for n, (_, d) in numels if d == dtype)
-                    block = self._zeros[dtype] = torch.zeros(size, dtype=dtype, device=self._device)
-                g = block[: self._numels[i]].view(shape)
+                if block is None or block.numel() < n:
+                    block = torch.zeros(n, dtype=dtype, device=self._device)
+                    self._zeros[dtype] = block
+                g = block[:n].view(shape)
             full.append(g)
         return full
 
