@@ -106,7 +106,6 @@ class DeviceOps:
         self._scales: list[torch.Tensor] = []
         self._scale_vec = torch.ones(len(specs), dtype=torch.float64, device=device)
         self._zeros: dict[torch.dtype, torch.Tensor] = {}  # stand-ins for absent gradients
-        self.compiled = False
         self.last_path: AddPath | None = None
         self._graph: MicroBatchGraph | None = None
         want = device.type == "cuda" if compile is None else compile
@@ -117,13 +116,19 @@ class DeviceOps:
                 if compile:
                     raise ConfigError(f"compile=True but torch.compile failed: {e!r}") from e
                 _log.warning("exact reduction runs eager torch ops: torch.compile failed: %r", e)
-            else:
-                self.compiled = True
+
+    @property
+    def compiled(self) -> bool:
+        """True when micro-batches go through the compiled graph."""
+        return self._graph is not None
 
     def set_scales(self, scale_vec: torch.Tensor) -> None:
         """The step's per-tensor 2**k as a float64 vector on the device (exact in float32
-        for the float32-computed tensors, whose k the reducer clamps to float32's range)."""
+        for the float32-computed tensors, whose k the reducer clamps to float32's range).
+        The graph takes the vector; only the eager path needs one scale tensor a tensor."""
         self._scale_vec = scale_vec
+        if self._graph is not None:
+            return
         wide, narrow = scale_vec.unbind(), scale_vec.to(torch.float32).unbind()
         self._scales = [
             wide[i] if c == torch.float64 else narrow[i] for i, c in enumerate(self._compute)
