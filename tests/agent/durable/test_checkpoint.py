@@ -22,6 +22,7 @@ import pytest
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
+from keepstep.agent.durable.storage import part_name
 from keepstep.agent.durable.writer import (
     LATEST,
     CheckpointError,
@@ -305,12 +306,23 @@ def test_every_checkpoint_damaged_is_an_error(target: Target) -> None:
 
 def test_keep_prunes_oldest(target: Target) -> None:
     writer = _write(target, [1, 2])
-    target.write(blob_name(7) + ".tmp-12345", b"half")  # a writer that died mid-file
+    target.write(blob_name(1) + ".tmp-12345", b"half")  # a writer that died mid-file
+    # Another agent's part of a newer step, still being written: not this writer's to delete.
+    at_work = part_name(7, 0, 1, 2) + ".tmp-12346"
+    target.write(at_work, b"half")
     for step in (3, 4):
         writer.submit(step, _blob(step))
         writer.flush(T)
     writer.close(T)
-    assert target.names() == {blob_name(3), info_name(3), blob_name(4), info_name(4), LATEST}
+    assert target.names() == {
+        blob_name(3),
+        info_name(3),
+        blob_name(4),
+        info_name(4),
+        LATEST,
+        at_work,
+    }
+    target.remove(at_work)
     assert [i.step for i in list_checkpoints(target.url, T, target.options)] == [3, 4]
     assert [i.step for i in writer.written()] == [1, 2, 3, 4]
 

@@ -62,7 +62,9 @@ _FORMAT_PARTS = 2  # a record with parts: older builds refuse it by its format
 _PART = r"(?:\.e\d{4,}\.part-\d{4,}-of-\d{4,})?"
 _STEP_FILE = re.compile(rf"step-(\d{{8,}}){_PART}\.(ckpt|json)")
 _TMP = ".tmp-"
-TMP_FILE = re.compile(rf"(step-\d{{8,}}{_PART}\.(ckpt|json)|latest\.json)\.tmp-\d+")
+# A local file being written (or left by a writer that died mid-file): the step's, or None
+# for latest.json.
+TMP_FILE = re.compile(rf"(?:step-(\d{{8,}}){_PART}\.(?:ckpt|json)|latest\.json)\.tmp-\d+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _T = TypeVar("_T")
 

@@ -276,12 +276,17 @@ class CheckpointWriter:
             # Another run's history (a job started on a used URL); latest.json no longer names
             # them, so no reader returns them, and deleting another run's data is not ours.
             log.warning("%s holds checkpoints of later steps %s; left in place", self.url, newer)
-        for old in older[: -self.keep]:
+        pruned = older[: -self.keep]
+        for old in pruned:
             # The record goes first, then the blob (a manifest), then the parts it lists: a
             # listing never shows a record whose blob or parts are gone.
             rank = {info_name(old): 0, blob_name(old): 1}
             for name in sorted(by_step[old], key=lambda n: (rank.get(n, 2), n)):
                 store.remove(name)
+        # A temporary file of a step pruned here was left by a writer that died mid-file (or
+        # one too late to matter). Any other may be another writer's at work: the other
+        # members' parts of a newer step, written by other agents into the same directory.
         for name in names:
-            if TMP_FILE.fullmatch(name):  # left by a writer that died mid-file
+            tmp = TMP_FILE.fullmatch(name)
+            if pruned and tmp is not None and tmp.group(1) and int(tmp.group(1)) <= pruned[-1]:
                 store.remove(name)
