@@ -148,6 +148,7 @@ def init(
         # gloo binds its device to it and publishes it to the other members.
         host=env.get(ENV_PREFIX + "HOST") or "127.0.0.1",
         planned_steps=_setting("steps", None, int, env),
+        checkpoint_every=_setting("checkpoint_every", None, int, env),
         clip_grad_norm=clip_grad_norm,
         metrics=_names(metrics),
         prefetch=prefetch,

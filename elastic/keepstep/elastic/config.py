@@ -44,7 +44,10 @@ class JobConfig:
 
     What the launcher decides for this process: `host` is the address peers reach it on
     (a pod's IP, a node's network-namespace address), which gloo binds and publishes;
-    `planned_steps` is the step count `job.steps()` runs to when given none.
+    `planned_steps` is the step count `job.steps()` runs to when given none;
+    `checkpoint_every` is the cadence of the node agents' durable checkpoints, which they
+    read from this member's snapshots: a member whose snapshot they read keeps each due
+    step in its slot until its agent has read it (None: no durable checkpoints).
 
     `metrics`: the names `step.log` takes, fixed for the job so every member reduces the
     same layout; `prefetch`: micro-batches read ahead of the training thread (data.py).
@@ -66,6 +69,7 @@ class JobConfig:
     max_overflow_retries: int = 4
     host: str = "127.0.0.1"
     planned_steps: int | None = None
+    checkpoint_every: int | None = None
     clip_grad_norm: float | None = None
     metrics: tuple[str, ...] = ()
     prefetch: int = 0
@@ -99,6 +103,11 @@ class JobConfig:
             isinstance(steps, bool) or not isinstance(steps, int) or steps < 0
         ):
             raise ConfigError(f"planned_steps={steps!r} must be an integer >= 0 (or None)")
+        every = self.checkpoint_every
+        if every is not None and (
+            isinstance(every, bool) or not isinstance(every, int) or every < 1
+        ):
+            raise ConfigError(f"checkpoint_every={every!r} must be an integer >= 1 (or None)")
         clip = self.clip_grad_norm
         if clip is not None and (
             isinstance(clip, bool)

@@ -278,6 +278,19 @@ class Job:
             for k, v in state.tensors.items()
         }
         self.snapshots.commit(self.done, tensors, state.meta)
+        if self._read_for_checkpoint(self.done):
+            # Bounded well inside a collective's timeout: the peers wait for this member
+            # in the next step's reduction while it waits for its agent.
+            self.snapshots.hold(self.done, self.config.collective_timeout / 4)
+
+    def _read_for_checkpoint(self, step: int) -> bool:
+        """Whether this member's agent reads `step` from its snapshot for a durable
+        checkpoint: a due step of the epoch's first member (its snapshot is the whole
+        checkpoint) or of any member of a sharded job (each snapshot is one part)."""
+        every = self.config.checkpoint_every
+        if every is None or step == 0 or step % every:  # step 0 is where a job starts
+            return False
+        return self.sharded is not None or self.is_leader
 
     @property
     def assignment(self) -> dict[str, list[int]]:

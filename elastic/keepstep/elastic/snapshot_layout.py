@@ -7,7 +7,7 @@ definitions without importing torch.
 
 Layout (little endian; every offset below is a multiple of 64)::
 
-    file header   64 B        magic "KSTEPSNP", version, slot size
+    file header   64 B        magic "KSTEPSNP", version, slot size, released step
     slot 0        slot size   64 B slot header + payload
     slot 1        slot size
 
@@ -21,6 +21,11 @@ checksum is the 64-bit XXH3 (the xxhash package) of the step, the payload length
 payload; the generation only orders the two slots. Every step checksums the whole state,
 so its speed bounds the snapshot: XXH3 runs at memory speed (~35 GB/s on one core,
 CRC-32 ~4 GB/s; bench/snapshot_cost.py measures both). Version 1 buffers used CRC-32.
+
+The released step is the one field a reader writes: the newest step a reader (the node
+agent, exporting a durable checkpoint) is done with, so that a writer holding that step's
+slot for it may overwrite it (``SnapshotStore.hold``). It is 0 until a reader releases a
+step; files written before it existed hold 0 there too (the header's unused bytes).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from keepstep.elastic.errors import ConfigError, SnapshotCorrupt
 
 ALIGN = 64
 FILE_STRUCT = struct.Struct("<8sIIQ")  # magic, version, reserved, slot size
+RELEASED = struct.Struct("<q")  # after FILE_STRUCT: the newest step a reader released
+_RELEASED_AT = FILE_STRUCT.size
 # magic, state, reserved, step, payload length, crc, generation
 SLOT_STRUCT = struct.Struct("<8sIIqQQQ")
 _STATE_AT = 8  # byte offset of the state field inside a slot header
@@ -121,6 +128,19 @@ def slot_intact(view: memoryview, slot: int) -> bool:
     if at + h.nbytes > len(view):
         return False
     return payload_checksum(view[at : at + h.nbytes], h.step) == h.checksum
+
+
+def released_step(view: memoryview) -> int:
+    """The newest step a reader of this snapshot file released (0: none yet)."""
+    return int(RELEASED.unpack_from(view, _RELEASED_AT)[0])
+
+
+def mark_released(view: memoryview, step: int) -> None:
+    """Release ``step`` and every step before it to the file's writer; a release never
+    goes back (an older one arriving late leaves the newer in place)."""
+    check_step(step)
+    if step > released_step(view):
+        RELEASED.pack_into(view, _RELEASED_AT, step)
 
 
 def align(n: int) -> int:

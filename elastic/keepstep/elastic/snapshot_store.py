@@ -14,12 +14,15 @@ per-step plan and copy job are snapshot_write.py. The names callers need are re-
 here, so they import from this module only.
 
 A buffer has one writer (the worker) and any number of readers; a store is used from one
-thread (plus its own copy thread).
+thread (plus its own copy thread). Two slots keep a step only until two more commit: a
+reader that must not miss one (the node agent writing a durable checkpoint from it) has the
+writer ``hold`` it, and ``release``s it once read.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,7 +50,9 @@ from keepstep.elastic.snapshot_layout import (
     empty_slots,
     exported_payload,
     finish_slot,
+    mark_released,
     payload_checksum,
+    released_step,
 )
 from keepstep.elastic.snapshot_seed import SEED_SLOT, Seed
 from keepstep.elastic.snapshot_write import (
@@ -76,6 +81,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+HOLD_POLL_S = 0.002  # how often a commit waiting for a held step's reader looks again
 
 
 @dataclass(frozen=True)
@@ -137,6 +144,9 @@ class SnapshotStore:
         self._views = (SlotViews(), SlotViews())
         self._seed: Seed | None = None  # a checkpoint to start from, and the commits since
         self._since_seed = 0
+        self._hold: tuple[int, float] | None = None  # the step kept for a reader, how long
+        # How long the last commit (or import) waited for a reader to release a held step.
+        self.held_s = 0.0
         self._format()
 
     # -- writing ---------------------------------------------------------------------------
@@ -184,6 +194,21 @@ class SnapshotStore:
         self._inflight = None
         self._durable(self._inflight_slot)
 
+    def hold(self, step: int, timeout: float) -> None:
+        """Keep ``step``, the last step committed, in its slot until a reader of the buffer
+        ``release``s it (in any process: the node agent reading it for a durable
+        checkpoint), rather than let the second commit after it overwrite it. That commit
+        waits for the release at most ``timeout`` s, then overwrites the step and logs that
+        its reader missed it. One step is held at a time."""
+        check_step(step)
+        check_timeout(timeout)
+        self._hold = (step, timeout)
+
+    def release(self, step: int) -> None:
+        """As a reader: done with ``step`` (and every step before it); the writer's commits
+        may overwrite it."""
+        mark_released(self._buffer.view(), step)
+
     def seed(
         self, blob: bytes | bytearray, step: int | None = None, timeout: float = 60.0
     ) -> SnapshotInfo:
@@ -202,6 +227,7 @@ class SnapshotStore:
         empty_slots(self._buffer.view())
         self._known_good.clear()
         self._seed, self._since_seed = seed, 0
+        self._hold = None  # the held step's slot was emptied with the rest
         return SnapshotInfo(seed.step, SEED_SLOT, seed.nbytes, seed.checksum)
 
     def import_(self, blob: bytes | bytearray | memoryview, timeout: float = 60.0) -> SnapshotInfo:
@@ -397,6 +423,7 @@ class SnapshotStore:
         view = self._buffer.view()
         headers = self._headers(view)
         slot = self._target(headers)
+        self._wait_for_release(headers, slot)
         gen = 1 + max(h.generation for h in headers)
         slot_size = self._slot_size(view)
         if HEADER + nbytes > slot_size:
@@ -406,6 +433,33 @@ class SnapshotStore:
         at = HEADER + slot * slot_size
         SLOT_STRUCT.pack_into(view, at, SLOT_MAGIC, SlotState.WRITING, 0, step, nbytes, 0, gen)
         return slot, at
+
+    def _wait_for_release(self, headers: list[SlotHeader], target: int) -> None:
+        """Before ``target`` is overwritten (or dropped by growth): if it holds the held
+        step, wait until a reader released it, at most the hold's timeout."""
+        self.held_s = 0.0
+        if self._hold is None:
+            return
+        step, timeout = self._hold
+        held = [h.slot for h in headers if h.state is SlotState.VALID and h.step == step]
+        if target not in held:
+            if not held:  # gone already (a seed, an import): nothing left to keep
+                self._hold = None
+            return
+        self._hold = None
+        started = time.monotonic()
+        deadline = started + timeout
+        while released_step(self._buffer.view()) < step:
+            if time.monotonic() >= deadline:
+                log.warning(
+                    "step %d was held %g s for its reader, which did not release it: "
+                    "overwritten unread",
+                    step,
+                    timeout,
+                )
+                break
+            time.sleep(HOLD_POLL_S)
+        self.held_s = time.monotonic() - started
 
     def _grow(self, target: int, need: int) -> int:
         """Give both slots room for ``need`` bytes; keeps the newest snapshot, returns the

@@ -75,6 +75,22 @@ def test_a_worker_is_told_the_checkpoint_it_resumes_from_and_only_then(
     assert spec.env["KEEPSTEP_RESUME"] == str(tmp_path / "resume.ckpt")
 
 
+def test_a_worker_is_told_the_checkpoint_cadence_when_there_are_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It holds each due step in its snapshot until the agent has read it.
+    monkeypatch.setenv("KEEPSTEP_CHECKPOINT_EVERY", "3")  # inherited: not this job's
+    url = (tmp_path / "ckpt").as_uri()
+
+    def every(**kw: object) -> str | None:
+        cfg = config(run_dir=tmp_path, steps=40, **kw)
+        return worker_spec(cfg, "n0/0", "@j", tmp_path / "s").env.get("KEEPSTEP_CHECKPOINT_EVERY")
+
+    assert every() is None
+    assert every(checkpoint_url=url, checkpoint_every=8) == "8"
+    assert every(checkpoint_url=url) == "40"  # the last step only
+
+
 def test_each_worker_is_told_its_local_slot_like_torchrun(tmp_path: Path) -> None:
     cfg = config(nproc=4, run_dir=tmp_path)
     for slot in range(4):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from keepstep.agent.durable.writer import CheckpointWriter
 from keepstep.agent.node.durable import DurableCheckpoints, export_step
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.events import EventLog
+from keepstep.elastic.snapshot_layout import released_step
 from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
 
 T = 30.0
@@ -59,3 +61,73 @@ def test_a_due_step_gone_from_the_snapshot_is_checkpointed_late_not_skipped(
     assert "step 3 left the snapshot before it was read; checkpointing step 5" in caplog.text
     submitted = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert [(e["kind"], e["step"]) for e in submitted][:1] == [("checkpoint-submitted", 5)]
+
+
+def test_a_held_step_is_checkpointed_however_late_its_agent_reads_it(tmp_path: Path) -> None:
+    # The worker holds due step 4 (keepstep.init reads the cadence the agent sets): it
+    # commits steps 5 and 6 without waiting for its agent, and then waits before it
+    # overwrites step 4, until the agent, busy elsewhere, has read it.
+    path = tmp_path / "snap"
+    buffer = FileBuffer.create(path)
+    store = SnapshotStore(buffer)
+    committed: list[int] = []
+
+    def worker() -> None:
+        for step in range(3, 8):
+            store.commit(step, {"w": torch.full((64,), float(step))}, b"meta")
+            store.wait(T)
+            if step == 4:
+                store.hold(4, T)
+            committed.append(step)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    deadline = time.monotonic() + T
+    while committed[-1:] != [5] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # the worker is on step 6 by now: waiting, or (unheld) past step 4
+    assert committed == [3, 4, 5]
+    url = f"file://{tmp_path}/ckpt"
+    events = EventLog(tmp_path / "events.jsonl")
+    durable = DurableCheckpoints(lambda: CheckpointWriter(url, 4), events, steps=9)
+    durable.after_commit(path, 4, "n0/0", EpochRecord(0, ["n0/0", "n1/0"]))
+    thread.join(T)
+    durable.close(T)
+    events.close()
+    store.close()
+    buffer.close()
+    assert committed == [3, 4, 5, 6, 7]
+    assert [i.step for i in durable.writer.written()] == [4]
+    assert store.held_s == 0.0  # step 7's commit: the hold went with step 6's
+
+
+def test_a_held_step_the_agent_does_not_write_is_released(tmp_path: Path) -> None:
+    # Step 4 committed again after a rollback, written already: released unread.
+    path = tmp_path / "snap"
+    snapshot_file(path, [4])
+    url = f"file://{tmp_path}/ckpt"
+    writer = lambda: CheckpointWriter(url, 4, after_step=8)  # noqa: E731
+    events = EventLog(tmp_path / "events.jsonl")
+    durable = DurableCheckpoints(writer, events, steps=12)
+    durable.after_commit(path, 4, "n0/0", EpochRecord(0, ["n0/0"]))
+    durable.close(T)
+    events.close()
+    assert released(path) == 4
+    assert durable.writer.written() == []
+
+
+def test_an_export_releases_the_step_found_or_gone(tmp_path: Path) -> None:
+    path = tmp_path / "snap"
+    snapshot_file(path, [4, 5, 6])
+    assert export_step(path, 4) is None
+    assert released(path) == 4
+    assert export_step(path, 6) is not None
+    assert released(path) == 6
+
+
+def released(path: Path) -> int:
+    buffer = FileBuffer.open(path)
+    try:
+        return released_step(buffer.view())
+    finally:
+        buffer.close()

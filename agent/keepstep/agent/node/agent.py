@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,13 @@ from keepstep.agent import protocol
 from keepstep.agent.durable.writer import CheckpointWriter
 from keepstep.agent.kv import KVError, KVStore, WatchEvent
 from keepstep.agent.node import agreement
-from keepstep.agent.node.config import AgentConfig, answer_bounds, snapshot_path, worker_spec
+from keepstep.agent.node.config import (
+    AgentConfig,
+    answer_bounds,
+    checkpoint_cadence,
+    snapshot_path,
+    worker_spec,
+)
 from keepstep.agent.node.durable import DurableCheckpoints, resume_file
 from keepstep.agent.node.gates import GateHolds, hold_timeout_for
 from keepstep.agent.node.healer import Healer
@@ -115,18 +122,20 @@ class NodeAgent:
         self.progress = ProgressPublisher(
             kv, key(cfg.job, "progress", cfg.node), cfg.node, cfg.global_batch, cfg.op_timeout
         )
+        every = checkpoint_cadence(cfg)
         self.durable = (
             DurableCheckpoints(
-                lambda: CheckpointWriter(
+                partial(
+                    CheckpointWriter,
                     cfg.checkpoint_url or "",
-                    cfg.checkpoint_every or max(cfg.steps, 1),
+                    every,
                     storage_options=cfg.storage_options,
                     after_step=cfg.resume_step,
                 ),
                 self.events,
                 cfg.steps,
             )
-            if cfg.checkpoint_url
+            if every is not None
             else None
         )
         reports = Reports(

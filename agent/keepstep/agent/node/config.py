@@ -173,6 +173,14 @@ def answer_bounds(cfg: AgentConfig) -> AnswerBounds:
     return AnswerBounds(reply=reply, decision=decision, admission=admission)
 
 
+def checkpoint_cadence(cfg: AgentConfig) -> int | None:
+    """Every how many steps this node's durable checkpoints are due (and at the last step),
+    or None when the job writes none."""
+    if not cfg.checkpoint_url:
+        return None
+    return cfg.checkpoint_every or max(cfg.steps, 1)
+
+
 def snapshot_path(cfg: AgentConfig, member: str) -> Path:
     """The worker's snapshot file: node-local shared memory that outlives the worker."""
     return cfg.snapshot_dir / f"keepstep-{cfg.job}-{member.replace('/', '-')}"
@@ -195,6 +203,10 @@ def worker_spec(
     env.pop("KEEPSTEP_RESUME", None)
     if resume is not None:
         env["KEEPSTEP_RESUME"] = str(resume)
+    # The worker keeps each due step in its snapshot until this agent has read it.
+    env.pop("KEEPSTEP_CHECKPOINT_EVERY", None)
+    if (every := checkpoint_cadence(cfg)) is not None:
+        env["KEEPSTEP_CHECKPOINT_EVERY"] = str(every)
     env.update(answer_bounds(cfg).env())
     # torchrun's names: the worker's slot on this node (keepstep.device() picks GPU
     # LOCAL_RANK) and how many slots the node has. Ranks are the epoch's, never set here.

@@ -51,22 +51,54 @@ def write_private(path: Path, data: bytes) -> None:
         out.write(data)
 
 
-def export_step(path: Path, step: int, attempts: int = 40) -> bytes | None:
-    """The verified bytes of `step` from a snapshot file, waiting out a copy in flight; None
-    once a newer step took its slot (the worker went on before the agent got to it)."""
-    for _ in range(attempts):
+EXPORT_WAIT_S = 30.0  # for a copy still in flight when the agent comes to read its step
+_EXPORT_POLL_S = 0.05
+# A release never goes back (snapshot_layout.mark_released), read and written under this
+# lock, since threads of this agent release steps of one file concurrently.
+_RELEASE_LOCK = threading.Lock()
+
+
+def export_step(path: Path, step: int, wait: float = EXPORT_WAIT_S) -> bytes | None:
+    """The verified bytes of `step` from a snapshot file, waiting out a copy in flight (at
+    most `wait` s); None once a newer step took its slot (the worker went on before the
+    agent got to it). Either way the step is released to the worker, which holds a step
+    due for a checkpoint until it is (`SnapshotStore.hold`)."""
+    deadline = time.monotonic() + wait
+    while True:
         buffer = FileBuffer.open(path)
         try:
             store = SnapshotStore(buffer, background=False)
-            try:
-                return store.export(step)
-            except (SnapshotMissing, SnapshotCorrupt):
-                if any(info.step > step for info in store.infos()):
-                    return None  # steps commit in order: a newer one verified took its slot
+            blob, final = _export(store, step)
+            if final or time.monotonic() >= deadline:
+                with _RELEASE_LOCK:
+                    store.release(step)
+                return blob
         finally:
             buffer.close()
-        time.sleep(0.05)
-    return None
+        time.sleep(_EXPORT_POLL_S)
+
+
+def _export(store: SnapshotStore, step: int) -> tuple[bytes | None, bool]:
+    """`step`'s bytes, or None and whether it is gone for good."""
+    try:
+        return store.export(step), True
+    except (SnapshotMissing, SnapshotCorrupt):
+        # Steps commit in order: a newer one verified took its slot.
+        return None, any(info.step > step for info in store.infos())
+
+
+def release_step(path: Path, step: int) -> None:
+    """Release `step` to the worker writing `path` without reading it (a step its worker
+    held that this node does not checkpoint); nothing if the file is gone."""
+    try:
+        buffer = FileBuffer.open(path)
+    except FileNotFoundError:
+        return
+    try:
+        with _RELEASE_LOCK:
+            SnapshotStore(buffer, background=False).release(step)
+    finally:
+        buffer.close()
 
 
 def export_newest(path: Path) -> tuple[int, bytes] | None:
@@ -119,6 +151,8 @@ class DurableCheckpoints:
             thread = threading.Thread(target=self._write, args=args, daemon=True)
             self._threads.append(thread)
             thread.start()
+        elif done % self.writer.every_steps == 0:
+            release_step(snapshot, done)  # held by its worker, written already (a rollback)
 
     def _write(
         self, snapshot: Path, done: int, member: str, epoch: EpochRecord, first: bool
