@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepstep.agent.durable.writer import CheckpointWriter
+from keepstep.agent.durable.writer import CheckpointError, CheckpointWriter, Part
 from keepstep.agent.node.durable import DurableCheckpoints, export_step
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.events import EventLog
@@ -131,3 +131,28 @@ def released(path: Path) -> int:
         return released_step(buffer.view())
     finally:
         buffer.close()
+
+
+def test_a_node_fails_on_its_newest_checkpoint_write_only(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # n0/0's part of step 4 (a sharded epoch led by another member) failed; then n0/0
+    # led the epoch and wrote step 8 with the node's other writer: the job's checkpoints
+    # are fine, and the node does not fail for the old part.
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"")  # a file where the part's directory should be
+    urls = iter([f"file://{tmp_path}/ckpt", f"file://{blocker}/ckpt"])
+    events = EventLog(tmp_path / "events.jsonl")
+    durable = DurableCheckpoints(lambda: CheckpointWriter(next(urls), 4), events, steps=12)
+    durable._part_writer("n0/0").submit(4, b"part", Part(0, 1, 2))
+    durable.writer.submit(8, b"whole")
+    with caplog.at_level(logging.WARNING, logger="keepstep.agent.node.durable"):
+        durable.close(T)
+    assert "checkpoint of step 4" in caplog.text and "step 8 was written since" in caplog.text
+    # Its newest write failing is the node's failure.
+    urls = iter([f"file://{blocker}/ckpt"])
+    durable = DurableCheckpoints(lambda: CheckpointWriter(next(urls), 4), events, steps=12)
+    durable.writer.submit(8, b"whole")
+    with pytest.raises(CheckpointError, match="checkpoint of step 8"):
+        durable.close(T)
+    events.close()

@@ -67,7 +67,12 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointError(KeepstepError):
-    """A checkpoint could not be written, or the writer was used after ``close``."""
+    """A checkpoint could not be written (``step``: which), or the writer was used after
+    ``close``."""
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class CheckpointWriter:
@@ -203,7 +208,9 @@ class CheckpointWriter:
                 )
             except Exception as e:
                 log.error("checkpoint of step %d to %s failed: %r", step, self.url, e)
-                error = CheckpointError(f"checkpoint of step {step} to {self.url} failed: {e!r}")
+                error = CheckpointError(
+                    f"checkpoint of step {step} to {self.url} failed: {e!r}", step
+                )
                 error.__cause__ = e
             del blob  # the pending slot may already hold the next one; at most three
             with self._cond:

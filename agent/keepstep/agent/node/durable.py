@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from keepstep.agent.durable.parts import unbundle
-from keepstep.agent.durable.writer import CheckpointWriter, Part
+from keepstep.agent.durable.writer import CheckpointError, CheckpointWriter, Part
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.events import EventKind, EventLog
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, SnapshotMissing
@@ -199,9 +199,22 @@ class DurableCheckpoints:
             return self._part_writers[member]
 
     def close(self, timeout: float) -> None:
+        """Write what is pending; raise `CheckpointError` if this node's newest checkpoint
+        write failed. A failed write older than a step this node wrote since (a member's
+        part of a step, written by its writer before the member became its epoch's first
+        and went on with the other writer) is only logged."""
         for thread in self._threads:
             thread.join(timeout=5.0)
         with self._lock:
             writers = [self.writer, *self._part_writers.values()]
+        errors: list[CheckpointError] = []
         for writer in writers:
-            writer.close(timeout=timeout)
+            try:
+                writer.close(timeout=timeout)
+            except CheckpointError as failed:
+                errors.append(failed)
+        newest = max((info.step for w in writers for info in w.written()), default=-1)
+        for e in errors:
+            if e.step is None or e.step >= newest:
+                raise e
+            log.warning("%s (step %d was written since)", e, newest)
