@@ -262,6 +262,11 @@ class SnapshotStore:
             out.append(SnapshotInfo(seed.step, SEED_SLOT, seed.nbytes, seed.checksum))
         return out
 
+    def slot_steps(self) -> list[int]:
+        """The steps the slots were last given, from their headers alone: unverified, and
+        one may still be being written (cheap where ``infos`` reads every byte)."""
+        return [h.step for h in self._headers() if h.state is not SlotState.EMPTY]
+
     def load(self, step: int | None = None) -> Snapshot:
         """The newest valid snapshot, or the newest one of ``step``; corrupt slots are skipped."""
         payload, h = self._verified(step)

@@ -83,8 +83,9 @@ def _export(store: SnapshotStore, step: int) -> tuple[bytes | None, bool]:
     try:
         return store.export(step), True
     except (SnapshotMissing, SnapshotCorrupt):
-        # Steps commit in order: a newer one verified took its slot.
-        return None, any(info.step > step for info in store.infos())
+        # Steps commit in order: a newer one took (or is taking) its slot. Headers only:
+        # this runs every poll while a copy is in flight, beside the training.
+        return None, any(s > step for s in store.slot_steps())
 
 
 def release_step(path: Path, step: int) -> None:
