@@ -227,7 +227,6 @@ class SnapshotStore:
         empty_slots(self._buffer.view())
         self._known_good.clear()
         self._seed, self._since_seed = seed, 0
-        self._hold = None  # the held step's slot was emptied with the rest
         return SnapshotInfo(seed.step, SEED_SLOT, seed.nbytes, seed.checksum)
 
     def import_(self, blob: bytes | bytearray | memoryview, timeout: float = 60.0) -> SnapshotInfo:
