@@ -32,13 +32,6 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
         assert torch.equal(got[name], t), name
 
 
-@pytest.fixture(params=["memory", "file"])
-def buffer(request: pytest.FixtureRequest, tmp_path: Path) -> SnapshotBuffer:
-    if request.param == "memory":
-        return MemoryBuffer()
-    return FileBuffer.create("snap", 0, directory=tmp_path)
-
-
 def _slot_at(buffer: SnapshotBuffer, slot: int) -> int:
     slot_size = struct.unpack_from("<Q", buffer.view(), 16)[0]
     return int(HEADER + slot * slot_size)

@@ -77,13 +77,6 @@ def _other_layout(seed: int) -> Tensors:
     }
 
 
-@pytest.fixture(params=["memory", "file"])
-def buffer(request: pytest.FixtureRequest, tmp_path: Path) -> SnapshotBuffer:
-    if request.param == "memory":
-        return MemoryBuffer()
-    return FileBuffer.create("snap", 0, directory=tmp_path)
-
-
 def _reopen(buffer: SnapshotBuffer) -> SnapshotStore:
     """A second store that sees only what is in the buffer now (its own mapping, for a
     file): what a restarted worker would load."""

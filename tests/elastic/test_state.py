@@ -5,13 +5,12 @@ from __future__ import annotations
 import collections
 import pickle
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, StateShapeError
-from keepstep.elastic.snapshot_store import FileBuffer, MemoryBuffer, SnapshotBuffer, SnapshotStore
+from keepstep.elastic.snapshot_store import MemoryBuffer, SnapshotBuffer, SnapshotStore
 from keepstep.elastic.train_state import (
     TrainState,
     capture,
@@ -71,13 +70,6 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(params=["memory", "file"])
-def buffer(request: pytest.FixtureRequest, tmp_path: Path) -> SnapshotBuffer:
-    if request.param == "memory":
-        return MemoryBuffer()
-    return FileBuffer.create("state", 0, directory=tmp_path)
 
 
 @pytest.mark.parametrize("kind", list(OPTIMIZERS))
