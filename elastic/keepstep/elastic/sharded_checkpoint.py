@@ -50,7 +50,7 @@ def _pieces_of(tensors: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return raw
 
 
-def holds_pieces(blob: bytes) -> bool:
+def holds_pieces(blob: bytes | bytearray) -> bool:
     """Whether an exported snapshot (``SnapshotStore.export``) is a sharded member's: it
     holds pieces of the optimizer state, not all of it. Reads the header and index only."""
     step, payload, _ = exported_payload(blob, "snapshot")

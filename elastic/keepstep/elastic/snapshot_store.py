@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -71,6 +71,7 @@ __all__ = [
     "SHM_DIR",
     "SLOT_MAGIC",
     "VERSION",
+    "Alloc",
     "FileBuffer",
     "MemoryBuffer",
     "SlotState",
@@ -83,6 +84,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HOLD_POLL_S = 0.002  # how often a commit waiting for a held step's reader looks again
+
+Alloc = Callable[[int], bytearray]  # n -> a bytearray of exactly n bytes (export_into)
 
 
 @dataclass(frozen=True)
@@ -279,6 +282,17 @@ class SnapshotStore:
         assert isinstance(blob, bytes)  # _read joined it
         return blob
 
+    def export_into(self, step: int, alloc: Alloc) -> bytearray:
+        """``export`` into memory of the caller's: ``alloc(n)`` returns a bytearray of
+        exactly n bytes to hold the blob. Memory kept from an earlier export spares the page
+        faults of fresh memory, most of a large copy's cost, and the payload is read from
+        the buffer's file (``read_into``), not through a mapping new to this process. The
+        caller must not use the array for anything else while the result is alive."""
+        check_step(step)
+        blob = self._verified(step, alloc=alloc)[0].obj
+        assert isinstance(blob, bytearray)  # alloc gave it
+        return blob
+
     def close(self) -> None:
         """Finish the in-flight copy and stop the copy thread; the buffer stays open (the
         caller owns it)."""
@@ -357,9 +371,12 @@ class SnapshotStore:
         ]
         return sorted(valid, key=lambda h: h.generation, reverse=True)
 
-    def _read(self, h: SlotHeader, *, copy: bool, as_blob: bool = False) -> memoryview:
+    def _read(
+        self, h: SlotHeader, *, copy: bool, as_blob: bool = False, alloc: Alloc | None = None
+    ) -> memoryview:
         """The payload of a slot, checked: in place, or a private copy (what load returns must
-        not change under the caller), or as one bytes object with a header for export."""
+        not change under the caller), or as one blob with a header for export: a new bytes
+        object, or with ``alloc`` the bytearray it gives, read through ``read_into``."""
         view = self._buffer.view()
         slot_size = self._slot_size(view)
         if h.nbytes > slot_size - HEADER:
@@ -369,9 +386,15 @@ class SnapshotStore:
             )
         at = HEADER + h.slot * slot_size + HEADER
         whole = data = view[at : at + h.nbytes]
-        if as_blob:
+        if as_blob or alloc is not None:
             head = SLOT_STRUCT.pack(SLOT_MAGIC, SlotState.VALID, 0, h.step, h.nbytes, h.checksum, 0)
-            whole = memoryview(b"".join((head.ljust(HEADER, b"\0"), data)))
+            head = head.ljust(HEADER, b"\0")
+            if alloc is None:
+                whole = memoryview(b"".join((head, data)))
+            else:
+                whole = _allocated(alloc, HEADER + h.nbytes)
+                whole[:HEADER] = head
+                self._buffer.read_into(at, whole[HEADER:])
             data = whole[HEADER:]
         elif copy:
             whole = data = memoryview(bytearray(data))
@@ -388,21 +411,25 @@ class SnapshotStore:
         return whole
 
     def _verified(
-        self, step: int | None, *, as_blob: bool = False
+        self, step: int | None, *, as_blob: bool = False, alloc: Alloc | None = None
     ) -> tuple[memoryview, SlotHeader]:
         if step is not None:
             check_step(step)
         errors: list[str] = []
         for h in self._candidates(step):
             try:
-                return self._read(h, copy=True, as_blob=as_blob), h
+                return self._read(h, copy=True, as_blob=as_blob, alloc=alloc), h
             except _Changed:
                 continue
             except SnapshotCorrupt as e:
                 log.warning("skipping corrupt snapshot: %s", e)
                 errors.append(str(e))
         if (seed := self._seed) is not None and step in (None, seed.step):  # older than any slot
-            data = memoryview(bytes(seed.blob)) if as_blob else seed.payload()
+            if alloc is not None:
+                data = _allocated(alloc, len(seed.blob))
+                data[:] = seed.blob
+            else:
+                data = memoryview(bytes(seed.blob)) if as_blob else seed.payload()
             return data, SlotHeader(SEED_SLOT, SlotState.VALID, seed.step, seed.nbytes, 0, 0)
         which = "any step" if step is None else f"step {step}"
         if errors:
@@ -475,3 +502,11 @@ class SnapshotStore:
             self._known_good[0] = moved
         self._known_good.pop(1, None)
         return target
+
+
+def _allocated(alloc: Alloc, n: int) -> memoryview:
+    out = alloc(n)
+    if not isinstance(out, bytearray) or len(out) != n:
+        got = f"{type(out).__name__} of {len(out)} B" if isinstance(out, bytearray) else repr(out)
+        raise ConfigError(f"alloc({n}) gave {got}: it must give a bytearray of exactly {n} B")
+    return memoryview(out)

@@ -183,8 +183,8 @@ def test_due_counts_from_the_start_step(tmp_path: Path) -> None:
     assert [s for s in range(21) if writer.due(s)] == [15, 20]
     with pytest.raises(ConfigError, match="step=10: checkpoint steps must increase"):
         writer.submit(10, b"y")
-    with pytest.raises(ConfigError, match="blob: must be bytes, got bytearray"):
-        writer.submit(15, bytearray(b"y"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="blob: must be bytes or a bytearray, got memoryview"):
+        writer.submit(15, memoryview(b"y"))  # type: ignore[arg-type]
     writer.submit(12, b"z")  # off the cadence on purpose (a final checkpoint): allowed
     writer.close(T)
     assert [i.step for i in writer.written()] in ([10, 12], [12])
@@ -201,17 +201,20 @@ def test_burst_during_slow_write_keeps_newest(caplog: pytest.LogCaptureFixture) 
     gate = Gate("put", ".ckpt")
     t = _gated(gate)
     writer = CheckpointWriter(t.url, 1, storage_options=t.options)
-    writer.submit(1, _blob(1))
+    done: list[int] = []  # the steps whose blob the writer let go of, in order
+    writer.submit(1, _blob(1), on_done=lambda: done.append(1))
     assert gate.entered.wait(T)  # step 1's blob is being written, and stays so
     began = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="keepstep.agent.durable.writer"):
         for step in (2, 3, 4):
-            writer.submit(step, _blob(step))
+            writer.submit(step, _blob(step), on_done=lambda s=step: done.append(s))
     assert time.monotonic() - began < 1.0  # submit never waited for the write
+    assert done == [2, 3]  # replaced: let go of at once, not when the write ends
     with pytest.raises(TimeoutError, match=r"step 4 .* not written after 0\.2 s"):
         writer.flush(0.2)
     gate.released.set()
     writer.close(T)
+    assert done == [2, 3, 1, 4]
 
     assert [i.step for i in writer.written()] == [1, 4]
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
@@ -237,6 +240,32 @@ def test_a_step_queued_before_the_writer_woke_is_written_not_replaced(
         writer.close(T)
     assert [i.step for i in writer.written()] == [3, 6]
     assert not [r for r in caplog.records if "skipped" in r.getMessage()]
+
+
+def test_a_bytearray_is_written_and_handed_back_once(target: Target) -> None:
+    """The agent exports into memory it keeps (ExportBuffers): the writer takes a bytearray
+    and says when it no longer reads it, written or failed."""
+    blob = bytearray(_blob(7))
+    done: list[int] = []
+    writer = CheckpointWriter(target.url, 7, storage_options=target.options)
+    writer.submit(7, blob, on_done=lambda: done.append(7))
+    writer.flush(T)
+    assert done == [7]
+    found = latest_checkpoint(target.url, T, target.options)
+    assert found is not None and found[0].step == 7 and found[1] == bytes(blob)
+    writer.close(T)
+
+
+def test_a_bytearray_whose_write_failed_is_handed_back(tmp_path: Path) -> None:
+    blocker = tmp_path / "blocker"
+    blocker.write_bytes(b"")  # a file where the checkpoint directory should be
+    done: list[int] = []
+    writer = CheckpointWriter(f"file://{blocker}/ckpt", 1)
+    writer.submit(1, bytearray(b"one"), on_done=lambda: done.append(1))
+    with pytest.raises(CheckpointError, match=r"checkpoint of step 1 .* failed"):
+        writer.flush(T)
+    assert done == [1]
+    writer.close(T)
 
 
 def test_reader_does_not_see_a_checkpoint_before_latest_json() -> None:

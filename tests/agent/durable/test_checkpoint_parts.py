@@ -119,6 +119,25 @@ def test_a_step_missing_a_part_gives_way_to_the_next_one(tmp_path: Path) -> None
     assert [c.step for c in list_checkpoints(t.url, T)] == [8]
 
 
+def test_a_parts_memory_is_handed_back_before_the_other_parts_come(tmp_path: Path) -> None:
+    # The agent exports into memory it keeps for the next export: the publisher lets go of
+    # its part once the part is in storage, not after waiting for the others' parts.
+    t = Target(f"file://{tmp_path}/ckpt", {})
+    blobs = member_snapshots(["n0/0", "n1/0"], step=8)[0]
+    publisher = CheckpointWriter(t.url, 1, parts_timeout=300.0)
+    done = threading.Event()
+    publisher.submit(8, bytearray(blobs[0]), Part(1, 0, 2, publish=True), on_done=done.set)
+    assert done.wait(T)
+    with pytest.raises(TimeoutError):
+        publisher.flush(0.1)  # still waiting for part 1
+    other = CheckpointWriter(t.url, 1)
+    other.submit(8, blobs[1], Part(1, 1, 2))
+    other.close(T)
+    publisher.close(T)
+    found = latest_checkpoint(t.url, T)
+    assert found is not None and (found[0].step, found[0].parts) == (8, 2)
+
+
 def test_the_publisher_sees_parts_written_by_other_processes(s3: Any) -> None:  # noqa: F811
     # Another agent's writer is another process with its own filesystem object: the
     # publisher's listing must not come from a cache made before that part arrived.

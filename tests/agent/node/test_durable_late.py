@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from keepstep.agent.durable.writer import CheckpointError, CheckpointWriter, Part
+from keepstep.agent.durable.writer import CheckpointError, CheckpointWriter, Part, latest_checkpoint
 from keepstep.agent.node.durable import DurableCheckpoints, export_step
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.events import EventLog
@@ -156,3 +156,32 @@ def test_a_node_fails_on_its_newest_checkpoint_write_only(
     with pytest.raises(CheckpointError, match="checkpoint of step 8"):
         durable.close(T)
     events.close()
+
+
+def test_the_agent_exports_into_memory_it_keeps_between_checkpoints(tmp_path: Path) -> None:
+    path = tmp_path / "snap"
+    url = f"file://{tmp_path}/ckpt"
+    events = EventLog(tmp_path / "events.jsonl")
+    durable = DurableCheckpoints(lambda: CheckpointWriter(url, 2), events, steps=8)
+    epoch = EpochRecord(0, ["n0/0"])
+    written: dict[int, bytes] = {}
+    for step in (2, 4, 6):
+        snapshot_file(path, [step - 1, step])
+        durable.after_commit(path, step, "n0/0", epoch)
+        deadline = time.monotonic() + T
+        while len(durable.writer.written()) < len(written) + 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        found = latest_checkpoint(url, T)
+        assert found is not None and found[0].step == step
+        written[step] = found[1]
+        # Written, its memory is kept for the next export of this member.
+        assert durable.buffers.idle_bytes() == len(found[1])
+    durable.close(T)
+    events.close()
+    assert durable.buffers.reused == 2  # steps 4 and 6 went into step 2's memory
+    buffer = FileBuffer.open(path)
+    store = SnapshotStore(buffer, background=False)
+    assert written[6] == store.export(6)  # the kept memory held step 6, not a stale step
+    assert written[2] != written[4] != written[6]
+    store.close()
+    buffer.close()

@@ -70,7 +70,7 @@ class Part:
             raise ValueError(f"index={self.index!r}: must be an int in 0..{self.count - 1}")
 
 
-def write_part(store: Store, step: int, part: Part, blob: bytes) -> CheckpointInfo:
+def write_part(store: Store, step: int, part: Part, blob: bytes | bytearray) -> CheckpointInfo:
     """Put one member's part and then its record; the record says the part is whole."""
     name = part_name(step, part.epoch, part.index, part.count)
     store.put(name, blob)

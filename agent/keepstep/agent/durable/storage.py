@@ -201,7 +201,7 @@ class Store:
     def get(self, name: str) -> bytes:
         return bytes(self.fs.cat_file(f"{self.root}/{name}"))
 
-    def put(self, name: str, data: bytes) -> None:
+    def put(self, name: str, data: bytes | bytearray) -> None:
         if self._local:
             _put_local(self.root, name, data)
         else:
@@ -212,7 +212,7 @@ class Store:
             self.fs.rm_file(f"{self.root}/{name}")
 
 
-def _put_local(directory: str, name: str, data: bytes) -> None:
+def _put_local(directory: str, name: str, data: bytes | bytearray) -> None:
     """Write, fsync, rename, fsync the directory: the file is whole under its name or absent,
     and it survives a power loss in the order written."""
     os.makedirs(directory, exist_ok=True)

@@ -32,7 +32,8 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from keepstep.agent.durable.parts import Part, publish_parts, write_part
@@ -75,6 +76,23 @@ class CheckpointError(KeepstepError):
         self.step = step
 
 
+@dataclass
+class _Blob:
+    """A submitted blob and who to tell once nothing reads it any more (``on_done``)."""
+
+    step: int
+    data: bytes | bytearray | None
+    part: Part | None
+    on_done: Callable[[], None] | None
+
+    def drop(self) -> None:
+        """Let go of the bytes and tell the submitter (once)."""
+        self.data = None
+        done, self.on_done = self.on_done, None
+        if done is not None:
+            done()
+
+
 class CheckpointWriter:
     """Writes submitted blobs on one background thread; a newer pending blob replaces an older.
 
@@ -108,7 +126,7 @@ class CheckpointWriter:
         self._last = after_step  # newest step written, being written or pending
         # Submitted, not started: the oldest (the thread takes it next) and, while a write
         # is under way, only the newest one besides.
-        self._pending: list[tuple[int, bytes, Part | None]] = []
+        self._pending: list[_Blob] = []
         self._busy: int | None = None  # the step being written
         self._error: CheckpointError | None = None  # the newest write failed
         self._written: list[CheckpointInfo] = []
@@ -123,13 +141,20 @@ class CheckpointWriter:
         with self._cond:
             return not self._closed and step % self.every_steps == 0 and step > self._last
 
-    def submit(self, step: int, blob: bytes, part: Part | None = None) -> None:
+    def submit(
+        self,
+        step: int,
+        blob: bytes | bytearray,
+        part: Part | None = None,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
         """Queue ``blob`` (the raw bytes of ``step``; with ``part``, one member's part of
-        it) and return at once."""
+        it) and return at once. ``on_done`` is called once the writer no longer reads the
+        blob (written, failed, or replaced by a newer step); a bytearray must not change
+        until then."""
         check_int("step", step, 0)
-        if not isinstance(blob, bytes):
-            # A mutable buffer could change while the background thread writes it.
-            raise ConfigError(f"blob: must be bytes, got {type(blob).__name__}")
+        if not isinstance(blob, bytes | bytearray):
+            raise ConfigError(f"blob: must be bytes or a bytearray, got {type(blob).__name__}")
         with self._cond:
             if self._closed:
                 raise CheckpointError(f"checkpoint writer for {self.url} is closed")
@@ -143,14 +168,15 @@ class CheckpointWriter:
             # slower than the cadence, and the newest step takes the queued one's place.
             queued = self._pending and (busy is not None or len(self._pending) > 1)
             replaced = self._pending.pop() if queued else None
-            self._pending.append((step, blob, part))
+            self._pending.append(_Blob(step, blob, part, on_done))
             self._last = step
             self._cond.notify_all()
         if replaced is not None:  # storage is slower than the cadence; say so, outside the lock
+            replaced.drop()
             log.warning(
                 "checkpoint of step %d to %s skipped: step %d replaced it while step %s "
                 "was being written",
-                replaced[0],
+                replaced.step,
                 self.url,
                 step,
                 busy,
@@ -165,7 +191,7 @@ class CheckpointWriter:
             while self._pending or self._busy is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    step = self._pending[-1][0] if self._pending else self._busy
+                    step = self._pending[-1].step if self._pending else self._busy
                     raise TimeoutError(
                         f"checkpoint of step {step} to {self.url} not written after {timeout} s"
                     )
@@ -198,21 +224,20 @@ class CheckpointWriter:
                     self._cond.wait()
                 if not self._pending:
                     return
-                step, blob, part = self._pending.pop(0)
-                self._busy = step
+                item = self._pending.pop(0)
+                self._busy = step = item.step
             info: CheckpointInfo | None = None
             error: CheckpointError | None = None
             try:
-                info = (
-                    self._write(step, blob) if part is None else self._write_part(step, blob, part)
-                )
+                info = self._write(item) if item.part is None else self._write_part(item, item.part)
             except Exception as e:
                 log.error("checkpoint of step %d to %s failed: %r", step, self.url, e)
                 error = CheckpointError(
                     f"checkpoint of step {step} to {self.url} failed: {e!r}", step
                 )
                 error.__cause__ = e
-            del blob  # the pending slot may already hold the next one; at most three
+            item.drop()  # the pending slot may already hold the next one; at most three
+            del item
             with self._cond:
                 self._busy = None
                 self._error = error
@@ -220,8 +245,10 @@ class CheckpointWriter:
                     self._written.append(info)
                 self._cond.notify_all()
 
-    def _write(self, step: int, blob: bytes) -> CheckpointInfo:
+    def _write(self, item: _Blob) -> CheckpointInfo:
         started = time.monotonic()
+        step, blob = item.step, item.data
+        assert blob is not None  # dropped only after the write
         digest = hashlib.sha256(blob).hexdigest()
         store = Store(self._loc)
         store.put(blob_name(step), blob)
@@ -245,16 +272,21 @@ class CheckpointWriter:
         )
         return info
 
-    def _write_part(self, step: int, blob: bytes, part: Part) -> CheckpointInfo:
+    def _write_part(self, item: _Blob, part: Part) -> CheckpointInfo:
         started = time.monotonic()
+        step, blob = item.step, item.data
+        assert blob is not None  # dropped only after the write
         store = Store(self._loc)
         info = write_part(store, step, part, blob)
+        size = len(blob)
+        del blob
+        item.drop()  # not needed while the other parts are awaited
         log.info(
             "checkpoint of step %d: part %d of %d, %d B to %s in %.2f s",
             step,
             part.index,
             part.count,
-            len(blob),
+            size,
             info.url,
             time.monotonic() - started,
         )
@@ -271,7 +303,7 @@ class CheckpointWriter:
     def _newer(self) -> int | None:
         """The newer step submitted while one is being written, if any."""
         with self._cond:
-            return self._pending[-1][0] if self._pending else None
+            return self._pending[-1].step if self._pending else None
 
     def _prune(self, store: Store, step: int) -> None:
         names = store.names()
