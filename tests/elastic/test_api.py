@@ -195,6 +195,37 @@ def test_the_launchers_step_count_is_validated_at_init_and_used_by_steps() -> No
         next(iter(job.steps()))
 
 
+def test_a_script_asking_for_more_steps_than_the_launcher_is_refused_before_training() -> None:
+    # The launcher counts the job done at its count: more steps would be trained, then the
+    # run called a failure. Fewer are a segment of it (the script may call steps() again).
+    model, opt, data = make()
+    job = keepstep.init(
+        model, opt, data, global_batch=8, micro_batch=4, env={"KEEPSTEP_STEPS": "3"}
+    )
+    with pytest.raises(ConfigError, match=r"job\.steps\(4\) but the launcher set KEEPSTEP_STEPS=3"):
+        next(iter(job.steps(4)))
+    assert job.done == 0
+    for total in (2, 3):
+        for step in job.steps(total):
+            for mb in step.micro_batches():
+                step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+            step.commit()
+        assert job.done == total
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ConfigError, match=rf"steps={bad!r} must be an int >= 0"):
+            next(iter(job.steps(bad)))  # type: ignore[arg-type]
+
+
+def test_a_bad_mode_or_thread_count_is_named_with_what_is_allowed() -> None:
+    model, opt, data = make()
+    with pytest.raises(ConfigError, match=r"mode='exakt': must be one of 'exact', 'fast'"):
+        keepstep.init(model, opt, data, 8, 4, mode="exakt", env={})
+    with pytest.raises(ConfigError, match=r"KEEPSTEP_MODE='exakt'|mode='exakt'"):
+        keepstep.init(model, opt, data, 8, 4, env={"KEEPSTEP_MODE": "exakt"})
+    with pytest.raises(ConfigError, match=r"threads=0 must be an integer >= 1"):
+        keepstep.init(model, opt, data, 8, 4, threads=0, env={})
+
+
 def test_job_config_names_a_bad_host_or_step_count() -> None:
     cases: list[tuple[dict[str, object], str]] = [
         ({"host": ""}, "host='' must be a non-empty address or hostname"),

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch._C._distributed_c10d import HashStore
 
+from keepstep import fatal
 from keepstep.elastic.board import open_board
 from keepstep.elastic.config import Balance, JobConfig, Shard
 from keepstep.elastic.control import Controller, ScheduleController
@@ -47,6 +48,21 @@ def _setting(name: str, given: Any, cast: Callable[[str], Any], env: Mapping[str
             "drop the argument or make them agree"
         )
     return value
+
+
+def _default(value: Any, default: Any) -> Any:
+    """`value` unless it is None: a 0 or "" given stays, for JobConfig to refuse."""
+    return default if value is None else value
+
+
+def _mode(value: str | None) -> ReduceMode:
+    if value is None:
+        return ReduceMode.EXACT
+    try:
+        return ReduceMode(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in ReduceMode)
+        raise ConfigError(f"mode={value!r}: must be one of {allowed}") from None
 
 
 def controller_from_env(env: Mapping[str, str]) -> Controller:
@@ -131,6 +147,7 @@ def init(
     (needs the tensorboard package; ``keepstep run --tensorboard DIR`` sets it).
     """
     env = os.environ if env is None else env
+    fatal.install_hook(env)  # under an agent: a ConfigError that ends the script ends the job
     global_batch = _setting("global_batch", global_batch, int, env)
     micro_batch = _setting("micro_batch", micro_batch, int, env)
     if global_batch is None or micro_batch is None:
@@ -142,8 +159,8 @@ def init(
         global_batch=global_batch,
         micro_batch=micro_batch,
         seed=_setting("seed", seed, int, env) or 0,
-        mode=ReduceMode(_setting("mode", mode, str, env) or ReduceMode.EXACT),
-        threads=_setting("threads", threads, int, env) or 1,
+        mode=_mode(_setting("mode", mode, str, env)),
+        threads=_default(_setting("threads", threads, int, env), 1),
         # The address peers reach this process on (a pod's IP, a node's namespace address):
         # gloo binds its device to it and publishes it to the other members.
         host=env.get(ENV_PREFIX + "HOST") or "127.0.0.1",

@@ -140,12 +140,21 @@ class Job:
     def steps(self, total: int | None = None) -> Iterator[Step]:
         """Yield steps until `total` (default: the launcher's, `JobConfig.planned_steps`)
         are committed, or this member is drained."""
+        planned = self.config.planned_steps
         if total is None:
-            total = self.config.planned_steps
+            total = planned
             if total is None:
                 raise ConfigError("job.steps() needs a step count (or a launcher that sets one)")
-        if total < 0:
-            raise ConfigError(f"steps={total} must be >= 0")
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise ConfigError(f"steps={total!r} must be an int >= 0")
+        if planned is not None and total > planned:
+            # The launcher counts the job done at its step count: more would be refused at
+            # the end, after all of it was trained.
+            raise ConfigError(
+                f"job.steps({total}) but the launcher set KEEPSTEP_STEPS={planned} "
+                "(keepstep run --steps): call job.steps() to take the launcher's count, or "
+                "make them agree"
+            )
         with frozen_heap():  # the script's long-lived objects: out of the collector's way
             if self.membership is None:
                 self.tracked.frozen = True
