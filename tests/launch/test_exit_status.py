@@ -62,6 +62,13 @@ def test_missing_steps_and_disagreeing_workers_fail_the_run() -> None:
         "the job trained 7 of 10 steps",
         "no worker reported its final parameters",
     ]
+    # No worker finished (a script that raised at step 8): the steps committed are named.
+    died = {**summary(steps=0, sha=None), "committed_steps": 8}
+    assert run_failures(died, steps=10, agent_exits={"n0": 1}) == [
+        "the job committed 8 of 10 steps; no worker finished",
+        "no worker reported its final parameters",
+        "agent n0 exited with code 1",
+    ]
     disagree = summary(sha=None, disagree=["a", "b"])
     assert run_failures(disagree, steps=10, agent_exits={}) == [
         "the workers finished with 2 different parameter digests"

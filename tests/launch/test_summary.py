@@ -105,6 +105,8 @@ def test_metrics_come_from_the_commit_that_stands() -> None:
     assert s["metrics"] == {"acc": [0.5, 0.75, None, None], "loss": [2.0, 1.5, None, None]}
     assert s["skipped_steps"] == [2]
     assert s["world_size_by_step"] == [4, 3, 3, 0]
+    # Nobody finished: 0 steps finished, 3 committed (steps 0-2).
+    assert (s["steps"], s["committed_steps"]) == (0, 3)
 
 
 def test_a_run_that_logged_nothing_has_no_metrics() -> None:

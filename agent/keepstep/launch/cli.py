@@ -338,7 +338,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         Path(args.summary).write_text(json.dumps(summary, indent=2))
     samples = summary["samples"]
     print(f"run directory: {cfg.run_dir}")
-    print(f"steps {summary['steps']}/{cfg.steps}  params_sha256 {summary['params_sha256']}")
+    trained = summary["steps"] or summary.get("committed_steps", 0)  # none finished: committed
+    print(f"steps {trained}/{cfg.steps}  params_sha256 {summary['params_sha256']}")
     print(
         f"samples: {samples['seen_once']} of {samples['expected']} once, "
         f"{samples['lost']} lost, {samples['duplicated']} duplicated"

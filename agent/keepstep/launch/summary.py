@@ -91,7 +91,8 @@ def build_summary(
     return {
         "params_sha256": shas[0] if len(shas) == 1 else None,
         "params_sha256_disagree": shas if len(shas) > 1 else [],
-        "steps": max(finished, default=0),
+        "steps": max(finished, default=0),  # what the workers that finished had trained
+        "committed_steps": max(standing, default=start_step - 1) + 1,  # finished or not
         "global_batch": global_batch,
         "micro_batch": micro_batch,
         "start_step": start_step,
@@ -247,7 +248,11 @@ def run_failures(
     agent said when it failed, by node."""
     out: list[str] = []
     if summary["steps"] != steps:
-        out.append(f"the job trained {summary['steps']} of {steps} steps")
+        committed = summary.get("committed_steps")
+        if summary["steps"] or committed is None:
+            out.append(f"the job trained {summary['steps']} of {steps} steps")
+        else:
+            out.append(f"the job committed {committed} of {steps} steps; no worker finished")
     if summary["params_sha256"] is None:
         disagree = summary.get("params_sha256_disagree") or []
         out.append(
