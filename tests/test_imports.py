@@ -14,6 +14,7 @@ import pytest
 TORCH_FREE = [
     "keepstep",
     "keepstep.errors",
+    "keepstep.fatal",
     "keepstep.agent.protocol",
     "keepstep.agent.protocol.events",
     "keepstep.agent.protocol.recovery",

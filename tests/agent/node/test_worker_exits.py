@@ -87,6 +87,14 @@ def test_a_crash_aborts_the_epoch_and_restarts_until_the_limit() -> None:
     assert describe_exit(-200) == "signal 200"
 
 
+def test_an_error_no_restart_mends_gives_up_at_once() -> None:
+    assert decide(1, refused="ConfigError: global_batch=48") == (
+        ExitAction.GIVE_UP,
+        True,
+        "n1/0 exited with code 1 on ConfigError: global_batch=48",
+    )
+
+
 # -- a kill the agent learns of late ----------------------------------------------------
 class LateWatch(subprocess.Popen[bytes]):
     """A worker whose watcher thread learns of its exit only when released: as on a
@@ -282,6 +290,23 @@ def test_a_worker_that_dies_after_its_finish_is_not_restarted(tmp_path: Path) ->
     assert not [e for e in events if e["kind"] == "fault-detected"]
     summary = load_summary(run_dir)
     assert summary["recoveries"] == [] and summary["steps"] == 12
+
+
+def test_a_script_keepstep_refuses_ends_the_job_without_restarts(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [*keepstep_run(run_dir, steps=12, nodes=2), str(HERE / "refused_settings.py")],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    said = "exited with code 1 on ConfigError: the script passes global_batch=48 but the"
+    assert said in out, out
+    events = read(run_dir)
+    started = sorted(e["member"] for e in events if e["kind"] == "worker-started")
+    assert started == ["n0/0", "n1/0"]  # once each: not restarted
 
 
 # -- helpers --------------------------------------------------------------------------

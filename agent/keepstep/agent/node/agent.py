@@ -34,6 +34,7 @@ from keepstep.agent.node.config import (
     AgentConfig,
     answer_bounds,
     checkpoint_cadence,
+    fatal_path,
     snapshot_path,
     worker_spec,
 )
@@ -59,6 +60,7 @@ from keepstep.agent.protocol.link import LinkClosed, socket_address
 from keepstep.agent.protocol.messages import PendingPush
 from keepstep.agent.telemetry.otel import Telemetry
 from keepstep.errors import KeepstepError
+from keepstep.fatal import read_fatal
 
 log = logging.getLogger("keepstep.agent")
 
@@ -215,6 +217,7 @@ class NodeAgent:
     def _spawn(self, member: str) -> None:
         """Start the member's process; its state is STARTING already (a new table, or
         `restarted`), so that its hello, however early, finds it there."""
+        fatal_path(self.cfg, member).unlink(missing_ok=True)  # a predecessor's
         spec = worker_spec(
             self.cfg,
             member,
@@ -353,6 +356,7 @@ class NodeAgent:
             EventKind.WORKER_EXITED, member=member, pid=pid, code=code, finished=finished
         )
         cur = self.view.current
+        refused = None if finished or code == 0 else read_fatal(fatal_path(self.cfg, member))
         decision = after_exit(
             member,
             code,
@@ -361,6 +365,7 @@ class NodeAgent:
             draining=self.draining,
             restarts=state.restarts,
             max_restarts=self.cfg.max_restarts,
+            refused=refused,
         )
         if finished and code != 0:
             self.events.write(

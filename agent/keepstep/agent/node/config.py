@@ -186,6 +186,11 @@ def snapshot_path(cfg: AgentConfig, member: str) -> Path:
     return cfg.snapshot_dir / f"keepstep-{cfg.job}-{member.replace('/', '-')}"
 
 
+def fatal_path(cfg: AgentConfig, member: str) -> Path:
+    """Where the worker records an error no restart mends (keepstep/fatal.py)."""
+    return cfg.run_dir / f"fatal-{cfg.node}-{member.rpartition('/')[2]}.json"
+
+
 def worker_spec(
     cfg: AgentConfig, member: str, link: str, snapshot: Path, resume: Path | None = None
 ) -> WorkerSpec:
@@ -195,6 +200,7 @@ def worker_spec(
     env.update(cfg.worker_env)
     env.update(
         KEEPSTEP_CONTROLLER="keepstep.agent.worker.controller:controller_from_env",
+        KEEPSTEP_FATAL=str(fatal_path(cfg, member)),
         KEEPSTEP_LINK=link,
         KEEPSTEP_MEMBER=member,
         KEEPSTEP_SNAPSHOT=str(snapshot),

@@ -224,10 +224,12 @@ def after_exit(
     draining: bool,
     restarts: int,
     max_restarts: int,
+    refused: str | None = None,
 ) -> ExitDecision:
     """Decide about a worker's exit. `finished`: its finish (final step and parameters)
     was recorded; `in_epoch`: it is a member of the current epoch; `restarts`: crashes in
-    a row so far.
+    a row so far; `refused`: the error no restart mends it recorded (keepstep/fatal.py),
+    which ends it for good at once.
 
     A finished worker is done whatever its exit status: training is over, and a process
     can still die on its way out (a c10d call of an abandoned epoch failing while the
@@ -241,6 +243,10 @@ def after_exit(
         return ExitDecision(ExitAction.DONE, False, f"{member} finished{note}")
     if code == 0:
         return ExitDecision(ExitAction.DONE, False, f"{member} left the job")
+    if refused is not None:
+        return ExitDecision(
+            ExitAction.GIVE_UP, in_epoch, f"{member} exited with {how} on {refused}"
+        )
     if draining:
         return ExitDecision(
             ExitAction.GIVE_UP, in_epoch, f"{member} exited with {how} while its node drains"
