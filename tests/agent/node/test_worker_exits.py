@@ -272,12 +272,7 @@ def test_releasing_store_connections_lets_a_done_worker_exit_cleanly(
 @pytest.mark.slow
 def test_a_worker_that_dies_after_its_finish_is_not_restarted(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [*keepstep_run(run_dir, steps=12, nodes=2), str(HERE / "abort_after_finish.py")],
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    proc = run_two_nodes(run_dir, "abort_after_finish.py")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     events = read(run_dir)
     first_finish = min(e["t"] for e in events if e["kind"] == "finish")
@@ -294,12 +289,7 @@ def test_a_worker_that_dies_after_its_finish_is_not_restarted(tmp_path: Path) ->
 
 def test_a_script_keepstep_refuses_ends_the_job_without_restarts(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [*keepstep_run(run_dir, steps=12, nodes=2), str(HERE / "refused_settings.py")],
-        capture_output=True,
-        text=True,
-        timeout=110,
-    )
+    proc = run_two_nodes(run_dir, "refused_settings.py")
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out
     said = "exited with code 1 on ConfigError: the script passes global_batch=48 but the"
@@ -329,6 +319,12 @@ def keepstep_run(run_dir: Path, steps: int, nodes: int = 3) -> list[str]:
         "--timeout",
         "100",
     ]
+
+
+def run_two_nodes(run_dir: Path, script: str) -> subprocess.CompletedProcess[str]:
+    """`keepstep run` of one of this folder's scripts on 2 nodes for 12 steps."""
+    argv = [*keepstep_run(run_dir, steps=12, nodes=2), str(HERE / script)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=110)
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:
