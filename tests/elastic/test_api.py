@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._C._distributed_c10d import HashStore
 from torch.utils.data import TensorDataset
 
 import keepstep
@@ -198,10 +199,15 @@ def test_the_launchers_step_count_is_validated_at_init_and_used_by_steps() -> No
 def test_a_script_asking_for_more_steps_than_the_launcher_is_refused_before_training() -> None:
     # The launcher counts the job done at its count: more steps would be trained, then the
     # run called a failure. Fewer are a segment of it (the script may call steps() again).
+    finished: list[int] = []
+
+    class Finishes(ScheduleController):
+        def on_finish(self, done: int, params_sha256: str) -> None:
+            finished.append(done)
+
     model, opt, data = make()
-    job = keepstep.init(
-        model, opt, data, global_batch=8, micro_batch=4, env={"KEEPSTEP_STEPS": "3"}
-    )
+    controller = Finishes(store_=HashStore(), me="0", schedule=[["0"]])
+    job = keepstep.init(model, opt, data, 8, 4, env={"KEEPSTEP_STEPS": "3"}, controller=controller)
     with pytest.raises(ConfigError, match=r"job\.steps\(4\) but the launcher set KEEPSTEP_STEPS=3"):
         next(iter(job.steps(4)))
     assert job.done == 0
@@ -211,6 +217,9 @@ def test_a_script_asking_for_more_steps_than_the_launcher_is_refused_before_trai
                 step.backward(F.mse_loss(model(mb.inputs), mb.targets))
             step.commit()
         assert job.done == total
+    # Only the end of the launcher's count finishes the worker's part (the agent then
+    # counts it done and releases its store connections): not the end of a segment.
+    assert finished == [3]
     for bad in (-1, 2.5, True):
         with pytest.raises(ConfigError, match=rf"steps={bad!r} must be an int >= 0"):
             next(iter(job.steps(bad)))  # type: ignore[arg-type]

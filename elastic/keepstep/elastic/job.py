@@ -58,6 +58,10 @@ from keepstep.elastic.transfer import exchange_views, snapshot_limit, transfer_s
 
 log = logging.getLogger(__name__)
 
+# How long a finished worker waits for its last epoch's listener to leave its store wait
+# (woken through the store: ~1 ms when it answers).
+_FINISH_WAIT_S = 2.0
+
 Hook = Callable[[torch.nn.Module, torch.optim.Optimizer], object]
 S = TypeVar("S", bound=Stateful)
 
@@ -166,8 +170,13 @@ class Job:
             finally:
                 self.loader.close()
         self.snapshots.wait()
-        if not self.left:
-            self.controller.on_finish(self.done, self.params_sha256())
+        if self.left or (planned is not None and self.done < planned):
+            return  # drained; or a segment of the launcher's run, which the next call goes on
+        if planned is not None and self.comm is not None:
+            # The worker's part is over (on_finish releases its store connections): its
+            # last epoch ends in order first.
+            self.comm.close(wait_s=_FINISH_WAIT_S)
+        self.controller.on_finish(self.done, self.params_sha256())
 
     def _loop(self, total: int) -> Iterator[Step]:
         retries = 0

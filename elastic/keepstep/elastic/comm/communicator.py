@@ -230,13 +230,18 @@ class Communicator(PayloadRounds):
             return True
         return self._watch.check(fresh=wait) is not None
 
-    def close(self) -> None:
-        """Release the group without waiting on it; idempotent, callable from any thread."""
+    def close(self, wait_s: float = 0.0) -> None:
+        """Release the group without waiting on it; idempotent, callable from any thread.
+        With ``wait_s``, wait that long for the abort watch's listener to leave its store
+        wait: a worker whose part is over does, so that no thread of it is in a store call
+        when its connections are shut (c10d logs each such call's failure, with a stack)."""
         if self._lost is None:
             self._lost = "communicator closed"
         self._closed.set()
         self._watch.close()
         self._retire(self._inflight)
+        if wait_s > 0:
+            self._watch.listened.wait(wait_s)
 
     def _retire(self, pending: Pending | None) -> None:
         link, self._link = self._link, None
