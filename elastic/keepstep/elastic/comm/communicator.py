@@ -230,18 +230,22 @@ class Communicator(PayloadRounds):
             return True
         return self._watch.check(fresh=wait) is not None
 
-    def close(self, wait_s: float = 0.0) -> None:
-        """Release the group without waiting on it; idempotent, callable from any thread.
-        With ``wait_s``, wait that long for the abort watch's listener to leave its store
-        wait: a worker whose part is over does, so that no thread of it is in a store call
-        when its connections are shut (c10d logs each such call's failure, with a stack)."""
+    def close(self) -> None:
+        """Release the group without waiting on it; idempotent, callable from any thread."""
         if self._lost is None:
             self._lost = "communicator closed"
         self._closed.set()
         self._watch.close()
         self._retire(self._inflight)
-        if wait_s > 0:
-            self._watch.listened.wait(wait_s)
+
+    def stop_watch(self, wait_s: float) -> None:
+        """End the abort watch and wait (at most ``wait_s``) for its listener to leave its
+        store wait; the group stays usable, but a lost peer is now found by a collective's
+        own timeout only. A worker whose part is over does this before its store
+        connections are shut, so that none of its threads is in a store call then (c10d
+        logs each such call's failure, with a C++ stack)."""
+        self._watch.close()
+        self._watch.listened.wait(wait_s)
 
     def _retire(self, pending: Pending | None) -> None:
         link, self._link = self._link, None
