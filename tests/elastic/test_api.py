@@ -225,6 +225,13 @@ def test_a_script_asking_for_more_steps_than_the_launcher_is_refused_before_trai
             next(iter(job.steps(bad)))  # type: ignore[arg-type]
 
 
+def test_a_dataset_smaller_than_the_global_batch_is_warned_about() -> None:
+    model, opt, _ = make()
+    small = TensorDataset(torch.randn(20, 6), torch.randn(20, 1))
+    with pytest.warns(UserWarning, match=r"holds 20 samples, fewer than global_batch=32"):
+        keepstep.init(model, opt, small, global_batch=32, micro_batch=4, env={})
+
+
 def test_a_bad_mode_or_thread_count_is_named_with_what_is_allowed() -> None:
     model, opt, data = make()
     with pytest.raises(ConfigError, match=r"mode='exakt': must be one of 'exact', 'fast'"):

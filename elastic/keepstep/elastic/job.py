@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from datetime import timedelta
@@ -58,8 +59,8 @@ from keepstep.elastic.transfer import exchange_views, snapshot_limit, transfer_s
 
 log = logging.getLogger(__name__)
 
-# How long a finished worker waits for its last epoch's listener to leave its store wait
-# (woken through the store: ~1 ms when it answers).
+# How long a finished worker waits for its last epoch's abort listener to leave its store
+# wait (woken through the store: ~1 ms when it answers).
 _FINISH_WAIT_S = 2.0
 
 Hook = Callable[[torch.nn.Module, torch.optim.Optimizer], object]
@@ -97,6 +98,13 @@ class Job:
         self.order = SampleOrder(
             config.seed, len(dataset), config.micro_batch, config.n_micro, config.shuffle
         )
+        if len(dataset) < config.global_batch:
+            warnings.warn(
+                f"the dataset holds {len(dataset)} samples, fewer than global_batch="
+                f"{config.global_batch}: every step reads some of them twice (a step spans "
+                "more than one pass over the data)",
+                stacklevel=3,  # the script's keepstep.init
+            )
         self.layout = layout_signature(model)
         self.collective_timeout = timedelta(seconds=config.collective_timeout)
         self.comm: Communicator | None = None
@@ -174,8 +182,9 @@ class Job:
             return  # drained; or a segment of the launcher's run, which the next call goes on
         if planned is not None and self.comm is not None:
             # The worker's part is over (on_finish releases its store connections): its
-            # last epoch ends in order first.
-            self.comm.close(wait_s=_FINISH_WAIT_S)
+            # last epoch's abort watch ends in order first. The group stays usable for
+            # what the script gathers after the loop (optimizer_sha256 of a sharded job).
+            self.comm.stop_watch(_FINISH_WAIT_S)
         self.controller.on_finish(self.done, self.params_sha256())
 
     def _loop(self, total: int) -> Iterator[Step]:
