@@ -199,3 +199,15 @@ def test_a_fallback_to_the_checkpoint_is_listed_and_its_rerun_steps_count_once()
     assert "durable checkpoint of step 2" in fallback["reason"]
     assert s["samples"]["lost"] == s["samples"]["duplicated"] == 0
     assert s["world_size_by_step"] == [4, 4, 2, 2, 2]
+
+
+def test_a_joined_node_that_trained_no_step_is_listed() -> None:
+    plan5 = {**PLAN4, "n4/0": [4]}
+    events = [commit(1.0, "n0/0", 0, 0, PLAN4), commit(3.0, "n0/0", 1, 1, plan5)]
+    faults = [
+        {"kind": "join-node", "node": "n4", "step": 0, "t": 0.5},  # trained step 1
+        {"kind": "join-node", "node": "n5", "step": 1, "t": 2.5},  # came too late
+        {"kind": "join-node", "node": "n6", "step": 1},  # never injected
+    ]
+    s = build_summary(events, faults, steps=2, global_batch=20, micro_batch=4)
+    assert s["joins_unused"] == [{"node": "n5", "step": 1}]

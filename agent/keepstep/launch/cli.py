@@ -351,6 +351,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
             f"(detect {r['detect_s']:.3f}, agree {r['agree_s']:.3f}, communicator "
             f"{r['communicator_s']:.3f}, restore {r['restore_s']:.3f})"
         )
+    for j in summary.get("joins_unused", []):
+        print(
+            f"join: node {j['node']}, started at step {j['step']}, trained no step (not admitted "
+            "before the job ended)"
+        )
     for f in summary["fallbacks"]:
         print(
             f"fallback: epoch {f['epoch']} resumed every member from the durable checkpoint "

@@ -36,6 +36,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from keepstep.agent.node.supervisor import describe_exit
+from keepstep.agent.protocol import node_of
 from keepstep.agent.protocol.events import EventKind
 from keepstep.agent.protocol.recovery import Effect, InjectedFault, recoveries
 from keepstep.launch.faults import FaultKind
@@ -106,6 +107,7 @@ def build_summary(
         "weight_changes": weight_changes(events),
         "slow_drains": slow_drains(events),
         "fallbacks": fallbacks(events),
+        "joins_unused": joins_unused(faults, standing),
         "recoveries": records,
         "mttr_p50_s": statistics.median(mttrs) if mttrs else None,
         "samples": {
@@ -118,6 +120,22 @@ def build_summary(
         "faults": list(faults),
         "fault_step_error_max": fault_step_error(faults),
     }
+
+
+def joins_unused(
+    faults: Sequence[Mapping[str, Any]], standing: Mapping[int, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The nodes a join fault started that trained no standing step: the job ended (or went
+    on without them) before they were admitted. `{"node", "step"}` each, `step` the one
+    the join was injected at."""
+    trained = {node_of(m) for c in standing.values() for m in c.get("assignment") or {}}
+    return [
+        {"node": f["node"], "step": f.get("step")}
+        for f in faults
+        if f.get("kind") == FaultKind.JOIN_NODE.value
+        and f.get("t") is not None
+        and f.get("node") not in trained
+    ]
 
 
 def micro_batches_by_step(
