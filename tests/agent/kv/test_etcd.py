@@ -207,7 +207,10 @@ def test_calls_to_a_frozen_server_time_out(server: EtcdServer) -> None:
     kv.close()
 
 
-def test_watch_survives_a_server_restart_without_gaps_or_repeats(server: EtcdServer) -> None:
+def test_watch_survives_a_server_restart_without_gaps_or_repeats(
+    server: EtcdServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="keepstep.agent.kv.etcd")
     kv = EtcdKV(server.endpoint, timeout=2.0)
     seen: list[WatchEvent] = []
     lock = threading.Lock()
@@ -241,6 +244,10 @@ def test_watch_survives_a_server_restart_without_gaps_or_repeats(server: EtcdSer
         ("delete", "/w/1", None),
     ]
     assert [e.revision for e in seen] == sorted({e.revision for e in seen})
+    # A lost stream is routine: said at INFO; a warning only from the third loss in a row.
+    lost = [r.levelno for r in caplog.records if "lost its stream" in r.getMessage()]
+    assert lost and lost[0] == logging.INFO, lost
+    assert lost.count(logging.WARNING) == (1 if len(lost) >= 3 else 0), lost
 
 
 def test_a_watch_opened_while_etcd_is_unreachable_is_retried_until_its_timeout(

@@ -30,6 +30,7 @@ __all__ = ["EtcdWatch", "rpc_error"]
 
 # etcd's "require leader" marker (clientv3's WithRequireLeader sends the same).
 _REQUIRE_LEADER = (("hasleader", "true"),)
+_WARN_AFTER = 3  # streams lost in a row before it is a warning (backoff: ~0.35 s by then)
 
 # The logger of the module this code came from, so logging set up for it still applies.
 log = logging.getLogger("keepstep.agent.kv.etcd")
@@ -120,12 +121,17 @@ class EtcdWatch:
                     self._unreachable = error
                     log.debug("opening watch %r: %s; trying again", self._prefix, error)
                 else:
+                    # A stream lost once is routine (etcd's leader changed, a member went
+                    # away) and reopens at once; one that keeps failing is worth a warning.
                     failures += 1
+                    level = {1: logging.INFO, _WARN_AFTER: logging.WARNING}.get(failures)
                     log.log(
-                        logging.WARNING if failures == 1 else logging.DEBUG,
-                        "watch %r lost its stream (%s); reopening at revision %s",
+                        logging.DEBUG if level is None else level,
+                        "watch %r lost its stream (%s, %d time(s) in a row); reopening at "
+                        "revision %s",
                         self._prefix,
                         err.code().name,
+                        failures,
                         self._next_revision,
                     )
             if self._stop.wait(backoff):
