@@ -7,7 +7,8 @@ buffer is normally a ``FileBuffer`` under /dev/shm that the node agent creates, 
 worker loses nothing: its replacement (or the agent) opens the same file and ``load``s. A
 joining node receives a peer's slot through ``export`` / ``import_``.
 
-This module holds the store: which slot to write, growing the slots, verifying and loading.
+This module holds the store: which slot to write, growing the slots, verifying and loading;
+reading one slot back is snapshot_read.py.
 The memory itself is a ``SnapshotBuffer`` (snapshot_buffer.py); the bytes in it, their
 headers and checksum are snapshot_layout.py, reading a payload back snapshot_format.py; the
 per-step plan and copy job are snapshot_write.py. The names callers need are re-exported
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -51,8 +52,17 @@ from keepstep.elastic.snapshot_layout import (
     exported_payload,
     finish_slot,
     mark_released,
-    payload_checksum,
     released_step,
+)
+from keepstep.elastic.snapshot_read import (
+    Alloc,
+    Changed,
+    allocated,
+    candidates,
+    read_header,
+    read_headers,
+    read_slot,
+    slot_size,
 )
 from keepstep.elastic.snapshot_seed import SEED_SLOT, Seed
 from keepstep.elastic.snapshot_write import (
@@ -85,8 +95,6 @@ log = logging.getLogger(__name__)
 
 HOLD_POLL_S = 0.002  # how often a commit waiting for a held step's reader looks again
 
-Alloc = Callable[[int], bytearray]  # n -> a bytearray of exactly n bytes (export_into)
-
 
 @dataclass(frozen=True)
 class SnapshotInfo:
@@ -114,10 +122,6 @@ class Snapshot:
         check_tensors(self.tensors)
         if not isinstance(self.meta, bytes):
             raise ConfigError(f"meta: must be bytes, got {type(self.meta).__name__}")
-
-
-class _Changed(Exception):
-    """The slot was rewritten while it was read; not corruption."""
 
 
 class SnapshotStore:
@@ -256,8 +260,8 @@ class SnapshotStore:
         out = []
         for h in self._candidates(None):
             try:
-                self._read(h, copy=False)
-            except (_Changed, SnapshotCorrupt):
+                read_slot(self._buffer, h, copy=False)
+            except (Changed, SnapshotCorrupt):
                 continue
             out.append(SnapshotInfo(h.step, h.slot, h.nbytes, h.checksum))
         if (seed := self._seed) is not None:  # older than every slot: they were emptied
@@ -330,85 +334,28 @@ class SnapshotStore:
         if self._buffer.size < HEADER * 3:
             self._buffer.resize(HEADER * 3)
         view = self._buffer.view()
-        magic, version, _, slot_size = FILE_STRUCT.unpack_from(view, 0)
+        magic, version, _, size = FILE_STRUCT.unpack_from(view, 0)
         if magic == b"\0" * 8:
-            slot_size = (len(view) - HEADER) // 2 // ALIGN * ALIGN
-            for at in (HEADER, HEADER + slot_size):
+            size = (len(view) - HEADER) // 2 // ALIGN * ALIGN
+            for at in (HEADER, HEADER + size):
                 view[at : at + HEADER] = bytes(HEADER)  # both slots EMPTY
-            FILE_STRUCT.pack_into(view, 0, FILE_MAGIC, VERSION, 0, slot_size)
+            FILE_STRUCT.pack_into(view, 0, FILE_MAGIC, VERSION, 0, size)
         elif magic != FILE_MAGIC:
             raise SnapshotCorrupt(f"buffer does not hold snapshots (magic {magic!r})")
         elif version != VERSION:
             raise ConfigError(f"snapshot buffer version {version}: this build reads {VERSION}")
-        self._slot_size(view)
+        slot_size(view)
 
-    def _slot_size(self, view: memoryview) -> int:
-        slot_size = int(FILE_STRUCT.unpack_from(view, 0)[3])
-        if slot_size < HEADER or HEADER + 2 * slot_size > len(view):
-            raise SnapshotCorrupt(f"snapshot buffer of {len(view)} B: bad slot size {slot_size}")
-        return slot_size
-
-    def _header(self, slot: int, view: memoryview | None = None) -> SlotHeader:
-        view = self._buffer.view() if view is None else view
-        magic, state, _, step, nbytes, crc, gen = SLOT_STRUCT.unpack_from(
-            view, HEADER + slot * self._slot_size(view)
-        )
-        if magic != SLOT_MAGIC or state not in (1, 2):
-            return SlotHeader(slot, SlotState.EMPTY, 0, 0, 0, 0)
-        return SlotHeader(slot, SlotState(state), step, nbytes, crc, gen)
+    def _header(self, slot: int) -> SlotHeader:
+        return read_header(self._buffer.view(), slot)
 
     def _headers(self, view: memoryview | None = None) -> list[SlotHeader]:
-        view = self._buffer.view() if view is None else view
-        return [self._header(0, view), self._header(1, view)]
+        return read_headers(self._buffer.view() if view is None else view)
 
     def _candidates(
         self, step: int | None, headers: list[SlotHeader] | None = None
     ) -> list[SlotHeader]:
-        valid = [
-            h
-            for h in (self._headers() if headers is None else headers)
-            if h.state is SlotState.VALID and (step is None or h.step == step)
-        ]
-        return sorted(valid, key=lambda h: h.generation, reverse=True)
-
-    def _read(
-        self, h: SlotHeader, *, copy: bool, as_blob: bool = False, alloc: Alloc | None = None
-    ) -> memoryview:
-        """The payload of a slot, checked: in place, or a private copy (what load returns must
-        not change under the caller), or as one blob with a header for export: a new bytes
-        object, or with ``alloc`` the bytearray it gives, read through ``read_into``."""
-        view = self._buffer.view()
-        slot_size = self._slot_size(view)
-        if h.nbytes > slot_size - HEADER:
-            raise SnapshotCorrupt(
-                f"slot {h.slot} (step {h.step}): payload length {h.nbytes} "
-                f"exceeds the slot size {slot_size}"
-            )
-        at = HEADER + h.slot * slot_size + HEADER
-        whole = data = view[at : at + h.nbytes]
-        if as_blob or alloc is not None:
-            head = SLOT_STRUCT.pack(SLOT_MAGIC, SlotState.VALID, 0, h.step, h.nbytes, h.checksum, 0)
-            head = head.ljust(HEADER, b"\0")
-            if alloc is None:
-                whole = memoryview(b"".join((head, data)))
-            else:
-                whole = _allocated(alloc, HEADER + h.nbytes)
-                whole[:HEADER] = head
-                self._buffer.read_into(at, whole[HEADER:])
-            data = whole[HEADER:]
-        elif copy:
-            whole = data = memoryview(bytearray(data))
-        crc = payload_checksum(data, h.step)
-        # A writer may have started on this slot while we read it: then what we read is a
-        # mix, which says nothing about corruption.
-        if self._header(h.slot) != h or self._slot_size(self._buffer.view()) != slot_size:
-            raise _Changed
-        if crc != h.checksum:
-            raise SnapshotCorrupt(
-                f"slot {h.slot} (step {h.step}): checksum {crc:#010x}, "
-                f"header says {h.checksum:#010x}"
-            )
-        return whole
+        return candidates(self._headers() if headers is None else headers, step)
 
     def _verified(
         self, step: int | None, *, as_blob: bool = False, alloc: Alloc | None = None
@@ -418,15 +365,15 @@ class SnapshotStore:
         errors: list[str] = []
         for h in self._candidates(step):
             try:
-                return self._read(h, copy=True, as_blob=as_blob, alloc=alloc), h
-            except _Changed:
+                return read_slot(self._buffer, h, copy=True, as_blob=as_blob, alloc=alloc), h
+            except Changed:
                 continue
             except SnapshotCorrupt as e:
                 log.warning("skipping corrupt snapshot: %s", e)
                 errors.append(str(e))
         if (seed := self._seed) is not None and step in (None, seed.step):  # older than any slot
             if alloc is not None:
-                data = _allocated(alloc, len(seed.blob))
+                data = allocated(alloc, len(seed.blob))
                 data[:] = seed.blob
             else:
                 data = memoryview(bytes(seed.blob)) if as_blob else seed.payload()
@@ -441,7 +388,7 @@ class SnapshotStore:
         for h in self._candidates(None, headers):
             if self._known_good.get(h.slot) != h.generation:
                 try:
-                    self._read(h, copy=False)
+                    read_slot(self._buffer, h, copy=False)
                 except SnapshotCorrupt:
                     continue
                 self._known_good[h.slot] = h.generation
@@ -456,12 +403,12 @@ class SnapshotStore:
         slot = self._target(headers)
         self._wait_for_release(headers, slot)
         gen = 1 + max(h.generation for h in headers)
-        slot_size = self._slot_size(view)
-        if HEADER + nbytes > slot_size:
+        size = slot_size(view)
+        if HEADER + nbytes > size:
             slot = self._grow(slot, HEADER + nbytes)
             view = self._buffer.view()
-            slot_size = self._slot_size(view)
-        at = HEADER + slot * slot_size
+            size = slot_size(view)
+        at = HEADER + slot * size
         SLOT_STRUCT.pack_into(view, at, SLOT_MAGIC, SlotState.WRITING, 0, step, nbytes, 0, gen)
         return slot, at
 
@@ -502,11 +449,3 @@ class SnapshotStore:
             self._known_good[0] = moved
         self._known_good.pop(1, None)
         return target
-
-
-def _allocated(alloc: Alloc, n: int) -> memoryview:
-    out = alloc(n)
-    if not isinstance(out, bytearray) or len(out) != n:
-        got = f"{type(out).__name__} of {len(out)} B" if isinstance(out, bytearray) else repr(out)
-        raise ConfigError(f"alloc({n}) gave {got}: it must give a bytearray of exactly {n} B")
-    return memoryview(out)
