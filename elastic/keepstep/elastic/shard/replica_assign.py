@@ -21,8 +21,10 @@ The rule
     noises: ZeRO-1 at 4 members took 1.116x of 2/W (``bench/shard_memory.py``), 1.07x now.
     The cost: when a node's cap grows as the world shrinks, it takes back replicas it had
     turned away, moves the loss did not need. Where the caps seldom bind (equal nodes)
-    that is nothing; where they bind on most nodes (one node with a third of the members
-    cannot keep its own chunks' replicas) up to ~20% of the lost elements.
+    that is nothing (within 10% of the lost elements with equal nodes, or one a member
+    short); where they bind on most nodes (uneven nodes, one with a quarter to a third of
+    the members, which cannot keep its own chunks' replicas) up to ~60% of them
+    (``tests/elastic/test_shard_chunks.py`` names the search that measured it).
 Spills
     A chunk every other node has turned away (the owner's node holds more than all the
     others' caps: two nodes, or one node with most members; or few chunks, whose caps
