@@ -5,17 +5,20 @@ Where it sits: beside the epochs. Everything else in comm/ belongs to one epoch 
 owned by that epoch's `Communicator`: its abort watch (two threads, each with its own
 store connection) and its gloo group. Those register here only what the interpreter's exit
 must stop or wait for: the watches whose listener sits in a store wait, every store call
-a watch thread makes, and the groups handed to the reaper.
+a watch thread makes, the groups handed to the reaper, and the live gloo groups (their
+links, tracked by the reaper).
 
-Why anything is process-wide: a daemon thread that comes back from C++ after the
-interpreter began to finalize is ended with a forced unwind, which kills the process with
-SIGABRT ("terminate called without an active exception") after its work was done. A script
-need not close its last communicator, so only something that outlives every epoch can stop
-their threads in time.
+Why anything is process-wide: a thread that comes back from C++ into Python after the
+interpreter began to finalize (a daemon thread, or a gloo worker freeing a finished work's
+tensors) is ended with a forced unwind, which kills the process with SIGABRT ("terminate
+called without an active exception") after its work was done. A script need not close its
+last communicator, so only something that outlives every epoch can stop their threads in
+time.
 
 Lifetime: one `ExitGuard` per process, `EXIT_GUARD`, made when this module is first
 imported; `atexit` runs its `close` once, while other threads can still run. After it no
-watch thread starts a store call and no reaper drops a group.
+watch thread starts a store call, no reaper drops a group, and every live gloo group with
+no work in flight is dropped, its threads joined.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class ExitGuard:
         for watch in watches:
             watch.listened.wait(max(deadline - time.monotonic(), 0.0))
         self.calls.close(max(deadline - time.monotonic(), 0.0))
+        self.reaper.drop_idle()  # the live groups' threads end while Python still runs
 
 
 EXIT_GUARD = ExitGuard()

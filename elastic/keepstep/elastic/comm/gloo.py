@@ -39,11 +39,19 @@ _CPU = torch.device("cpu")
 
 class GlooPending:
     """One gloo collective in flight (one work, or the alltoalls that make an allgather);
-    it holds its tensors as long as it lives."""
+    it holds its tensors as long as it lives, and tells ``link`` once it is seen over."""
 
-    def __init__(self, work: Any | Sequence[Any], tensors: tuple[object, ...]) -> None:
+    def __init__(
+        self,
+        work: Any | Sequence[Any],
+        tensors: tuple[object, ...],
+        link: GlooLink | None = None,
+    ) -> None:
         self._works = list(work) if isinstance(work, Sequence) else [work]
         self._tensors = tensors  # buffers stay referenced while the work may write them
+        self._link = link
+        if link is not None:
+            link.in_flight += 1
 
     def ready(self, slice_ms: int) -> bool:
         end = time.monotonic() + slice_ms / 1000
@@ -58,7 +66,11 @@ class GlooPending:
         return self.is_completed()
 
     def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
+        done = all(work.is_completed() for work in self._works)
+        if done and self._link is not None:
+            self._link.in_flight -= 1
+            self._link = None
+        return done
 
     def result(self) -> None:
         for work in self._works:
@@ -73,6 +85,8 @@ class GlooLink:
         self._epoch = epoch
         self._reaper = reaper
         self._bound_s = bound_s
+        self.in_flight = 0  # collectives started and not yet seen over (GlooPending)
+        reaper.track(self)
 
     @property
     def raw(self) -> object:
@@ -89,13 +103,13 @@ class GlooLink:
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
         opts.timeout = timeout  # gloo gives up on its own at the same deadline
-        return GlooPending(self._live().allreduce([tensor], opts), (tensor,))
+        return GlooPending(self._live().allreduce([tensor], opts), (tensor,), self)
 
     def broadcast(self, tensor: torch.Tensor, src: int, timeout: timedelta) -> Pending:
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         opts.timeout = timeout
-        return GlooPending(self._live().broadcast([tensor], opts), (tensor,))
+        return GlooPending(self._live().broadcast([tensor], opts), (tensor,), self)
 
     def allgather(
         self, slots: list[torch.Tensor], mine: torch.Tensor, timeout: timedelta
@@ -108,7 +122,7 @@ class GlooLink:
         group = self._live()
         size = len(slots)
         if size < 2 or mine.numel() * mine.element_size() < ALLGATHER_ROUNDS_BYTES:
-            return GlooPending(group.allgather([slots], [mine], opts), (slots, mine))
+            return GlooPending(group.allgather([slots], [mine], opts), (slots, mine), self)
         rank = int(group.rank())
         flat = mine.reshape(-1)
         n = flat.numel()
@@ -121,7 +135,7 @@ class GlooLink:
             sends[(rank + k) % size] = gets[(rank - k) % size] = n
             into = slots[(rank - k) % size].view(-1)
             works.append(group.alltoall_base(into, flat, gets, sends, a2a))
-        return GlooPending(works, (slots, mine))
+        return GlooPending(works, (slots, mine), self)
 
     def alltoall(
         self,
@@ -134,12 +148,12 @@ class GlooLink:
         opts = dist.AllToAllOptions()
         opts.timeout = timeout
         work = self._live().alltoall_base(out, mine, out_splits, in_splits, opts)
-        return GlooPending(work, (out, mine))
+        return GlooPending(work, (out, mine), self)
 
     def barrier(self, timeout: timedelta) -> Pending:
         opts = dist.BarrierOptions()
         opts.timeout = timeout
-        return GlooPending(self._live().barrier(opts), ())
+        return GlooPending(self._live().barrier(opts), (), self)
 
     def interrupt(self) -> None:
         """Nothing to do: gloo work ends at its own timeout, or when the reaper drops it."""
@@ -148,6 +162,15 @@ class GlooLink:
         group, self._group = self._group, None
         if group is not None:
             self._reaper.reap(self._epoch, group, pending, self._bound_s)
+
+    def drop_if_idle(self) -> bool:
+        """At exit (``Reaper.drop_idle``): drop the group here unless a collective of it
+        may still run; its destructor joins gloo's threads (see reap.py)."""
+        if self._group is None or self.in_flight:
+            return False
+        group, self._group = self._group, None
+        del group  # the last reference, unless a test holds one
+        return True
 
 
 class GlooTransport:
