@@ -16,14 +16,23 @@ import subprocess
 import sys
 
 SCRIPT = """
-import atexit, os, sys
+import atexit, os, sys, time
 
 def tasks():
     return len(os.listdir("/proc/self/task"))
 
 counts = {}
-# Registered before keepstep is imported: runs after its exit guard (atexit is LIFO).
-atexit.register(lambda: print(counts["before"], counts["open"], tasks(), flush=True))
+
+def last():
+    # Registered before keepstep is imported: runs after its exit guard (atexit is LIFO).
+    # A watch thread may take a moment to return once its work is done: gloo's threads,
+    # if left, never end.
+    deadline = time.monotonic() + 2.0
+    while tasks() > counts["before"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print(counts["before"], counts["open"], tasks(), flush=True)
+
+atexit.register(last)
 
 import threading
 import torch
