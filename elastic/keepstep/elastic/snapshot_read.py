@@ -26,6 +26,7 @@ from keepstep.elastic.snapshot_layout import (
     SlotHeader,
     SlotState,
     payload_checksum,
+    slot_header,
 )
 
 Alloc = Callable[[int], bytearray]  # n -> a bytearray of exactly n bytes (export_into)
@@ -44,13 +45,13 @@ def slot_size(view: memoryview) -> int:
 
 
 def read_header(view: memoryview, slot: int) -> SlotHeader:
-    """The header of ``slot``; EMPTY where it holds none of ours."""
-    magic, state, _, step, nbytes, crc, gen = SLOT_STRUCT.unpack_from(
-        view, HEADER + slot * slot_size(view)
-    )
-    if magic != SLOT_MAGIC or state not in (1, 2):
+    """The header of ``slot`` (the slot size checked first); EMPTY where it holds none of
+    ours."""
+    slot_size(view)
+    h = slot_header(view, slot)
+    if h is None or h.state is SlotState.EMPTY:
         return SlotHeader(slot, SlotState.EMPTY, 0, 0, 0, 0)
-    return SlotHeader(slot, SlotState(state), step, nbytes, crc, gen)
+    return h
 
 
 def read_headers(view: memoryview) -> list[SlotHeader]:
