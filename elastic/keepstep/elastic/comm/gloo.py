@@ -42,16 +42,12 @@ class GlooPending:
     it holds its tensors as long as it lives, and tells ``link`` once it is seen over."""
 
     def __init__(
-        self,
-        work: Any | Sequence[Any],
-        tensors: tuple[object, ...],
-        link: GlooLink | None = None,
+        self, work: Any | Sequence[Any], tensors: tuple[object, ...], link: GlooLink
     ) -> None:
         self._works = list(work) if isinstance(work, Sequence) else [work]
         self._tensors = tensors  # buffers stay referenced while the work may write them
-        self._link = link
-        if link is not None:
-            link.in_flight += 1
+        self._link: GlooLink | None = link  # None once the work was seen over
+        link.in_flight += 1
 
     def ready(self, slice_ms: int) -> bool:
         end = time.monotonic() + slice_ms / 1000
