@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from types import SimpleNamespace
@@ -267,6 +269,41 @@ def test_interrupt_aborts_once_off_the_callers_thread_then_releases() -> None:
     assert slot.holder is None and link.raw is None and link.held == 0
     with pytest.raises(RuntimeError, match="epoch 4's NCCL communicator was aborted"):
         link.allreduce(torch.zeros(2), dist.ReduceOp.SUM, timedelta(seconds=1))
+
+
+class _HoldingEvent(threading.Event):
+    """An event whose setter, once it set it, is held until ``go``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setter_held = threading.Event()
+        self.go = threading.Event()
+
+    def set(self) -> None:
+        super().set()
+        self.setter_held.set()
+        self.go.wait(3 * _WAIT_S)  # past every wait of the test
+
+
+def test_the_abort_thread_lets_the_group_go_before_it_says_it_returned() -> None:
+    # Once abort() returned, the group goes to the reaper; the abort thread ends a moment
+    # later and must not hold the last reference then (a group's destructor run by a
+    # thread that ends as the interpreter finalizes kills the process).
+    group, slot = _Group(), OneLive()
+    link = _link(group, slot)
+    link.abort_returned = said = _HoldingEvent()
+    dropped = weakref.ref(group)
+    del group
+    link.interrupt()
+    try:
+        assert said.setter_held.wait(_WAIT_S)  # the abort thread is alive, held here
+        assert link.released.wait(_WAIT_S)
+        deadline = time.monotonic() + _WAIT_S
+        while dropped() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)  # the reaper drops it on a thread of its own
+        assert dropped() is None
+    finally:
+        said.go.set()
 
 
 def test_buffers_are_held_until_their_work_ends_after_the_abort() -> None:

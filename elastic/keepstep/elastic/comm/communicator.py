@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import cast
@@ -84,7 +85,7 @@ class Communicator(PayloadRounds):
         if link is not None:
             # From the thread that hears the abort first: the caller may be stuck where no
             # slice ends (an NCCL wait in a device sync).
-            watch.when_aborted(link.interrupt)
+            watch.when_aborted(_interrupter(link))
 
     @classmethod
     def create(
@@ -305,3 +306,24 @@ class Communicator(PayloadRounds):
         except RuntimeError as err:
             reason = self._watch.fire(f"{who} failed: {short_reason(err)}")
             raise self._give_up(reason, pending) from err
+
+
+def _interrupter(link: Link) -> Callable[[], None]:
+    """``link.interrupt`` as a hook that holds ``link`` weakly.
+
+    The watch's threads keep their watch, and with it its hooks, until their very end. A
+    hook holding the link would let such a thread drop the link's last reference once the
+    communicator is gone, and with it the group, whose destructor waits for the group's
+    threads without the GIL. A thread that ends that way as the interpreter finalizes is
+    killed when it takes the GIL back, and the process with SIGABRT after its work was done
+    (a core of a two-rank job's worker, exiting right after its last step, showed exactly
+    that). Held weakly, the link goes with its communicator, on the thread that drops it.
+    """
+    ref = weakref.ref(link)
+
+    def interrupt() -> None:
+        live = ref()
+        if live is not None:
+            live.interrupt()
+
+    return interrupt

@@ -118,6 +118,10 @@ class GroupBuild:
                     self._link = link
             if late:
                 link.retire(None)  # nobody will use it: let it go now
+            # This thread ends after the caller took the link: it must not hold it then
+            # (see communicator._interrupter: a group's last reference dropped by a thread
+            # that ends as the interpreter finalizes kills the process).
+            del link
         finally:
             self._built.set()
 
@@ -127,7 +131,7 @@ class GroupBuild:
         spec, built = self._spec, self._built
         outcome = watch.wait(lambda ms: built.wait(ms / 1000), self._deadline, threading.Event())
         with self._lock:
-            link = self._link
+            link, self._link = self._link, None  # the build thread keeps no reference
             if not (outcome is Outcome.DONE and link is not None):
                 self._abandoned = True
         if outcome is Outcome.DONE and link is not None:

@@ -234,8 +234,9 @@ class NcclLink:
         name = f"keepstep-nccl-{self._epoch}"
         # abort() may itself hang on a wedged device: the holder keeps the deadline.
         threading.Thread(
-            target=self._abort, args=(group,), name=f"{name}-abort", daemon=True
+            target=self._abort, args=([group],), name=f"{name}-abort", daemon=True
         ).start()
+        del group
         threading.Thread(target=self._hold, name=f"{name}-hold", daemon=True).start()
 
     def retire(self, pending: Pending | None) -> None:
@@ -245,12 +246,17 @@ class NcclLink:
                     self._held.append(pending)
         self.interrupt()
 
-    def _abort(self, group: Any) -> None:
+    def _abort(self, box: list[Any]) -> None:
+        # The group comes in a box this thread empties: once abort() returned, the holder
+        # hands the group to the reaper, and this thread, which ends a moment later, must
+        # not hold its last reference then (see communicator._interrupter).
+        group = box.pop()
         try:
             group.abort()
         except Exception:
             _log.exception("aborting epoch %d's NCCL communicator failed", self._epoch)
         finally:
+            del group
             self.abort_returned.set()
 
     def _hold(self) -> None:
