@@ -13,7 +13,10 @@ interpreter began to finalize (a daemon thread, or a gloo worker freeing a finis
 tensors) is ended with a forced unwind, which kills the process with SIGABRT ("terminate
 called without an active exception") after its work was done. A script need not close its
 last communicator, so only something that outlives every epoch can stop their threads in
-time.
+time. For the same reason no daemon thread of an epoch may hold the last reference to a
+group (whose destructor waits for the group's threads without the GIL): the abort hook
+holds its link weakly, and the build and NCCL abort threads let theirs go before they
+say they are done.
 
 Lifetime: one `ExitGuard` per process, `EXIT_GUARD`, made when this module is first
 imported; `atexit` runs its `close` once, while other threads can still run. After it no
