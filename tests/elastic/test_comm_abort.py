@@ -196,6 +196,25 @@ def test_close_lets_the_listener_go_without_aborting_the_epoch() -> None:
     assert not store.check([abort_key(3)])
 
 
+def test_a_closed_watch_answers_polls_without_asking_the_store(
+    watched: tuple[CountingStore, AbortWatch],
+) -> None:
+    # A finished worker stops its last epoch's watch before its store connections are
+    # shut; a collective after its loop must neither read the store nor time out on it.
+    store, watch = watched
+    _armed(watch)
+    watch.close()
+    assert watch.listened.wait(5.0)
+    reads = store.reads
+    began = time.monotonic()
+    assert watch.poll(wait=1.0) is None
+    assert watch.check(fresh=True) is None
+    assert time.monotonic() - began < 0.5 and store.reads == reads
+    outcome = watch.wait(_never_done([]), time.monotonic() + 0.2, threading.Event())
+    assert outcome is Outcome.TIMED_OUT  # a collective's own deadline still ends it
+    assert store.reads == reads and watch.reason is None
+
+
 def test_at_exit_the_guard_lets_listeners_go_and_admits_no_more_store_calls() -> None:
     store = CountingStore(HashStore())
     guard = ExitGuard()

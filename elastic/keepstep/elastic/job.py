@@ -59,6 +59,10 @@ from keepstep.elastic.transfer import exchange_views, snapshot_limit, transfer_s
 
 log = logging.getLogger(__name__)
 
+# How long a finished worker waits for its last epoch's abort listener to leave its store
+# wait (woken through the store: ~1 ms when it answers).
+_FINISH_WAIT_S = 2.0
+
 Hook = Callable[[torch.nn.Module, torch.optim.Optimizer], object]
 S = TypeVar("S", bound=Stateful)
 
@@ -176,6 +180,11 @@ class Job:
         self.snapshots.wait()
         if self.left or (planned is not None and self.done < planned):
             return  # drained; or a segment of the launcher's run, which the next call goes on
+        if planned is not None and self.comm is not None:
+            # The worker's part is over (on_finish releases its store connections): its
+            # last epoch's abort watch ends in order first. The group stays usable for
+            # what the script gathers after the loop (optimizer_sha256 of a sharded job).
+            self.comm.stop_watch(_FINISH_WAIT_S)
         self.controller.on_finish(self.done, self.params_sha256())
 
     def _loop(self, total: int) -> Iterator[Step]:

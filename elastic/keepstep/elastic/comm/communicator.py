@@ -239,6 +239,15 @@ class Communicator(PayloadRounds):
         self._watch.close()
         self._retire(self._inflight)
 
+    def stop_watch(self, wait_s: float) -> None:
+        """End the abort watch and wait (at most ``wait_s``) for its listener to leave its
+        store wait; the group stays usable, but a lost peer is now found by a collective's
+        own timeout only. A worker whose part is over does this before its store
+        connections are shut, so that none of its threads is in a store call then (c10d
+        logs each such call's failure, with a C++ stack)."""
+        self._watch.close()
+        self._watch.listened.wait(wait_s)
+
     def _retire(self, pending: Pending | None) -> None:
         link, self._link = self._link, None
         if link is not None:

@@ -255,6 +255,8 @@ class AbortWatch:
         millisecond); without, it asks only if the last read is ``every`` seconds old."""
         timed_out: str | None = None
         with self._wake:
+            if self._stopped:
+                return self.reason  # closed: nobody reads the key any more
             if self.reason is None:
                 now = time.monotonic()
                 if self._asked_at is None:
