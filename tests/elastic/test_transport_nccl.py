@@ -199,13 +199,20 @@ class _Group:
         self.revokes = revokes
         self.works: list[_Work] = []
         self.aborts: list[str] = []
+        self.shutdowns: list[str] = []
         self.abort_blocks = threading.Event()
         self.abort_may_return = threading.Event()
+        self.shutdown_blocks = threading.Event()
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> _Work:
         work = _Work(tensors[0])
         self.works.append(work)
         return work
+
+    def shutdown(self) -> None:
+        self.shutdowns.append(threading.current_thread().name)
+        if self.shutdown_blocks.is_set():
+            self.abort_may_return.wait(_WAIT_S)
 
     def abort(self) -> None:
         self.aborts.append(threading.current_thread().name)
@@ -225,15 +232,21 @@ class _Clock:
         return self.now
 
 
-def _link(group: _Group, slot: OneLive, **kwargs: Any) -> NcclLink:
+def _link(
+    group: _Group,
+    slot: OneLive,
+    reaper: Reaper | None = None,
+    deadline: timedelta = timedelta(seconds=5),
+    **kwargs: Any,
+) -> NcclLink:
     slot.claim(4, 0.0)
     return NcclLink(
         group,
         4,
         _CUDA0,
         slot=slot,
-        settings=NcclSettings(abort_deadline=timedelta(seconds=5)),
-        reaper=Reaper(),
+        settings=NcclSettings(abort_deadline=deadline),
+        reaper=reaper if reaper is not None else Reaper(),
         **kwargs,
     )
 
@@ -304,6 +317,83 @@ def test_the_abort_thread_lets_the_group_go_before_it_says_it_returned() -> None
         assert dropped() is None
     finally:
         said.go.set()
+
+
+# ---- at exit ---------------------------------------------------------------------------------
+
+
+def _reduced(link: NcclLink, group: _Group) -> None:
+    pending = link.allreduce(torch.zeros(2), dist.ReduceOp.SUM, timedelta(seconds=1))
+    group.works[-1].finish()
+    assert pending.ready(1)
+
+
+def test_at_exit_an_idle_group_is_shut_down_in_order_even_if_the_script_dropped_it() -> None:
+    group, slot, reaper = _Group(), OneLive(), Reaper()
+    link = _link(group, slot, reaper)
+    _reduced(link, group)
+    released, gone = link.released, weakref.ref(group)
+    del link, group  # a script need not close its last communicator
+    reaper.close(0.0)
+    assert reaper.drop_idle() == 1
+    assert released.is_set() and slot.holder is None
+    assert gone() is None  # dropped on the exiting thread, after its shutdown returned
+
+
+def test_the_shutdown_at_exit_is_flushed_not_aborted_and_off_no_callers_reference() -> None:
+    group, slot, reaper = _Group(), OneLive(), Reaper()
+    link = _link(group, slot, reaper)
+    _reduced(link, group)
+    reaper.close(0.0)
+    assert reaper.drop_idle() == 1
+    assert group.shutdowns == ["keepstep-nccl-4-shutdown"] and group.aborts == []
+    assert link.raw is None
+
+
+def test_at_exit_a_group_with_work_in_flight_or_aborted_is_left_to_its_holder() -> None:
+    busy, reaper = _Group(), Reaper()
+    link = _link(busy, OneLive(), reaper)
+    link.allreduce(torch.zeros(2), dist.ReduceOp.SUM, timedelta(seconds=1))
+    aborted = _Group(revokes=False)
+    other = _link(aborted, OneLive(), reaper)
+    pending = other.allreduce(torch.zeros(2), dist.ReduceOp.SUM, timedelta(seconds=1))
+    other.retire(pending)  # aborted, its work still running: the holder keeps it
+    assert other.abort_returned.wait(_WAIT_S)
+    reaper.close(0.0)
+    assert reaper.drop_idle() == 0
+    assert busy.shutdowns == [] and busy.aborts == [] and link.raw is busy
+    assert aborted.shutdowns == [] and aborted.aborts == ["keepstep-nccl-4-abort"]
+    aborted.works[0].finish()
+    assert other.released.wait(_WAIT_S)
+
+
+def test_a_released_link_is_no_longer_held_for_exit() -> None:
+    group, reaper = _Group(), Reaper()
+    link = _link(group, OneLive(), reaper)
+    link.interrupt()
+    assert link.released.wait(_WAIT_S)
+    gone = weakref.ref(link)
+    del link
+    assert gone() is None
+
+
+def test_a_shutdown_that_does_not_return_leaves_the_group_and_the_exit_goes_on() -> None:
+    group, slot, reaper = _Group(), OneLive(), Reaper()
+    group.shutdown_blocks.set()
+    link = _link(group, slot, reaper, deadline=timedelta(seconds=0.2))
+    _reduced(link, group)
+    gone = weakref.ref(group)
+    del group
+    reaper.close(0.0)
+    began = time.monotonic()
+    try:
+        assert reaper.drop_idle() == 0
+        assert 0.2 <= time.monotonic() - began < _WAIT_S
+        assert gone() is not None and not link.released.is_set()  # kept: never destroyed
+    finally:
+        held = gone()
+        assert held is not None
+        held.abort_may_return.set()
 
 
 def test_buffers_are_held_until_their_work_ends_after_the_abort() -> None:

@@ -5,7 +5,7 @@ Where it sits: beside the epochs. Everything else in comm/ belongs to one epoch 
 owned by that epoch's `Communicator`: its abort watch (two threads, each with its own
 store connection) and its gloo group. Those register here only what the interpreter's exit
 must stop or wait for: the watches whose listener sits in a store wait, every store call
-a watch thread makes, the groups handed to the reaper, and the live gloo groups (their
+a watch thread makes, the groups handed to the reaper, and the live groups (their
 links, tracked by the reaper).
 
 Why anything is process-wide: a thread that comes back from C++ into Python after the
@@ -20,7 +20,7 @@ say they are done.
 
 Lifetime: one `ExitGuard` per process, `EXIT_GUARD`, made when this module is first
 imported; `atexit` runs its `close` once, while other threads can still run. After it no
-watch thread starts a store call, no reaper drops a group, and every live gloo group with
+watch thread starts a store call, no reaper drops a group, and every live group with
 no work in flight is dropped, its threads joined.
 """
 

@@ -18,6 +18,9 @@ What differs from gloo:
 - A communicator that does not let go within ``abort_deadline`` of its abort means a
   wedged device: the worker exits (``WEDGED_EXIT_CODE``) and the agent restarts it from
   the node's snapshot, the kill-worker path.
+- Exit: a link is held by the process's reaper until it let its group go, so that a
+  group the script never closed is shut down in order at exit (``drop_if_idle``), not
+  destroyed as the interpreter finalizes.
 """
 
 from __future__ import annotations
@@ -161,6 +164,7 @@ class NcclLink:
         self._aborted_at: float | None = None
         self.abort_returned = threading.Event()
         self.released = threading.Event()  # aborted, its work over, the group dropped
+        reaper.track(self, keep=True)  # shut down at exit, even if the script dropped it
 
     @property
     def raw(self) -> object:
@@ -273,6 +277,7 @@ class NcclLink:
                     group, self._group = self._group, None
                     self._held = []
                 self._reaper.reap(self._epoch, group, None, 0.0)
+                self._reaper.forget(self)
                 self._slot.release(self._epoch)
                 self.released.set()
                 return
@@ -280,6 +285,63 @@ class NcclLink:
                 self._on_wedged(reason)
                 return
             time.sleep(_HOLD_POLL_S)
+
+    def drop_if_idle(self) -> bool:
+        """At exit (``Reaper.drop_idle``): end an idle group in order and drop it here.
+
+        ``shutdown()`` flushes its collectives and destroys its communicator, waited for
+        at most ``abort_deadline``. Dropped later instead, as the interpreter finalizes,
+        the group's destructor would warn that it was never destroyed and abort it (~1 s),
+        and NCCL's watchdog frees finished work there as gloo's worker thread did. A group
+        with work in flight, or one being aborted, is left to its holder."""
+        with self._lock:
+            if self._group is None or self._aborted_at is not None:
+                return False
+            if not all(p.is_completed() for p in self._held):
+                return False
+            group, self._group = self._group, None
+            self._held = []
+        wait_s = self._settings.abort_deadline.total_seconds()
+        if not _shut_down(group, wait_s, self._epoch):
+            _NEVER_DROPPED.append(group)  # its destructor would wait on the same hang
+            return False
+        del group  # the last reference: the destructor joins the watchdog here
+        self._slot.release(self._epoch)
+        self.released.set()
+        return True
+
+
+# Groups whose shutdown at exit did not return: kept, never destroyed, until the process ends.
+_NEVER_DROPPED: list[Any] = []
+
+
+def _shut_down(group: Any, wait_s: float, epoch: int) -> bool:
+    """``group.shutdown()`` (``abort()`` where it has none) on a thread of its own,
+    waited for at most ``wait_s``; whether it returned. The caller keeps its reference:
+    the thread lets its own go before it says it is done."""
+    box = [group]
+    done = threading.Event()
+
+    def run() -> None:
+        held = box.pop()
+        try:
+            end = getattr(held, "shutdown", None) or held.abort
+            end()
+        except Exception:
+            _log.exception("shutting epoch %d's NCCL communicator down failed", epoch)
+        finally:
+            del held
+            done.set()
+
+    threading.Thread(target=run, name=f"keepstep-nccl-{epoch}-shutdown", daemon=True).start()
+    if done.wait(wait_s):
+        return True
+    _log.error(
+        "epoch %d's NCCL communicator did not shut down within %g s at exit; it is left",
+        epoch,
+        wait_s,
+    )
+    return False
 
 
 class NcclTransport:

@@ -54,6 +54,7 @@ class Reaper:
         self._dropping: set[threading.Thread] = set()  # dropping a group now, or about to
         self._closed = False
         self._live: weakref.WeakSet[Idle] = weakref.WeakSet()  # links of live groups
+        self._kept: set[Idle] = set()  # links kept alive until exit or ``forget``
 
     def reap(self, epoch: int, group: Any, work: Any | None, bound_s: float) -> None:
         """Drop ``group`` on a daemon thread once ``work`` is over or ``bound_s`` passed.
@@ -108,11 +109,21 @@ class Reaper:
             if thread.ident is not None:
                 thread.join(max(deadline - time.monotonic(), 0.0))
 
-    def track(self, link: Idle) -> None:
+    def track(self, link: Idle, keep: bool = False) -> None:
         """``link``'s group is live: ``drop_idle`` drops it at exit if it is idle then (a
-        link it retires meanwhile says it has no group)."""
+        link it retires meanwhile says it has no group). With ``keep`` the link is held
+        until then, or until ``forget``: its group must be ended in order even if the
+        script dropped its communicator (an NCCL group, which is shut down)."""
         with self._lock:
             self._live.add(link)
+            if keep:
+                self._kept.add(link)
+
+    def forget(self, link: Idle) -> None:
+        """``link`` let its group go: it is no longer held for exit."""
+        with self._lock:
+            self._kept.discard(link)
+            self._live.discard(link)
 
     def drop_idle(self) -> int:
         """At exit, after ``close``: drop every tracked group with no work in flight, on
@@ -121,4 +132,5 @@ class Reaper:
         with self._lock:
             links = list(self._live)
             self._live.clear()
+            self._kept.clear()  # ``links`` holds them while they are dropped
         return sum(link.drop_if_idle() for link in links)
