@@ -340,7 +340,7 @@ def test_at_exit_an_idle_group_is_shut_down_in_order_even_if_the_script_dropped_
     assert gone() is None  # dropped on the exiting thread, after its shutdown returned
 
 
-def test_the_shutdown_at_exit_is_flushed_not_aborted_and_off_no_callers_reference() -> None:
+def test_the_shutdown_at_exit_flushes_the_group_rather_than_aborting_it() -> None:
     group, slot, reaper = _Group(), OneLive(), Reaper()
     link = _link(group, slot, reaper)
     _reduced(link, group)

@@ -324,9 +324,11 @@ def _shut_down(group: Any, wait_s: float, epoch: int) -> bool:
 
     def run() -> None:
         held = box.pop()
-        try:
-            end = getattr(held, "shutdown", None) or held.abort
-            end()
+        try:  # no bound method kept in a local: it too would hold the group
+            if hasattr(held, "shutdown"):
+                held.shutdown()
+            else:
+                held.abort()
         except Exception:
             _log.exception("shutting epoch %d's NCCL communicator down failed", epoch)
         finally:
