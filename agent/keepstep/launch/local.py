@@ -52,7 +52,9 @@ class _CrashingController(ScheduleController):
     A failure the schedule has no epoch for ends the job. The process then releases its
     connections to the launcher's store (`stores.release_connections`): a group build the
     failure interrupted may still sit in a store call, and a thread that wakes from one
-    while the interpreter exits kills the process with SIGABRT instead of the error.
+    while the interpreter exits kills the process with SIGABRT instead of the error. A
+    worker that finished releases them too, as an agent's worker does: an abort watch's
+    thread may still be connecting to a store that a member's exit holds up.
     """
 
     die_after: int | None = None
@@ -62,6 +64,11 @@ class _CrashingController(ScheduleController):
         super().on_commit(record)
         if self.die_after is not None and record.step + 1 == self.die_after:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_finish(self, done: int, params_sha256: str) -> None:
+        super().on_finish(done, params_sha256)
+        if self.store_address:  # the worker's part is over, as an agent's worker releases
+            stores.release_connections({self.store_address}, RELEASE_TIMEOUT)
 
     def on_failure(self, epoch: int, done: int, error: PeerLost, timeout: float) -> Membership:
         try:

@@ -360,3 +360,38 @@ def test_a_connection_opened_after_the_release_began_is_released_too() -> None:
     assert not thread.is_alive(), "the late connection was not released"
     assert released >= 1 and errors, (released, errors)
     assert time.monotonic() - started < 10.0
+
+
+def test_a_watch_thread_still_connecting_is_released_and_waited_for() -> None:
+    # An abort watch's thread connects (a clone of the epoch's store) under the exit
+    # guard's count of store calls; on a loaded run the launcher's store held such a clone
+    # past the exit guard's wait, and it returned while the interpreter finalized. The
+    # release shuts its connection once it appears and waits for the call to end.
+    from torch._C._distributed_c10d import TCPStore
+
+    from keepstep.elastic.comm.exit_guard import EXIT_GUARD
+
+    host = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    address = f"127.0.0.1:{host.port}"
+    errors: list[Exception] = []
+    assert EXIT_GUARD.calls.enter()
+
+    def late_watch_call() -> None:
+        try:
+            time.sleep(0.3)  # the release has looked once: nothing to shut yet
+            client = stores.connect(address, 60.0)
+            client.wait(["never-set"])  # held up: no answer comes
+        except Exception as err:
+            errors.append(err)
+        finally:
+            EXIT_GUARD.calls.leave()
+
+    thread = threading.Thread(target=late_watch_call, name="keepstep-abort-wake-3", daemon=True)
+    thread.start()
+    started = time.monotonic()
+    released = stores.release_connections([address], 10.0)
+    thread.join(1.0)
+    assert not thread.is_alive(), "the watch thread's call was not released"
+    assert released >= 1 and errors, (released, errors)
+    assert EXIT_GUARD.calls.busy == 0
+    assert time.monotonic() - started < 10.0

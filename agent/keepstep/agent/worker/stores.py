@@ -21,6 +21,7 @@ from datetime import timedelta
 
 from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
 
+from keepstep.elastic.comm.exit_guard import EXIT_GUARD
 from keepstep.errors import KeepstepError
 
 
@@ -74,9 +75,18 @@ def release_connections(addresses: Collection[str], timeout: float) -> int:
     done: set[int] = set()
     released = _shut_down(peers, done)
     # A store thread may open its connection only now (a group build that a loaded
-    # machine started late): shut down what appears until every such thread has ended.
-    while (waiting := _store_threads()) and time.monotonic() < deadline:
-        waiting[0].join(min(RESCAN_S, max(deadline - time.monotonic(), 0.0)))
+    # machine started late, or an abort watch's thread still connecting: the launcher's
+    # store, held up by a member's exit, kept such a clone waiting past the exit guard's
+    # wait, and it returned while the interpreter finalized). Shut down what appears until
+    # every such thread has ended and no watch thread is in a store call.
+    while time.monotonic() < deadline:
+        waiting = _store_threads()
+        if waiting:
+            waiting[0].join(min(RESCAN_S, max(deadline - time.monotonic(), 0.0)))
+        elif EXIT_GUARD.calls.busy:
+            time.sleep(min(RESCAN_S, max(deadline - time.monotonic(), 0.0)))
+        else:
+            break
         released += _shut_down(peers, done)
     return released
 

@@ -57,6 +57,12 @@ class StoreCalls:
         self._busy = 0
         self._exiting = False
 
+    @property
+    def busy(self) -> int:
+        """How many store calls are under way now."""
+        with self._cond:
+            return self._busy
+
     def enter(self) -> bool:
         """Whether a store call may start now; if so, ``leave`` must follow it."""
         with self._cond:
