@@ -94,17 +94,20 @@ def test_options_are_non_blocking_and_reconfigurable_for_nccl2() -> None:
     legacy = plan_options(Flavour.LEGACY, timedelta(seconds=7), settings)
     assert (nccl2.blocking, nccl2.enable_reconfigure, nccl2.high_priority_stream) == (0, True, True)
     assert (legacy.blocking, legacy.enable_reconfigure) == (0, False)
-    # torch's own options class (it exists in a CPU process too).
-    opts = dist.ProcessGroupNCCL.Options()
-    apply_options(opts, nccl2)
-    assert (opts._timeout, opts.config.blocking, opts.enable_reconfigure) == (
-        timedelta(seconds=7),
-        0,
-        True,
-    )
+    # torch's own options class (it exists in a CPU process too). A torch without NCCL2
+    # (2.11, say) has no enable_reconfigure field and is never planned the NCCL2 options.
+    if hasattr(dist, "ProcessGroupNCCL2"):
+        opts = dist.ProcessGroupNCCL.Options()
+        apply_options(opts, nccl2)
+        assert (opts._timeout, opts.config.blocking, opts.enable_reconfigure) == (
+            timedelta(seconds=7),
+            0,
+            True,
+        )
     opts = dist.ProcessGroupNCCL.Options()
     apply_options(opts, legacy)
-    assert (opts.config.blocking, opts.enable_reconfigure) == (0, False)
+    assert (opts._timeout, opts.config.blocking) == (timedelta(seconds=7), 0)
+    assert getattr(opts, "enable_reconfigure", False) is False
     # An older torch without config: the environment carries the setting.
     old = SimpleNamespace(_timeout=None)
     apply_options(old, legacy)
@@ -403,10 +406,11 @@ def _until(done: Callable[[], bool]) -> bool:
 def test_keepstep_imports_on_a_torch_without_nccl2() -> None:
     # torch before 2.15 (the GPU machine's 2.11) has no ReconfigureOptions and no
     # ProcessGroupNCCL2: the communicator still imports, picks the legacy group for CUDA,
-    # and runs gloo. Simulated in a fresh interpreter by removing both names first.
+    # and runs gloo. Simulated in a fresh interpreter by removing both names first (on such
+    # a torch, there is nothing to remove).
     code = (
         "import torch._C._distributed_c10d as c, torch.distributed as dist\n"
-        "del c.ReconfigureOptions\n"
+        "if hasattr(c, 'ReconfigureOptions'): del c.ReconfigureOptions\n"
         "if hasattr(dist, 'ProcessGroupNCCL2'): delattr(dist, 'ProcessGroupNCCL2')\n"
         "from keepstep.elastic.comm import Communicator\n"
         "from keepstep.elastic.comm.nccl_group import observed_flavour\n"
