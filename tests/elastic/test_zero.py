@@ -11,6 +11,7 @@ JSON line prefixed with ``RESULT ``, as in test_comm_workers.py.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import re
 import subprocess
@@ -355,6 +356,9 @@ def test_a_payload_that_claims_what_its_rank_does_not_own_is_refused() -> None:
 
 GLOO_CONFIGS = ["sgd-momentum-wd", "adam-wd", "adamw"]  # the rest: on threads, above
 WORLDS = (1, 2, 3, 4)
+# ~20 s on an idle machine, past 100 s on a loaded one. A worker that runs past its limit
+# writes every thread's stack to stderr and exits, so a stuck rank says where it was.
+WORKER_LIMIT_S = 240
 
 
 def _gloo_group(store: TCPStore, world: int, rank: int) -> Any:
@@ -368,6 +372,7 @@ def _gloo_group(store: TCPStore, world: int, rank: int) -> Any:
 def _worker_main(port: int, rank: int) -> None:
     """Rank ``rank`` of the largest world; ranks 0..W-1 of it also form each smaller world,
     so four processes cover W = 1, 2, 3, 4."""
+    faulthandler.dump_traceback_later(WORKER_LIMIT_S, exit=True)
     torch.set_num_threads(1)
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT)
     results: dict[str, Any] = {}
@@ -393,6 +398,7 @@ def _worker_main(port: int, rank: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(WORKER_LIMIT_S + 60)
 def test_gloo_ranks_match_the_unsharded_step_at_every_world_size() -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [
@@ -410,7 +416,7 @@ def test_gloo_ranks_match_the_unsharded_step_at_every_world_size() -> None:
             params, opt = reference(CONFIGS[name], dtype=dtype)
             want[f"{name}/{dtype}"] = [params_sha(params), state_sha(opt.state_dict())]
         seen = set()
-        deadline = time.monotonic() + 100  # ~20 s on an idle machine
+        deadline = time.monotonic() + WORKER_LIMIT_S + 30  # each worker ends itself first
         for rank, proc in enumerate(procs):
             out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
             assert proc.returncode == 0, f"rank {rank}:\n{err[-3000:]}"
