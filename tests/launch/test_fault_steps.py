@@ -77,8 +77,21 @@ def test_every_fault_kind_lands_at_its_step_with_short_steps(tmp_path: Path) -> 
         before = [c["step"] for c in commits if c["t"] < fault["t"]]
         assert max(before) == k - 1, (fault, max(before))
     assert summary["fault_step_error_max"] == 0
-    held = {e["gate"]: e["done"] for e in events if e["kind"] == "gate-held"}
-    assert held == {f"run-step-{f['scheduled_step']}": f["scheduled_step"] for f in faults}
+    # Each gate was held by one agent, which logged it: at the step, with its own member.
+    # The holder may be the node its own fault then kills or freezes, within milliseconds
+    # of its compare-and-set and before it wrote the line (1 run in ~20 under load): only
+    # then may the line be missing.
+    held = {e["gate"]: e for e in events if e["kind"] == "gate-held"}
+    for fault in faults:
+        gate, k = f"run-step-{fault['scheduled_step']}", fault["scheduled_step"]
+        assert fault["held_by"] in {f"n{i}" for i in range(5)}, fault
+        if gate not in held:
+            assert fault["kind"] in ("kill-node", "hang-node"), (fault, sorted(held))
+            assert fault["held_by"] == fault["node"], fault
+            continue
+        assert held[gate]["done"] == k, held[gate]
+        assert held[gate]["member"] == f"{fault['held_by']}/0", (held[gate], fault)
+    assert set(held) <= {f"run-step-{f['scheduled_step']}" for f in faults}, sorted(held)
     # Each took its member out (a join lands when its node starts: admitted seconds later,
     # when its worker has imported torch, if the job is still running by then).
     causes = [r["cause"] for r in summary["recoveries"]]

@@ -38,12 +38,14 @@ OP_TIMEOUT_S = 5.0  # one etcd call
 @dataclass(frozen=True)
 class Claimed:
     """A gate this side now fires: `step` scheduled, `actual` steps committed when it
-    fires, `held` whether the job stands at that boundary until `release`."""
+    fires, `held` whether the job stands at that boundary until `release`, `holder` the
+    node whose agent held it (None if not held)."""
 
     name: str
     step: int
     actual: int
     held: bool
+    holder: str | None = None
 
 
 class GateClient:
@@ -100,7 +102,8 @@ class GateClient:
         out = []
         for record, revision in sorted(held, key=lambda h: h[0].step):
             if self._claim(record, revision, record.held_step):
-                out.append(Claimed(record.name, record.step, record.held_step, held=True))
+                held_at = Claimed(record.name, record.step, record.held_step, True, record.node)
+                out.append(held_at)
         return out
 
     def passed(self, seen_step: int) -> list[Claimed]:

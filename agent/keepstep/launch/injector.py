@@ -16,9 +16,9 @@ before a kill or hang lands on the same node, whose stop a duty cycle would undo
 Each injected fault adds a record to `log` (the run's faults.json, and the summary's
 `faults`): kind, node, spec, `scheduled_step`, `step` (the steps committed when it
 landed: the scheduled one unless it was fired late), `held` (the job stood at the
-boundary while it was injected), t; a slow-node's also `factor`, `duration`, `method`,
-`cpu_share` (and `cgroup_unavailable`: why the duty cycle stood in), and `lifted_t` once
-lifted.
+boundary while it was injected), `held_by` (the node whose agent held it, or None), t; a
+slow-node's also `factor`, `duration`, `method`, `cpu_share` (and `cgroup_unavailable`: why
+the duty cycle stood in), and `lifted_t` once lifted.
 """
 
 from __future__ import annotations
@@ -226,6 +226,7 @@ class FaultInjector:
             "step": at.actual,
             "scheduled_step": fault.step,
             "held": at.held,
+            "held_by": at.holder,
             "spec": str(fault),
             "t": time.time(),
         }

@@ -159,6 +159,7 @@ class RayFaultInjector:
                 "step": at.actual,
                 "scheduled_step": fault.step,
                 "held": at.held,
+                "held_by": at.holder,
                 "spec": str(fault),
                 "t": t,
             }

@@ -118,7 +118,7 @@ def test_the_job_holds_at_the_step_until_the_armer_releases(tmp_path: Path) -> N
     waiting = in_thread(second.hold, "n1/0", 5)
     assert armer.wake.wait(T)
     (claimed,) = armer.ready()
-    assert (claimed.step, claimed.actual, claimed.held) == (5, 5, True)
+    assert (claimed.step, claimed.actual, claimed.held, claimed.holder) == (5, 5, True, "n0")
     assert record(kv, "run-step-5").node == "n0"
     time.sleep(0.1)
     assert held.is_alive() and waiting.is_alive()  # held while the fault is injected
@@ -161,7 +161,9 @@ def test_a_gate_the_job_passed_unheld_fires_late(tmp_path: Path) -> None:
     armer.arm([("step-3", 3), ("step-8", 8)])
     assert armer.passed(3) == []  # the job may be holding at 3 right now
     (late,) = armer.passed(5)
-    assert (late.name, late.step, late.actual, late.held) == ("run-step-3", 3, 5, False)
+    assert (late.name, late.step, late.actual, late.held, late.holder) == (
+        "run-step-3", 3, 5, False, None
+    )  # fmt: skip
     assert armer.passed(5) == []  # claimed once
     armer.release(late)
     assert record(kv, "run-step-3").state is GateState.RELEASED
