@@ -11,8 +11,10 @@ The ratio is n1's tenth of a core over the share each other member gets: ~0.16 o
 
 On a loaded machine n1's agent, held to the same tenth of a core as its busy worker, can
 miss its heartbeats and lose its lease: n1 is then removed and rejoins, and its member is
-judged afresh in the new epoch (six observations, then three slow steps). Those recoveries
-are n1's own and lose nothing; 24 steps leave room for the drain after one of them.
+judged afresh in the new epoch (six observations, then three slow steps). Another node's
+agent, starved while four workers start beside a second test session, can also miss its
+heartbeats (once, in a CI run: n2 at step 0). Such false alarms lose nothing; 24 steps
+leave room for the drain after one of them.
 """
 
 from __future__ import annotations
@@ -65,8 +67,11 @@ def test_a_node_slowed_for_long_is_drained_and_the_bits_stay(tmp_path: Path) -> 
     *starved, recovery = recoveries
     assert recovery["cause"] == "drain" and recovery["rolled_back_steps"] == 0, recovery
     assert recovery["node"] == "n1", recovery
-    # Before the drain, only n1 itself (its agent starved of CPU) may have been recovered.
-    assert all(r["node"] == "n1" and r["cause"] != "drain" for r in starved), recoveries
+    # Before the drain, only n1's own recoveries (its agent starved of CPU) and other nodes'
+    # false alarms (missed heartbeats or lease) may have happened: the one drain is n1's.
+    alarms = ("heartbeat-missed", "lease-expired")
+    assert all(r["cause"] != "drain" for r in starved), recoveries
+    assert all(r["node"] == "n1" or r["cause"] in alarms for r in starved), recoveries
     world = s["world_size_by_step"]
     assert world[0] == 4 and world[-1] == 3, world
     at = recovery["step"]  # n1 left there, after its request, and stayed away
