@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -379,6 +381,12 @@ def _worker_main(port: int, rank: int) -> None:
     for world in WORLDS:
         if rank >= world:
             continue
+        # Rank 3 reaches W=4 while the others still run W=1..3: it waits for them here, not
+        # inside gloo's connect (20 s: it gave up there on a loaded machine, and its peers
+        # then found its port closed).
+        store.set(f"zero-test/arrived/w{world}/{rank}", "1")
+        peers = [f"zero-test/arrived/w{world}/{r}" for r in range(world)]
+        store.wait(peers, timedelta(seconds=WORKER_LIMIT_S))
         gather = GroupGather(_gloo_group(store, world, rank))
         members = [f"n{r}/0" for r in range(world)]
         layout = Ownership.from_layout(make_layout(sizes(), members), members)
@@ -397,30 +405,47 @@ def _worker_main(port: int, rank: int) -> None:
     print("RESULT " + json.dumps({"rank": rank, "results": results}), flush=True)
 
 
+def _wait_all(procs: list[subprocess.Popen[bytes]], limit_s: float) -> None:
+    """Wait for every process. Once one has failed the rest get 10 s, then are killed: each
+    failed rank is shown, and the first to fail need not be rank 0 (a rank whose peer died
+    fails to connect to it)."""
+    deadline, grace = time.monotonic() + limit_s, None
+    while time.monotonic() < deadline and None in (codes := [p.poll() for p in procs]):
+        if grace is None and any(c not in (None, 0) for c in codes):
+            grace = deadline = min(deadline, time.monotonic() + 10)
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait(timeout=30)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(WORKER_LIMIT_S + 60)
-def test_gloo_ranks_match_the_unsharded_step_at_every_world_size() -> None:
+def test_gloo_ranks_match_the_unsharded_step_at_every_world_size(tmp_path: Path) -> None:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, str(store.port), str(rank)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(max(WORLDS))
-    ]
+    outs = [(tmp_path / f"rank{r}.out", tmp_path / f"rank{r}.err") for r in range(max(WORLDS))]
+    procs = []
+    for rank, (out, err) in enumerate(outs):  # files, not pipes: nobody reads while they run
+        with out.open("wb") as o, err.open("wb") as e:
+            cmd = [sys.executable, __file__, str(store.port), str(rank)]
+            procs.append(subprocess.Popen(cmd, stdout=o, stderr=e))
     try:  # the references, while the workers start
         want = {}
         for name, dtype in [(n, torch.float32) for n in GLOO_CONFIGS] + [("adamw", torch.bfloat16)]:
             params, opt = reference(CONFIGS[name], dtype=dtype)
             want[f"{name}/{dtype}"] = [params_sha(params), state_sha(opt.state_dict())]
+        _wait_all(procs, WORKER_LIMIT_S + 30)  # each worker ends itself first
+        failed = [
+            f"rank {rank} exit {proc.returncode}:\n{outs[rank][1].read_text()[-2000:]}"
+            for rank, proc in enumerate(procs)
+            if proc.returncode != 0
+        ]
+        assert not failed, "\n".join(failed)
         seen = set()
-        deadline = time.monotonic() + WORKER_LIMIT_S + 30  # each worker ends itself first
-        for rank, proc in enumerate(procs):
-            out, err = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
-            assert proc.returncode == 0, f"rank {rank}:\n{err[-3000:]}"
-            line = next(x for x in out.splitlines() if x.startswith("RESULT "))
+        for rank, (out, _) in enumerate(outs):
+            lines = out.read_text().splitlines()
+            line = next(x for x in lines if x.startswith("RESULT "))
             for key, (p, s, _) in json.loads(line[len("RESULT ") :])["results"].items():
                 world, what = key.split("/", 1)
                 assert [p, s] == want[what], f"{what} at W={world}, rank {rank}"
@@ -431,9 +456,6 @@ def test_gloo_ranks_match_the_unsharded_step_at_every_world_size() -> None:
             if proc.poll() is None:
                 proc.kill()
             proc.wait(timeout=10)
-            for stream in (proc.stdout, proc.stderr):
-                if stream is not None:
-                    stream.close()
 
 
 if __name__ == "__main__":
