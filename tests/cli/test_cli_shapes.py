@@ -104,6 +104,23 @@ def test_module_and_max_restarts_reach_the_agents(
     assert agent["worker_env"]["KEEPSTEP_TENSORBOARD"] == str(tmp_path / "tb")
 
 
+def test_the_collective_bound_reaches_every_worker(
+    etcd_binary: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--collective-timeout becomes the workers' KEEPSTEP_COLLECTIVE_TIMEOUT, which
+    keepstep.init reads (tests/elastic/test_api.py); unset, the workers keep their default."""
+    plain = config(etcd_binary, "--nnodes", "2", *JOB, MLP)
+    assert "KEEPSTEP_COLLECTIVE_TIMEOUT" not in plain.extra_env
+    cfg = config(etcd_binary, "--nnodes", "2", "--collective-timeout", "120", *JOB, MLP)
+    assert cfg.extra_env["KEEPSTEP_COLLECTIVE_TIMEOUT"] == "120.0"
+    for bad in ("0", "-5", "nan", "soon"):
+        with pytest.raises(SystemExit) as exit_:
+            config(etcd_binary, "--nnodes", "2", "--collective-timeout", bad, *JOB, MLP)
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--collective-timeout: '{bad}': must be a number of seconds > 0" in err, err
+
+
 @pytest.mark.slow
 def test_a_module_trains_like_a_script(tmp_path: Path) -> None:
     # `-m`: each worker runs `python -m mymlp`, found from the launcher's directory.

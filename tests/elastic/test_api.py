@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -255,6 +256,43 @@ def test_job_config_names_a_bad_host_or_step_count() -> None:
             JobConfig(global_batch=8, micro_batch=4, **kwargs)  # type: ignore[arg-type]
     config = JobConfig(global_batch=8, micro_batch=4, host="10.0.0.7", planned_steps=0)
     assert (config.host, config.planned_steps) == ("10.0.0.7", 0)
+
+
+def test_the_collective_bound_comes_from_the_script_or_the_launcher() -> None:
+    model, opt, data = make()
+    assert keepstep.init(model, opt, data, 8, 4, env={}).config.collective_timeout == 30.0
+    job = keepstep.init(model, opt, data, 8, 4, collective_timeout=120, env={})
+    assert job.config.collective_timeout == 120
+    env = {"KEEPSTEP_COLLECTIVE_TIMEOUT": "90.5"}
+    assert keepstep.init(model, opt, data, 8, 4, env=env).config.collective_timeout == 90.5
+    with pytest.raises(ConfigError, match=r"collective_timeout=60.*KEEPSTEP_COLLECTIVE_TIMEOUT=90"):
+        keepstep.init(model, opt, data, 8, 4, collective_timeout=60, env=env)
+    with pytest.raises(ConfigError, match=r"KEEPSTEP_COLLECTIVE_TIMEOUT='soon' is not a valid"):
+        keepstep.init(model, opt, data, 8, 4, env={"KEEPSTEP_COLLECTIVE_TIMEOUT": "soon"})
+    for bad in (0, -1.0, float("nan"), float("inf"), True, "60"):
+        message = f"collective_timeout={bad!r} must be a number of seconds > 0"
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            JobConfig(global_batch=8, micro_batch=4, collective_timeout=bad)  # type: ignore[arg-type]
+
+
+def test_a_member_that_never_comes_is_given_up_after_the_jobs_collective_bound() -> None:
+    """Epoch 0 names a member that never starts: the first epoch's group waits the job's
+    collective bound for it (not the 30 s default), then the survivor trains alone."""
+    model, opt, data = make()
+    controller = ScheduleController(
+        store_=HashStore(), me="a", schedule=[["a", "b"], ["a"]], at_step=[0, None]
+    )
+    job = keepstep.init(
+        model, opt, data, 32, 4, seed=1, env={}, controller=controller, collective_timeout=0.5
+    )
+    begin = time.monotonic()
+    for step in job.steps(2):
+        for mb in step.micro_batches():
+            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+        step.commit()
+    assert time.monotonic() - begin < 15.0  # the 30 s default would have waited longer
+    assert [r.epoch for r in controller.reconfigurations] == [1]  # epoch 0 never built
+    assert job.params_sha256() == train(2)[0]
 
 
 def test_commit_returns_what_the_job_applies() -> None:

@@ -183,6 +183,14 @@ def register(sub: Any) -> None:
         "0: only the lease finds hangs [0.5]",
     )
     run.add_argument(
+        "--collective-timeout",
+        type=seconds,
+        metavar="SECONDS",
+        help="how long a worker waits in one collective before it takes a peer for lost "
+        "(keepstep.init(collective_timeout=...)); raise it for steps whose members can "
+        "arrive that far apart or whose all-reduce takes that long [30]",
+    )
+    run.add_argument(
         "--checkpoint",
         metavar="URL",
         help="write durable checkpoints here (file://, s3://; any fsspec store)",
@@ -300,6 +308,11 @@ def run_config(args: argparse.Namespace, env: dict[str, str]) -> RunConfig:
                 else {}
             ),
             **({"KEEPSTEP_SHARD": args.shard} if args.shard else {}),
+            **(
+                {"KEEPSTEP_COLLECTIVE_TIMEOUT": repr(args.collective_timeout)}
+                if args.collective_timeout is not None
+                else {}
+            ),
         },
     )
 

@@ -115,6 +115,7 @@ def init(
     shard: Shard | str | None = None,
     drain_slow: DrainSlow | str | None = None,
     tensorboard: str | None = None,
+    collective_timeout: float | None = None,
     controller: Controller | None = None,
     snapshot_path: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -145,6 +146,10 @@ def init(
     job's minimum nodes). Default None: never.
     ``tensorboard``: a folder where the leader writes the ``metrics`` as TensorBoard scalars
     (needs the tensorboard package; ``keepstep run --tensorboard DIR`` sets it).
+    ``collective_timeout``: seconds a member waits in one collective before it takes a peer
+    for lost (default 30; ``KEEPSTEP_COLLECTIVE_TIMEOUT``, ``keepstep run
+    --collective-timeout``): raise it for steps whose members can arrive that far apart
+    (a first step that compiles, a slow read) or whose all-reduce takes that long.
     """
     env = os.environ if env is None else env
     fatal.install_hook(env)  # under an agent: a ConfigError that ends the script ends the job
@@ -172,6 +177,9 @@ def init(
         balance=_setting("balance", balance, str, env) or Balance.OFF,  # JobConfig checks it
         shard=_setting("shard", shard, str, env) or None,  # JobConfig checks it
         drain_slow=_setting("drain_slow", _drain_slow(drain_slow), DrainSlow.parse, env),
+        collective_timeout=_default(
+            _setting("collective_timeout", collective_timeout, float, env), 30.0
+        ),
     )
     if controller is None:
         controller = controller_from_env(env)

@@ -90,8 +90,13 @@ class JobConfig:
         object.__setattr__(self, "mode", mode)
         if not isinstance(self.threads, int) or self.threads < 1:
             raise ConfigError(f"threads={self.threads!r} must be an integer >= 1")
-        if not self.collective_timeout > 0:
-            raise ConfigError(f"collective_timeout={self.collective_timeout!r} must be > 0 seconds")
+        timeout = self.collective_timeout
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not (math.isfinite(timeout) and timeout > 0)
+        ):
+            raise ConfigError(f"collective_timeout={timeout!r} must be a number of seconds > 0")
         if not isinstance(self.max_overflow_retries, int) or self.max_overflow_retries < 1:
             raise ConfigError(
                 f"max_overflow_retries={self.max_overflow_retries!r} must be an integer >= 1"

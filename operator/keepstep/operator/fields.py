@@ -31,6 +31,7 @@ ENV_SETTINGS = (
     "KEEPSTEP_REPLY_TIMEOUT",
     "KEEPSTEP_DECISION_TIMEOUT",
     "KEEPSTEP_ADMISSION_TIMEOUT",
+    "KEEPSTEP_COLLECTIVE_TIMEOUT",  # the workers' collective bound (keepstep.init)
 )
 ENV_SOURCES = ("fieldRef", "resourceFieldRef", "configMapKeyRef", "secretKeyRef")
 # Durable checkpoints outlive every pod of the job, so their store must be shared: a
