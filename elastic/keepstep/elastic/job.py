@@ -54,7 +54,13 @@ from keepstep.elastic.sharded import optimizer_sha256, shard_figures, sharded_op
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
 from keepstep.elastic.tracked import Stateful, TrackedState
-from keepstep.elastic.train_state import capture, layout_signature, params_sha256, restore
+from keepstep.elastic.train_state import (
+    capture,
+    layout_signature,
+    params_sha256,
+    restore,
+    state_module,
+)
 from keepstep.elastic.transfer import exchange_views, snapshot_limit, transfer_snapshot
 
 log = logging.getLogger(__name__)
@@ -83,7 +89,7 @@ class Job:
     ) -> None:
         self.grad_scaler = checked_scaler(grad_scaler)
         fix_determinism(config.threads)
-        self.model = model
+        self.model = state_module(model)  # a compiled model's own module (train_state.py)
         self.optimizer = optimizer
         self.dataset = dataset
         self.config = config
@@ -91,7 +97,7 @@ class Job:
         self.snapshots = snapshots
         self.collate: Callable[[list[Any]], Any] = collate or default_collate
         self.loader = MicroBatchLoader(dataset, self.collate, config.prefetch)
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameters that require grad")
         self.reducer = make_reducer(config.mode, self.params, config.n_micro)
@@ -105,7 +111,7 @@ class Job:
                 "more than one pass over the data)",
                 stacklevel=3,  # the script's keepstep.init
             )
-        self.layout = layout_signature(model)
+        self.layout = layout_signature(self.model)
         self.collective_timeout = timedelta(seconds=config.collective_timeout)
         self.comm: Communicator | None = None
         self.membership: Membership | None = None

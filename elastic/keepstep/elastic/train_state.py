@@ -23,6 +23,7 @@ URL, and reading it builds data only. A snapshot without tracked objects has no
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,20 @@ class TrainState:
                 raise ConfigError(f"tensors[{name!r}]: must be a tensor, got {type(t).__name__}")
         if not isinstance(self.meta, bytes):
             raise ConfigError(f"meta: must be bytes, got {type(self.meta).__name__}")
+
+
+def state_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose ``state_dict`` names the parameters: for a ``torch.compile``d model
+    the module it wraps, whose keys lack the wrapper's ``_orig_mod.`` prefix. So snapshots,
+    checkpoints, exports and hashes name the same tensors with or without compile, and a
+    job resumes from a checkpoint written with the other setting."""
+    # A compiled model means dynamo is imported already; never import it here (slow).
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        inner = model._orig_mod
+        if isinstance(inner, torch.nn.Module):
+            return state_module(inner)
+    return model
 
 
 def capture(
