@@ -114,6 +114,28 @@ def test_crash_then_replacement_joins(reference: dict[str, str], tmp_path: Path)
     assert ok(result, crashed=("m1",)) == reference["transformer"]
 
 
+def test_a_compiled_model_keeps_its_numbers_through_a_crash_and_a_restart(
+    reference: dict[str, str], tmp_path: Path
+) -> None:
+    """examples/transformer.py --compile (Inductor's CPU code, dropout in the graph): three
+    members, one killed at step 3 and restarted from its snapshot into the compiled model,
+    end with the one-member compiled run's bits."""
+    compiled = ["--compile"]
+    alone = ok(launch(tmp_path / "one", "transformer", [members(1)], script_args=compiled))
+    assert alone != reference["transformer"]  # compiled kernels and RNG: not the eager bits
+    result = launch(
+        tmp_path / "three",
+        "transformer",
+        [members(3), ["m0", "m2"], members(3)],
+        at_step=[0, None, 6],
+        crash={"m1": 3},
+        restart={"m1": 2},
+        script_args=compiled,
+        timeout_scale=4.0,
+    )
+    assert ok(result) == alone
+
+
 def test_fast_mode_deviation_is_measured(tmp_path: Path) -> None:
     finals = {}
     for ranks in (1, 3):
