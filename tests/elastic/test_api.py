@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -311,6 +312,49 @@ def test_a_compiled_model_is_snapshotted_and_hashed_under_its_own_names() -> Non
     names = set(job.snapshots.load(job.done).tensors)
     assert "model/0.weight" in names and not any("_orig_mod" in n for n in names)
     assert job.params_sha256() == train(2)[0]
+
+
+class _Samples(torch.utils.data.Dataset[Any]):
+    """Samples of another shape than (inputs, targets): what ``make`` returns, as given."""
+
+    def __init__(self, make: Any) -> None:
+        self.make = make
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> Any:
+        return self.make(i)
+
+
+@pytest.mark.parametrize(
+    ("sample", "message"),
+    [
+        (
+            lambda i: {"x": torch.full((6,), float(i)), "y": torch.zeros(1)},
+            r"mb\.inputs: this micro-batch's data is a mapping \(keys 'x', 'y'\), not "
+            r"\(inputs, targets\) pairs: read mb\.data\[key\]",
+        ),
+        (
+            lambda i: torch.full((6,), float(i)),
+            r"mb\.inputs: the samples are not \(inputs, targets\) pairs \(collated into one "
+            r"tensor of shape \(4, 6\)\): read mb\.data",
+        ),
+    ],
+)
+def test_inputs_of_samples_that_are_not_pairs_are_refused_by_name(
+    sample: Any, message: str
+) -> None:
+    """A batch of single tensors would otherwise give its first sample as the inputs."""
+    model, opt, _ = make()
+    job = keepstep.init(model, opt, _Samples(sample), global_batch=8, micro_batch=4, env={})
+    step = next(iter(job.steps(1)))
+    mb = next(iter(step.micro_batches()))
+    assert len(mb.indices) == 4
+    with pytest.raises(ConfigError, match=message):
+        mb.inputs  # noqa: B018
+    x = mb.data["x"] if isinstance(mb.data, dict) else mb.data  # the data is all there
+    assert x.shape == (4, 6) and x[:, 0].tolist() == [float(i) for i in mb.indices]
 
 
 def test_commit_returns_what_the_job_applies() -> None:

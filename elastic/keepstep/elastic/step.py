@@ -101,11 +101,38 @@ class MicroBatch:
 
     @property
     def inputs(self) -> Any:
-        return self.data[0]
+        """Item 0 of (inputs, targets) samples, collated: ``data[0]``."""
+        return self._item(0, "inputs")
 
     @property
     def targets(self) -> Any:
-        return self.data[1]
+        """Item 1 of (inputs, targets) samples, collated: ``data[1]``."""
+        return self._item(1, "targets")
+
+    def _item(self, i: int, name: str) -> Any:
+        # Indexing other data would not fail, or fail obscurely: a batch of single tensors
+        # would give its first sample as the inputs, a dict a KeyError of 0.
+        data = self.data
+        if isinstance(data, Mapping):
+            keys = ", ".join(repr(k) for k in list(data)[:8])
+            raise ConfigError(
+                f"mb.{name}: this micro-batch's data is a mapping (keys {keys}), not "
+                "(inputs, targets) pairs: read mb.data[key]"
+            )
+        if isinstance(data, torch.Tensor) or not isinstance(data, Sequence) or len(data) <= i:
+            raise ConfigError(
+                f"mb.{name}: the samples are not (inputs, targets) pairs (collated into "
+                f"{_shape_of(data)}): read mb.data"
+            )
+        return data[i]
+
+
+def _shape_of(data: object) -> str:
+    if isinstance(data, torch.Tensor):
+        return f"one tensor of shape {tuple(data.shape)}"
+    if isinstance(data, Sequence) and not isinstance(data, str | bytes):
+        return f"a sequence of {len(data)} items"
+    return f"a {type(data).__name__}"
 
 
 class Step:
