@@ -39,6 +39,7 @@ from torch.utils.data import default_collate
 
 from keepstep.elastic.balance import Planner
 from keepstep.elastic.board import Board
+from keepstep.elastic.buffers import BufferSync
 from keepstep.elastic.comm import WATCH_TIMEOUT, Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
@@ -112,6 +113,7 @@ class Job:
                 stacklevel=3,  # the script's keepstep.init
             )
         self.layout = layout_signature(self.model)
+        self.buffer_sync = BufferSync(self.model, config.n_micro)  # BatchNorm's statistics
         self.collective_timeout = timedelta(seconds=config.collective_timeout)
         self.comm: Communicator | None = None
         self.membership: Membership | None = None
@@ -394,8 +396,9 @@ class Job:
         received = self._agree_and_restore(self.comm)
         t2 = time.perf_counter()
         self.planner.enter(membership, self.done)
-        # The caller's slots: every member's compute seconds, and the planned-change flag.
-        self.reducer.set_caller_slots(1 + len(membership.members))
+        # The caller's slots: which buffers changed, every member's compute seconds, and
+        # the planned-change flag (step.py).
+        self.reducer.set_caller_slots(self.buffer_sync.count + len(membership.members) + 1)
         t3 = time.perf_counter()
         record = Reconfiguration(
             epoch=membership.epoch,

@@ -153,6 +153,7 @@ class Step:
         names = job.config.metrics
         self._metrics = StepMetrics(names, job.config.n_micro) if names else None
         job.reducer.begin_step()
+        job.buffer_sync.begin_step()
 
     def micro_batches(self) -> Iterator[MicroBatch]:
         """Yield this member's micro-batches, each inside its own keyed RNG scope."""
@@ -182,6 +183,7 @@ class Step:
                     f"micro-batch {mb_id} of step {self.index} ended without step.backward(loss);"
                     " call it exactly once per micro-batch"
                 )
+            job.buffer_sync.end_micro_batch(mb_id)  # what it left in BatchNorm's stats
             self._done_ids.append(mb_id)
             self._current = None
 
@@ -252,13 +254,18 @@ class Step:
             return self._fail(PeerLost(comm.epoch, "epoch aborted during compute"))
         timeout = job.collective_timeout
         buffer = job.reducer.buffer()
-        # The caller's slots (Job sets 1 + world size): [compute seconds of rank 0 .. W-1 |
-        # planned-change flag]. A member writes its own; `begin_step` zeroed the others', so
-        # the sum hands every member each figure exactly (x + 0 = x in a float format), and
-        # all members learn of a planned change in the same step, with no collective more.
+        # The caller's slots (Job sets B + world size + 1): [which of the B model buffers
+        # this member's micro-batches changed (buffers.py) | compute seconds of rank 0 ..
+        # W-1 | planned-change flag]. A member writes its own; `begin_step` zeroed the
+        # others', so the sum hands every member each figure exactly (x + 0 = x in a float
+        # format), and all members learn of a planned change in the same step, with no
+        # collective more.
         assert buffer.is_floating_point(), "the caller's slots carry seconds"
-        slots = buffer[-1 - comm.size :]
-        slots[comm.rank] = self._compute_s
+        n_buf = job.buffer_sync.count
+        slots = buffer[-(n_buf + comm.size + 1) :]
+        if n_buf:
+            slots[:n_buf] = torch.tensor(job.buffer_sync.flags(), dtype=slots.dtype)
+        slots[n_buf + comm.rank] = self._compute_s
         slots[-1] = 1 if job.controller.change_pending() else 0
         sharded = job.sharded if job.sharded is not None and job.sharded.scatters else None
         try:
@@ -268,20 +275,28 @@ class Step:
                 comm.allreduce(buffer, dist.ReduceOp.SUM, timeout)
         except PeerLost as error:
             return self._fail(error)
-        *seconds, flag = buffer[-1 - comm.size :].tolist()
+        *flags, flag = buffer[-(n_buf + comm.size + 1) :].tolist()
+        changed = [f > 0 for f in flags[:n_buf]]
         announced = bool(flag)
-        compute_s = dict(zip(comm.members, seconds, strict=True))
+        compute_s = dict(zip(comm.members, flags[n_buf:], strict=True))
         metrics: dict[str, float] = {}
+        # Both before `finish`, which writes the gradient and moves the reducer's exponents:
+        # a member that lost a peer here must still be where a member that lost it in the
+        # gradient's sum is, or the step repeated after the rollback differs.
         if self._metrics is not None:
-            # Before `finish`, which writes the gradient and moves the reducer's exponents:
-            # a member that lost a peer here must still be where a member that lost it in
-            # the gradient's sum is, or the step repeated after the rollback differs.
             summed = self._metrics.buffer(comm.device)
             try:
                 comm.allreduce(summed, dist.ReduceOp.SUM, timeout)
             except PeerLost as error:
                 return self._fail(error)
             metrics = self._metrics.reduce(summed, self.index)
+        buffers: torch.Tensor | None = None
+        if any(changed):  # every member knows: the flags came in the gradient's sum
+            buffers = job.buffer_sync.gather(changed, comm.device)
+            try:
+                comm.allreduce(buffers, dist.ReduceOp.SUM, timeout)
+            except PeerLost as error:
+                return self._fail(error)
         if sharded is not None:
             outcome = sharded.finish(buffer, job.config.n_micro, job.params)
         else:
@@ -313,6 +328,8 @@ class Step:
                 for p in job.params:  # the reduced gradient must not add to the next backward
                     p.grad = None
                 return self._fail(error)
+        if buffers is not None:  # committed (an update skipped too: the forwards ran)
+            job.buffer_sync.apply(buffers, changed)
         record = CommitRecord(
             step=self.index,
             epoch=comm.epoch,
