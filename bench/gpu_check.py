@@ -23,7 +23,8 @@ Checks, each true or false in "checks":
       rng_scope: the same micro-batch gives the same loss and gradient bits twice in a row,
       after unrelated allocations and random draws, and in a new process; another
       micro-batch id (same tokens) gives other bits, so dropout really is keyed.
-  The next sections are in gpu_check_more.py, gpu_check_gloo.py and gpu_check_job.py:
+  The next sections are in gpu_check_more.py, gpu_check_gloo.py, gpu_check_job.py and
+  gpu_check_buffers.py:
   snapshot_copy_exact (CUDA only)
       1 GiB of float32 copied device to host, into pinned and into pageable memory: bits
       equal to the source.
@@ -44,6 +45,11 @@ Checks, each true or false in "checks":
       A one-member keepstep job on the device as a user's script runs it (keepstep.device,
       keepstep.init, AdamW, clipping, autocast), trained 6 steps in each of two fresh
       processes: both finish and end with the same params_sha256.
+  buffers_members_agree, buffers_device_mean_is_cpu (gpu_check_buffers.py)
+      One step of a model with BatchNorm on the device, played by 1, 2 and 3 members in
+      one process (keepstep.elastic.buffers): every member ends with the same running
+      statistics at every world size, and the device's mean of the summed rows is the
+      CPU's, bit for bit.
 Figures (not checked): the fused reduction's ms per 1e9 parameters beside fp32 gradient
 accumulation into .grad (the issue's target: <= 2x; gpu_check_figures.py); snapshot_pinned_gb_s,
 snapshot_pageable_gb_s, pinned_vs_pageable, compute_slowdown_under_copy (a matmul loop

@@ -1,7 +1,8 @@
 """The sections of bench/gpu_check.py that move bytes between memories and processes: the
 snapshot copy, NCCL on one rank, gloo across processes with a kill and a rebuild (in
-gpu_check_gloo.py, which also runs its child processes), and a one-member job trained end
-to end in two fresh processes (gpu_check_job.py).
+gpu_check_gloo.py, which also runs its child processes), a one-member job trained end
+to end in two fresh processes (gpu_check_job.py), and BatchNorm's buffers kept in step on
+the device (gpu_check_buffers.py).
 
 Where it sits: gpu_check.main calls `run(device, report)` after its own sections. Each
 section starts with its checks false and turns them true as they pass, so one that raises
@@ -35,6 +36,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO / "elastic") not in sys.path:
     sys.path.append(str(REPO / "elastic"))  # after PYTHONPATH's entries: those win
 
+from gpu_check_buffers import batchnorm_buffers  # noqa: E402  (beside this file)
 from gpu_check_gloo import gloo_kill_rebuild  # noqa: E402  (beside this file)
 from gpu_check_job import job_end_to_end  # noqa: E402  (beside this file)
 from gpu_check_store import snapshot_store  # noqa: E402  (beside this file)
@@ -269,4 +271,9 @@ PLANS = (
         cuda_only=False,
     ),
     Plan(job_end_to_end, ("job_trains", "job_fresh_process_equal"), cuda_only=False),
+    Plan(
+        batchnorm_buffers,
+        ("buffers_members_agree", "buffers_device_mean_is_cpu"),
+        cuda_only=False,
+    ),
 )

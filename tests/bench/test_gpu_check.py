@@ -1,7 +1,8 @@
 """bench/gpu_check.py on the CPU: every section a CPU can run runs (the gloo processes
 with a kill and a rebuild included, and a one-member job trained twice), every check is
-true, the JSON has the fingerprint and the figures, the GPU-only sections are listed as
-not covered; and the exit code turns any false check into a failure.
+true (BatchNorm's buffers kept in step too), the JSON has the fingerprint and the figures,
+the GPU-only sections are listed as not covered; and the exit code turns any false check
+into a failure.
 
 (On a GPU machine: `python3 bench/gpu_check.py`; its JSON goes in the issue note.)
 """
@@ -32,6 +33,8 @@ CHECKS = {
     "gloo_rebuild_equal",
     "job_trains",
     "job_fresh_process_equal",
+    "buffers_members_agree",
+    "buffers_device_mean_is_cpu",
 }
 GPU_ONLY = ("snapshot_copy", "snapshot_store", "nccl_one_rank")  # listed as not covered
 
