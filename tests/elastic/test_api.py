@@ -357,6 +357,29 @@ def test_inputs_of_samples_that_are_not_pairs_are_refused_by_name(
     assert x.shape == (4, 6) and x[:, 0].tolist() == [float(i) for i in mb.indices]
 
 
+def test_a_parameter_unfrozen_after_init_is_refused_at_its_first_gradient() -> None:
+    """The reduction covers the parameters that required grad at init; one unfrozen later
+    would be stepped with this member's own, unreduced gradient."""
+    model, opt, data = make()
+    first = model[0]
+    assert isinstance(first, nn.Linear)
+    first.weight.requires_grad_(False)
+    job = keepstep.init(model, opt, data, global_batch=8, micro_batch=4, env={})
+    for step in job.steps(2):
+        if step.index == 1:
+            first.weight.requires_grad_(True)
+        for mb in step.micro_batches():
+            loss = F.mse_loss(model(mb.inputs), mb.targets)
+            if step.index == 0:
+                step.backward(loss)  # frozen: no gradient, nothing to refuse
+                continue
+            with pytest.raises(ConfigError, match=r"parameter '0\.weight' has a gradient, but"):
+                step.backward(loss)
+            return
+        step.commit()
+    raise AssertionError("step 1 never ran")
+
+
 def test_commit_returns_what_the_job_applies() -> None:
     model, opt, data = make()
     controller = ScheduleController(

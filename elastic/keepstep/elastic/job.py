@@ -101,6 +101,9 @@ class Job:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameters that require grad")
+        # The reduction's layout is fixed here: a parameter unfrozen later is refused at
+        # its first gradient (step.py), not trained on one member's gradient alone.
+        self.frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
         self.reducer = make_reducer(config.mode, self.params, config.n_micro)
         self.order = SampleOrder(
             config.seed, len(dataset), config.micro_batch, config.n_micro, config.shuffle

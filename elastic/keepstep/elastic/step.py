@@ -198,6 +198,15 @@ class Step:
         if self._backward_done:
             raise ConfigError(f"step.backward called twice for micro-batch {self._current}")
         loss.backward()  # type: ignore[no-untyped-call]
+        for name, p in self.job.frozen:
+            if p.grad is not None:
+                raise ConfigError(
+                    f"parameter {name!r} has a gradient, but it did not require grad when "
+                    "keepstep.init ran: the job reduces only the parameters that did, so it "
+                    "would train on this member's gradient alone. Make every parameter that "
+                    "will train require grad before keepstep.init (hold one back with a "
+                    "param group's lr of 0 until its time)"
+                )
         params = self.job.params
         self.job.reducer.add_micro_batch([p.grad for p in params])
         for p in params:
