@@ -273,7 +273,8 @@ class Step:
         n_buf = job.buffer_sync.count
         slots = buffer[-(n_buf + comm.size + 1) :]
         if n_buf:
-            slots[:n_buf] = torch.tensor(job.buffer_sync.flags(), dtype=slots.dtype)
+            flags = job.buffer_sync.flags()
+            slots[:n_buf] = torch.tensor(flags, dtype=slots.dtype, device=slots.device)
         slots[n_buf + comm.rank] = self._compute_s
         slots[-1] = 1 if job.controller.change_pending() else 0
         sharded = job.sharded if job.sharded is not None and job.sharded.scatters else None
@@ -284,10 +285,10 @@ class Step:
                 comm.allreduce(buffer, dist.ReduceOp.SUM, timeout)
         except PeerLost as error:
             return self._fail(error)
-        *flags, flag = buffer[-(n_buf + comm.size + 1) :].tolist()
-        changed = [f > 0 for f in flags[:n_buf]]
+        *summed_slots, flag = buffer[-(n_buf + comm.size + 1) :].tolist()
+        changed = [count > 0 for count in summed_slots[:n_buf]]  # members that changed each
         announced = bool(flag)
-        compute_s = dict(zip(comm.members, flags[n_buf:], strict=True))
+        compute_s = dict(zip(comm.members, summed_slots[n_buf:], strict=True))
         metrics: dict[str, float] = {}
         # Both before `finish`, which writes the gradient and moves the reducer's exponents:
         # a member that lost a peer here must still be where a member that lost it in the
