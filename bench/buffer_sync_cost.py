@@ -46,6 +46,9 @@ def main() -> None:
     x = torch.randn(args.micro_batch, 3, args.image, args.image)
     y = torch.randint(0, 10, (args.micro_batch,))
     sync = BufferSync(net, args.n_micro)
+    bns = [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]
+    moved = [b for bn in bns for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
+    assert all(isinstance(b, torch.Tensor) for b in moved)
 
     def micro_batch() -> None:
         F.cross_entropy(net(x), y).backward()
@@ -59,9 +62,6 @@ def main() -> None:
         changed = [f > 0 for f in sync.flags()]
         sync.apply(sync.gather(changed, torch.device("cpu")), changed)
 
-    bns = [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]
-    moved = [b for bn in bns for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked)]
-    assert all(isinstance(b, torch.Tensor) for b in moved)
     step_s, sync_s = [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
