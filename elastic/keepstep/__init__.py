@@ -12,7 +12,7 @@ from typing import Any
 # place, so the module spec (which tools such as import-linter read) sees every portion.
 __path__[:] = __import__("pkgutil").extend_path(__path__, __name__)
 
-_API = ("init", "device", "Job", "Step", "MicroBatch", "JobConfig", "ReduceMode")
+_API = ("init", "device", "Job", "Step", "MicroBatch", "JobConfig", "ReduceMode", "OptimizerGroup")
 
 
 def __getattr__(name: str) -> Any:

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from keepstep.elastic.errors import StateShapeError as StateShapeError
     from keepstep.elastic.job import Job as Job
     from keepstep.elastic.local_device import device as device
+    from keepstep.elastic.optimizer_group import OptimizerGroup as OptimizerGroup
     from keepstep.elastic.reduce import ReduceMode as ReduceMode
     from keepstep.elastic.step import MicroBatch as MicroBatch
     from keepstep.elastic.step import NonFiniteGradient as NonFiniteGradient
@@ -55,6 +56,7 @@ _WHERE = {
     "Reconfiguration": "control",
     "ScheduleController": "control",
     "device": "local_device",
+    "OptimizerGroup": "optimizer_group",
     "ConfigError": "errors",
     "KeepstepError": "errors",
     "PeerLost": "errors",

@@ -24,6 +24,7 @@ from keepstep.elastic.config import Balance, JobConfig, Shard
 from keepstep.elastic.control import Controller, ScheduleController
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.job import Job
+from keepstep.elastic.optimizer_group import as_optimizer
 from keepstep.elastic.reduce import ReduceMode
 from keepstep.elastic.slow_drain import DrainSlow
 from keepstep.elastic.snapshot_seed import read_seed
@@ -97,7 +98,7 @@ def _snapshot_buffer(path: str | None) -> SnapshotBuffer:
 
 def init(
     model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
     dataset: Any,
     global_batch: int | None = None,
     micro_batch: int | None = None,
@@ -121,6 +122,9 @@ def init(
     env: Mapping[str, str] | None = None,
 ) -> Job:
     """Make a plain PyTorch loop elastic. See README for the ten-line loop.
+
+    ``optimizer``: one, or a list stepped as one in its order (``[Muon(matrices),
+    AdamW(the rest)]``: optimizer_group.py), each parameter in one of them.
 
     ``state``: objects with ``state_dict()`` / ``load_state_dict()`` (LR schedulers, an
     EMA model...) kept in every snapshot with the parameters, by name (`Job.track` adds
@@ -153,6 +157,7 @@ def init(
     """
     env = os.environ if env is None else env
     fatal.install_hook(env)  # under an agent: a ConfigError that ends the script ends the job
+    stepper = as_optimizer(optimizer)  # a list: stepped as one (optimizer_group.py)
     global_batch = _setting("global_batch", global_batch, int, env)
     micro_batch = _setting("micro_batch", micro_batch, int, env)
     if global_batch is None or micro_batch is None:
@@ -190,7 +195,7 @@ def init(
         store.seed(read_seed(Path(resume), "the checkpoint to resume from"))
     board_dir = _setting("tensorboard", tensorboard, str, env)
     board = open_board(board_dir) if board_dir is not None else None  # refused before training
-    job = Job(model, optimizer, dataset, config, controller, store, collate_fn, grad_scaler)
+    job = Job(model, stepper, dataset, config, controller, store, collate_fn, grad_scaler)
     job.board = board
     if state is not None:
         if not isinstance(state, Mapping):

@@ -7,7 +7,8 @@ tracking it (``job.track``) trains on, but a restarted worker or a joiner restar
 scheduler from zero and its parameters part from the others' a few steps later. Nothing
 fails then; this warning, once per process at the first commit that sees the lr move, is
 the only sign. An object tracked with the job that holds this optimizer as ``.optimizer``
-(every torch LR scheduler does) owns the lr, and silences it.
+(every torch LR scheduler does) owns the lr, and silences it; for a job of several
+optimizers, one that holds the member a group belongs to owns that group's lr.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from keepstep.elastic.errors import ScriptStateWarning
+from keepstep.elastic.optimizer_group import OptimizerGroup
 
 # frames between warnings.warn and the script's `step.commit()`:
 # check <- Job.apply_update <- Step._commit <- Step.commit <- the script
@@ -44,11 +46,14 @@ class LrWatch:
         last, self.last = self.last, now
         if self.warned or last is None or len(last) != len(now):
             return
-        if any(getattr(obj, "optimizer", None) is self.optimizer for obj in tracked):
+        owners = {id(getattr(obj, "optimizer", None)) for obj in tracked}
+        if id(self.optimizer) in owners:
             return
         for group, (before, after) in enumerate(zip(last, now, strict=True)):
             if before == after or (math.isnan(before) and math.isnan(after)):
                 continue
+            if id(self._member(group)) in owners:
+                continue  # one optimizer of a group (optimizer_group.py), with its scheduler
             self.warned = True
             warnings.warn(
                 ScriptStateWarning(
@@ -64,6 +69,12 @@ class LrWatch:
                 stacklevel=_STACKLEVEL,
             )
             return
+
+    def _member(self, group: int) -> torch.optim.Optimizer:
+        """The optimizer that holds param group ``group``: itself, or a group's member."""
+        if isinstance(self.optimizer, OptimizerGroup):
+            return self.optimizer.owner_of(group)
+        return self.optimizer
 
     def _lrs(self) -> list[float]:
         return [float(group["lr"]) for group in self.optimizer.param_groups]

@@ -52,6 +52,8 @@ _WHY_NOT = {
     "SparseAdam": "it steps sparse gradients, which have no element ranges to split",
     "Adafactor": "it factors the second moment over whole rows and columns",
     "Muon": "it orthogonalizes whole matrices",
+    "OptimizerGroup": "it steps several optimizers (keepstep.init got a list); shard a job "
+    "that has one",
 }
 
 
