@@ -380,6 +380,39 @@ def test_a_parameter_unfrozen_after_init_is_refused_at_its_first_gradient() -> N
     raise AssertionError("step 1 never ran")
 
 
+class _Lookup(nn.Module):
+    """Token embeddings summed into a linear head, looked up as ``F.embedding`` is told."""
+
+    def __init__(self, module_sparse: bool, lookup_sparse: bool) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 6, sparse=module_sparse)
+        self.head = nn.Linear(6, 1)
+        self.lookup_sparse = lookup_sparse
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(tokens, self.table.weight, sparse=self.lookup_sparse)
+        return self.head(rows.sum(1))
+
+
+def test_sparse_gradients_are_refused_by_name_before_the_reduction() -> None:
+    data = TensorDataset(torch.randint(0, 10, (16, 3)), torch.randn(16, 1))
+    model = _Lookup(module_sparse=True, lookup_sparse=True)
+    opt = torch.optim.SparseAdam(model.table.parameters())
+    with pytest.raises(ConfigError, match=r"Embedding 'table' has sparse=True: the exact"):
+        keepstep.init(model, opt, data, global_batch=8, micro_batch=4, env={})
+    model.table.weight.requires_grad_(False)  # a frozen sparse table makes no gradient
+    keepstep.init(model, torch.optim.SGD(model.head.parameters()), data, 8, 4, env={})
+    functional = _Lookup(module_sparse=False, lookup_sparse=True)  # no module says so
+    job = keepstep.init(functional, torch.optim.SGD(functional.parameters()), data, 8, 4, env={})
+    for step in job.steps(1):
+        for mb in step.micro_batches():
+            loss = F.mse_loss(functional(mb.inputs), mb.targets)
+            with pytest.raises(ConfigError, match=r"'table\.weight' has a torch\.sparse_coo"):
+                step.backward(loss)
+            return
+    raise AssertionError("step 0 never ran")
+
+
 def test_commit_returns_what_the_job_applies() -> None:
     model, opt, data = make()
     controller = ScheduleController(

@@ -44,6 +44,7 @@ from keepstep.elastic.comm import WATCH_TIMEOUT, Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
 from keepstep.elastic.data import MicroBatchLoader
+from keepstep.elastic.dense import check_modules
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost, StateMissing
 from keepstep.elastic.heap import frozen_heap
 from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, checked_scaler, skip_step
@@ -104,6 +105,7 @@ class Job:
         # The reduction's layout is fixed here: a parameter unfrozen later is refused at
         # its first gradient (step.py), not trained on one member's gradient alone.
         self.frozen = [(n, p) for n, p in self.model.named_parameters() if not p.requires_grad]
+        check_modules(self.model)  # no sparse gradients (dense.py)
         self.reducer = make_reducer(config.mode, self.params, config.n_micro)
         self.order = SampleOrder(
             config.seed, len(dataset), config.micro_batch, config.n_micro, config.shuffle

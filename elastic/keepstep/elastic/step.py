@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from keepstep.elastic.control import CommitRecord
+from keepstep.elastic.dense import check_grads
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
 from keepstep.elastic.metrics import StepMetrics
 from keepstep.elastic.reduce import ReduceDone, ReduceNonFinite, ReduceOverflow
@@ -208,6 +209,7 @@ class Step:
                     "param group's lr of 0 until its time)"
                 )
         params = self.job.params
+        check_grads(self.job.model, params)
         self.job.reducer.add_micro_batch([p.grad for p in params])
         for p in params:
             p.grad = None
