@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch._C._distributed_c10d import HashStore
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import TensorDataset
 
 import keepstep
@@ -378,6 +379,45 @@ def test_a_parameter_unfrozen_after_init_is_refused_at_its_first_gradient() -> N
             return
         step.commit()
     raise AssertionError("step 1 never ran")
+
+
+class _Checkpointed(nn.Module):
+    """A dropout block run plain, or under activation checkpointing (recomputed in
+    backward, with the random state its forward had)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, 6)  # so the block's input requires grad, as reentrant needs
+        self.block = nn.Sequential(nn.Linear(6, 32), nn.GELU(), nn.Dropout(0.3), nn.Linear(32, 6))
+        self.head = nn.Linear(6, 1)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.how == "plain":
+            return self.head(self.block(h))
+        reentrant = self.how == "reentrant"
+        return self.head(checkpoint(self.block, h, use_reentrant=reentrant))
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+def test_activation_checkpointing_gives_the_plain_models_bits(how: str) -> None:
+    """The recompute replays the keyed dropout masks: the same gradient, bit for bit."""
+    x = torch.randn(64, 6, generator=torch.Generator().manual_seed(4))
+    data = TensorDataset(x, x.sum(1, keepdim=True))
+
+    def run(kind: str) -> str:
+        model = _Checkpointed(kind)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        job = keepstep.init(model, opt, data, 16, 4, seed=2, env={})
+        for step in job.steps(4):
+            for mb in step.micro_batches():
+                step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+            step.commit()
+        return job.params_sha256()
+
+    assert run(how) == run("plain")
 
 
 class _Lookup(nn.Module):
