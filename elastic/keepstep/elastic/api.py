@@ -117,6 +117,7 @@ def init(
     drain_slow: DrainSlow | str | None = None,
     tensorboard: str | None = None,
     collective_timeout: float | None = None,
+    weighted_mean: bool = False,
     controller: Controller | None = None,
     snapshot_path: str | None = None,
     env: Mapping[str, str] | None = None,
@@ -154,6 +155,10 @@ def init(
     for lost (default 30; ``KEEPSTEP_COLLECTIVE_TIMEOUT``, ``keepstep run
     --collective-timeout``): raise it for steps whose members can arrive that far apart
     (a first step that compiles, a slow read) or whose all-reduce takes that long.
+    ``weighted_mean=True``: each micro-batch passes its loss summed over some unit (tokens
+    that count) and how many it summed, ``step.backward(loss_sum, weight=n)``; the reduced
+    gradient is the global batch's mean per unit: the summed gradients over the summed
+    weights, whatever the members and however the units fall across micro-batches.
     """
     env = os.environ if env is None else env
     fatal.install_hook(env)  # under an agent: a ConfigError that ends the script ends the job
@@ -185,6 +190,7 @@ def init(
         collective_timeout=_default(
             _setting("collective_timeout", collective_timeout, float, env), 30.0
         ),
+        weighted_mean=weighted_mean,
     )
     if controller is None:
         controller = controller_from_env(env)

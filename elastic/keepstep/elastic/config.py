@@ -56,7 +56,9 @@ class JobConfig:
     step (sharded.py), ``"zero2"`` the reduced gradient too (exact mode), with the same
     numbers. `drain_slow`: a member slower than
     ``below`` x the median speed for ``after`` steps in a row asks to be drained
-    (slow_drain.py); None: never.
+    (slow_drain.py); None: never. `weighted_mean`: the reduced gradient is the sum of
+    the micro-batches' gradients over the sum of the weights ``step.backward(loss,
+    weight=)`` gives each (a token-weighted mean), not over the micro-batch count.
     """
 
     global_batch: int
@@ -76,6 +78,7 @@ class JobConfig:
     balance: Balance = Balance.OFF
     shard: Shard | None = None
     drain_slow: DrainSlow | None = None
+    weighted_mean: bool = False
     n_micro: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -131,6 +134,8 @@ class JobConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"metrics={names!r} names one metric twice")
         object.__setattr__(self, "metrics", tuple(names))
+        if not isinstance(self.weighted_mean, bool):
+            raise ConfigError(f"weighted_mean={self.weighted_mean!r} must be True or False")
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int):
             raise ConfigError(f"prefetch={self.prefetch!r} must be an integer >= 0")
         if self.prefetch < 0:

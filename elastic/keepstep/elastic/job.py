@@ -401,9 +401,11 @@ class Job:
         received = self._agree_and_restore(self.comm)
         t2 = time.perf_counter()
         self.planner.enter(membership, self.done)
-        # The caller's slots: which buffers changed, every member's compute seconds, and
-        # the planned-change flag (step.py).
-        self.reducer.set_caller_slots(self.buffer_sync.count + len(membership.members) + 1)
+        # The caller's slots: which buffers changed, every member's compute seconds (and
+        # micro-batch weights, for a weighted mean), and the planned-change flag (step.py).
+        per_member = 2 if self.config.weighted_mean else 1
+        count = self.buffer_sync.count + per_member * len(membership.members) + 1
+        self.reducer.set_caller_slots(count)
         t3 = time.perf_counter()
         record = Reconfiguration(
             epoch=membership.epoch,

@@ -3,7 +3,8 @@ any grouping of micro-batches onto ranks and any order of combining their partia
 
 Where it sits: `Step.backward` calls `add_micro_batch` after each micro-batch's backward;
 `Step.commit` all-reduces `buffer()` with SUM, then `finish` writes the averaged gradient
-(sum over all `n_micro` micro-batches / `n_micro`) into each parameter's `.grad`.
+(sum over all `n_micro` micro-batches / `n_micro`, or / the micro-batches' summed weights
+for a weighted mean: weights.py) into each parameter's `.grad`.
 
 `finish` returns a ReduceOutcome: ReduceDone (apply the step), ReduceOverflow (EXACT mode
 only: all-reduce MAX of `retry_max_buffer()`, call `set_retry_exponents` and recompute the

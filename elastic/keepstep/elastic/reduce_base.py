@@ -102,12 +102,27 @@ class Reducer(Protocol):
         ...
 
     def finish(
-        self, reduced: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
+        self,
+        reduced: torch.Tensor,
+        n_micro: int,
+        params: Sequence[torch.Tensor],
+        total_weight: int | None = None,
     ) -> ReduceOutcome: ...
     def retry_max_buffer(self) -> torch.Tensor: ...
     def set_retry_exponents(self, reduced_max: torch.Tensor) -> None: ...
     def state_dict(self) -> dict[str, torch.Tensor]: ...
     def load_state_dict(self, state: Mapping[str, torch.Tensor]) -> None: ...
+
+
+def check_total_weight(total: object) -> int:
+    """A weighted mean's divisor: the step's summed micro-batch weights, an int in
+    [1, 2**53) (so it and its multiples by the exact mode's powers of two are exact)."""
+    if isinstance(total, bool) or not isinstance(total, int) or not 0 < total < 2**53:
+        raise ConfigError(
+            f"the micro-batches' weights sum to {total!r}: a weighted mean needs a total in "
+            "[1, 2**53) (every micro-batch of the step had weight 0?)"
+        )
+    return total
 
 
 def check_caller_slots(count: object) -> int:

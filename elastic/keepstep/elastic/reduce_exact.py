@@ -11,9 +11,10 @@ same exponents k_t, so q depends only on the micro-batch. The integers are held 
 every partial sum of any subset of micro-batches is an integer of magnitude <= 2**53, which
 float64 represents exactly, so each addition (here and in the all-reduce) is exact and any
 grouping and order give the same bits. Then grad = sum / (n_micro * 2**k_t), cast to the
-parameter dtype. float64 rather than int64: the same bytes on the wire, one conversion pass
-fewer per micro-batch and none at the end, for 9 bits less range (with 12 micro-batches
-and the default headroom, a tensor's peak gradient keeps 41 bits, float32 has 24).
+parameter dtype (a weighted mean: sum / (total weight * 2**k_t), weights.py). float64
+rather than int64: the same bytes on the wire, one conversion pass fewer per micro-batch
+and none at the end, for 9 bits less range (with 12 micro-batches and the default
+headroom, a tensor's peak gradient keeps 41 bits, float32 has 24).
 
 Why the quantization is exact and the same on every device: g * 2**k is exact in the
 compute dtype (float64 for float64 parameters, float32 for float32/bfloat16/float16, which
@@ -80,6 +81,7 @@ from keepstep.elastic.reduce_base import (
     check_exact_paths,
     check_exact_range,
     check_exact_state,
+    check_total_weight,
     nonfinite_reason,
 )
 from keepstep.elastic.reduce_device import DeviceOps
@@ -320,10 +322,14 @@ class ExactReducer:
         return self._acc
 
     def finish(
-        self, reduced: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
+        self,
+        reduced: torch.Tensor,
+        n_micro: int,
+        params: Sequence[torch.Tensor],
+        total_weight: int | None = None,
     ) -> ReduceOutcome:
         self._layout.check_finish(reduced, self._acc, n_micro, params)
-        settled = self.settle(reduced[self._n : self._end], n_micro)
+        settled = self.settle(reduced[self._n : self._end], n_micro, total_weight)
         if not isinstance(settled, Settled):
             return settled
         divisors, given = settled.divisors, settled.given
@@ -342,10 +348,14 @@ class ExactReducer:
         """Where each tensor's integers start in the buffer; then where its data ends."""
         return (*self._lo, self._n)
 
-    def settle(self, tail: torch.Tensor, n_micro: int) -> ReduceOutcome | Settled:
+    def settle(
+        self, tail: torch.Tensor, n_micro: int, total_weight: int | None = None
+    ) -> ReduceOutcome | Settled:
         """The outcome of a step's summed tail (the buffer after its data, summed over
         members): overflow, non-finite, or the divisors (``grad = sum / divisor`` in
-        float64, rounded to the parameter's dtype) and the exponents move on."""
+        float64, rounded to the parameter's dtype) and the exponents move on. The sum is
+        divided by ``total_weight`` (the micro-batches' weights, summed: a weighted mean)
+        where given, else by ``n_micro``."""
         n_t = self._n_t
         counts = [int(c) for c in tail[: self._end - self._n].tolist()]  # exact integers
         if counts[1] > 0:
@@ -354,8 +364,9 @@ class ExactReducer:
             return ReduceNonFinite(reason)
         if counts[0] > 0:
             return ReduceOverflow(micro_batches=counts[0])
-        # n_micro * 2**k is exact, and dividing by it equals (sum / n_micro) * 2**-k exactly.
-        divisors = tuple(n_micro * s for s in self._scales)
+        # n * 2**k is exact (n < 2**53), and dividing by it equals (sum / n) * 2**-k exactly.
+        n = n_micro if total_weight is None else check_total_weight(total_weight)
+        divisors = tuple(n * s for s in self._scales)
         given = tuple(counts[2 + 2 * n_t :])
         qpeak = counts[2 + n_t : 2 + 2 * n_t]
         self._peak = [q / (n_micro * s) for q, s in zip(qpeak, self._scales, strict=True)]

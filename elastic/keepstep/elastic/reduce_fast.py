@@ -25,6 +25,7 @@ from keepstep.elastic.reduce_base import (
     ReduceOutcome,
     abs_max,
     check_caller_slots,
+    check_total_weight,
     nonfinite_reason,
 )
 
@@ -74,10 +75,15 @@ class FastReducer:
         return self._acc
 
     def finish(
-        self, reduced: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
+        self,
+        reduced: torch.Tensor,
+        n_micro: int,
+        params: Sequence[torch.Tensor],
+        total_weight: int | None = None,
     ) -> ReduceOutcome:
         self._layout.check_finish(reduced, self._acc, n_micro, params)
-        torch.div(reduced, n_micro, out=self._out)
+        n = n_micro if total_weight is None else check_total_weight(total_weight)
+        torch.div(reduced, n, out=self._out)
         live = [v for v in self._oviews if v.numel()]
         peaks = abs_max(live, self._acc.device.type != "cpu") if live else self._acc[:0]
         finite = iter(torch.isfinite(peaks).tolist())

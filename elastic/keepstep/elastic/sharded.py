@@ -251,13 +251,17 @@ class ShardedOptimizer:
         self._sums = self.grad_shard.reduce(comm, buffer[:n], timeout)
 
     def finish(
-        self, buffer: torch.Tensor, n_micro: int, params: Sequence[torch.Tensor]
+        self,
+        buffer: torch.Tensor,
+        n_micro: int,
+        params: Sequence[torch.Tensor],
+        total_weight: int | None = None,
     ) -> ReduceOutcome:
         """What ``ExactReducer.finish`` is to the all-reduced buffer, for this member's
         pieces: the outcome, and on success its windows' averaged gradients (kept for
         ``step``; every ``.grad`` is None)."""
         assert self.reducer is not None and self.grad_shard is not None and self._sums is not None
-        settled = self.reducer.settle(buffer[self.grad_shard.data_size :], n_micro)
+        settled = self.reducer.settle(buffer[self.grad_shard.data_size :], n_micro, total_weight)
         sums, self._sums = self._sums, None
         if not isinstance(settled, Settled):
             return settled

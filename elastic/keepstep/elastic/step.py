@@ -38,6 +38,7 @@ from keepstep.elastic.metrics import StepMetrics
 from keepstep.elastic.reduce import ReduceDone, ReduceNonFinite, ReduceOverflow
 from keepstep.elastic.rng import rng_scope
 from keepstep.elastic.train_state import check_layout
+from keepstep.elastic.weights import check_exact_in, micro_batch_weight
 
 if TYPE_CHECKING:
     from keepstep.elastic.job import Job
@@ -151,6 +152,7 @@ class Step:
         self._started = time.perf_counter()
         self._cpu_started = time.process_time()
         self._compute_s = 0.0  # the loop body's seconds (see the module docstring)
+        self._weight = 0  # the weights of this member's micro-batches (a weighted mean)
         names = job.config.metrics
         self._metrics = StepMetrics(names, job.config.n_micro) if names else None
         job.reducer.begin_step()
@@ -188,8 +190,9 @@ class Step:
             self._done_ids.append(mb_id)
             self._current = None
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backpropagate one micro-batch's loss (its mean over the micro-batch).
+    def backward(self, loss: torch.Tensor, weight: int | torch.Tensor | None = None) -> None:
+        """Backpropagate one micro-batch's loss: its mean over the micro-batch, or, in a
+        job with ``weighted_mean=True``, its sum over ``weight`` units (tokens that count).
 
         The gradient is folded into the step's order-invariant accumulator at once, so the
         parameters' `.grad` is free again for the next micro-batch.
@@ -198,6 +201,7 @@ class Step:
             raise ConfigError("step.backward(loss) called outside `for mb in step.micro_batches()`")
         if self._backward_done:
             raise ConfigError(f"step.backward called twice for micro-batch {self._current}")
+        self._weight += micro_batch_weight(weight, self.job.config.weighted_mean)
         loss.backward()  # type: ignore[no-untyped-call]
         for name, p in self.job.frozen:
             if p.grad is not None:
@@ -272,12 +276,14 @@ class Step:
         # format), and all members learn of a planned change in the same step, with no
         # collective more.
         assert buffer.is_floating_point(), "the caller's slots carry seconds"
-        n_buf = job.buffer_sync.count
-        slots = buffer[-(n_buf + comm.size + 1) :]
+        n_buf, size, weighted = job.buffer_sync.count, comm.size, job.config.weighted_mean
+        slots = buffer[-(n_buf + (2 if weighted else 1) * size + 1) :]
         if n_buf:
             flags = job.buffer_sync.flags()
             slots[:n_buf] = torch.tensor(flags, dtype=slots.dtype, device=slots.device)
         slots[n_buf + comm.rank] = self._compute_s
+        if weighted:  # [... | weights of rank 0 .. W-1 |]: each exact in the buffer's format
+            slots[n_buf + size + comm.rank] = check_exact_in(self._weight, slots.dtype)
         slots[-1] = 1 if job.controller.change_pending() else 0
         sharded = job.sharded if job.sharded is not None and job.sharded.scatters else None
         try:
@@ -287,10 +293,12 @@ class Step:
                 comm.allreduce(buffer, dist.ReduceOp.SUM, timeout)
         except PeerLost as error:
             return self._fail(error)
-        *summed_slots, flag = buffer[-(n_buf + comm.size + 1) :].tolist()
+        *summed_slots, flag = buffer[-len(slots) :].tolist()
         changed = [count > 0 for count in summed_slots[:n_buf]]  # members that changed each
         announced = bool(flag)
-        compute_s = dict(zip(comm.members, summed_slots[n_buf:], strict=True))
+        compute_s = dict(zip(comm.members, summed_slots[n_buf : n_buf + size], strict=True))
+        # Summed as Python ints, exactly, in rank order: the same total on every member.
+        total = sum(int(w) for w in summed_slots[n_buf + size :]) if weighted else None
         metrics: dict[str, float] = {}
         # Both before `finish`, which writes the gradient and moves the reducer's exponents:
         # a member that lost a peer here must still be where a member that lost it in the
@@ -309,10 +317,15 @@ class Step:
                 comm.allreduce(buffers, dist.ReduceOp.SUM, timeout)
             except PeerLost as error:
                 return self._fail(error)
+        if total == 0:
+            raise ConfigError(
+                f"step {self.index}: the weights of all its micro-batches sum to 0, so "
+                "there is no mean to take (every token of the global batch masked out?)"
+            )
         if sharded is not None:
-            outcome = sharded.finish(buffer, job.config.n_micro, job.params)
+            outcome = sharded.finish(buffer, job.config.n_micro, job.params, total)
         else:
-            outcome = job.reducer.finish(buffer, job.config.n_micro, job.params)
+            outcome = job.reducer.finish(buffer, job.config.n_micro, job.params, total)
         if isinstance(outcome, ReduceOverflow):
             peak = job.reducer.retry_max_buffer()
             try:
