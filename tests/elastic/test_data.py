@@ -132,6 +132,8 @@ def test_a_readers_error_reaches_the_training_thread() -> None:
 def test_reads_ahead_happen_off_the_training_thread() -> None:
     dataset = Slow(100, delay=0.01)
     loader = MicroBatchLoader(dataset, default_collate, prefetch=2)
+    assert dataset.threads == {threading.current_thread().name}  # the start's check of [0]
+    dataset.threads.clear()
     try:
         plan = [((0, mb), [2 * mb, 2 * mb + 1]) for mb in range(4)]
         for i, (key, indices) in enumerate(plan):

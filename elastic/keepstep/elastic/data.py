@@ -13,15 +13,19 @@ samples of any step are known without reading the ones before it. `TokenFile` an
 `TokenShards` are such sources for token streams of any size: memory-mapped, so only the
 pages a micro-batch touches are read.
 
-The dataset's `__getitem__` must be deterministic per index (random augmentation belongs in
-the forward, inside the step's keyed RNG scope) and, with prefetch, safe to call from
-another thread (reads of files and arrays are; most datasets are).
+A random augmentation in `__getitem__` or the collate function draws keyed numbers: the
+training thread reads each micro-batch in its own RNG scope, keyed by (seed, step,
+micro-batch) apart from the forward's, so every member augments a micro-batch alike. With
+prefetch the reads run on background threads, where the process-wide generators cannot be
+keyed: the dataset must then draw nothing from them (checked on sample 0 at start) and be
+safe to call from another thread (reads of files and arrays are; most datasets are).
 """
 
 from __future__ import annotations
 
 import bisect
 import os
+import random
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -36,6 +40,74 @@ from keepstep.elastic.errors import ConfigError
 
 Collate = Callable[[list[Any]], Any]
 Key = tuple[int, int]  # (step, micro-batch id)
+
+
+def check_dataset(dataset: object) -> None:
+    """``ConfigError`` naming what the job cannot read by position: a DataLoader (its
+    dataset is), an iterable-style dataset, anything without ``len`` and ``[i]``."""
+    if isinstance(dataset, torch.utils.data.DataLoader):
+        raise ConfigError(
+            "the dataset is a DataLoader: the job picks every micro-batch's samples itself "
+            "(keyed by seed and step, so any member can read any micro-batch). Pass its "
+            "dataset and collate function, keepstep.init(model, optimizer, loader.dataset, "
+            "collate_fn=loader.collate_fn, ...): its sampler, shuffle and batch size are "
+            "replaced by the job's order, global_batch and micro_batch"
+        )
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise ConfigError(
+            f"the dataset is an iterable-style {type(dataset).__name__}: the job reads by "
+            "position (len and dataset[i]), so that a joiner or a restarted worker reads "
+            "exactly where the job is. For token streams, keepstep.elastic.data.TokenFile "
+            "or TokenShards read files of any size by position"
+        )
+    missing = [m for m in ("__len__", "__getitem__") if not hasattr(dataset, m)]
+    if missing:
+        raise ConfigError(
+            f"the dataset ({type(dataset).__name__}) has no {' or '.join(missing)}: the job "
+            "reads a map-style dataset, len(dataset) samples read as dataset[i]"
+        )
+
+
+def _global_states() -> tuple[torch.Tensor, Any, Any]:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def check_reads_draw_nothing(dataset: Any, collate: Collate) -> None:
+    """With prefetch, reads run on another thread, where the global generators cannot be
+    keyed per micro-batch (they are process-wide, and the forward draws from them at the
+    same time). ``ConfigError`` if reading sample 0 draws from torch's, ``random``'s or
+    numpy's global generator; the generators are put back as they were."""
+    before = _global_states()
+    try:
+        collate([dataset[0]])
+        after = _global_states()
+    finally:
+        torch.set_rng_state(before[0])
+        random.setstate(before[1])
+        np.random.set_state(before[2])
+    drew = [
+        name
+        for name, was, now in zip(("torch", "random", "numpy"), before, after, strict=True)
+        if not _same_state(was, now)
+    ]
+    if drew:
+        raise ConfigError(
+            f"reading dataset[0] draws from {' and '.join(drew)}'s global generator (a random "
+            "augmentation in __getitem__ or collate_fn?). With prefetch the reads run on a "
+            "background thread, where those draws cannot be keyed by (seed, step, "
+            "micro-batch) and members would augment differently. Use prefetch=0 (reads in "
+            "the training thread are keyed), or draw from a generator seeded by the index"
+        )
+
+
+def _same_state(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, tuple) and isinstance(b, tuple):  # numpy's: (name, keys, pos, ...)
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return bool(np.array_equal(a, b))
+    return a == b
 
 
 class MicroBatchLoader:
@@ -53,6 +125,9 @@ class MicroBatchLoader:
             raise ConfigError(f"prefetch={prefetch!r} must be an int >= 0 (micro-batches ahead)")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ConfigError(f"loader threads={threads!r} must be an int >= 1")
+        check_dataset(dataset)
+        if prefetch:
+            check_reads_draw_nothing(dataset, collate)
         self.dataset, self.collate, self.prefetch = dataset, collate, prefetch
         self._pending: OrderedDict[Key, tuple[tuple[int, ...], Future[Any]]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None

@@ -27,6 +27,7 @@ from keepstep.elastic.errors import ConfigError
 
 __all__ = [
     "CUBLAS_WORKSPACE_CONFIG",
+    "DATA",
     "SampleOrder",
     "derive_seed",
     "fix_determinism",
@@ -43,6 +44,9 @@ _NUMPY_STREAM = "numpy-legacy"
 # The device's generator: one name for every device index, since a micro-batch's numbers
 # must not depend on which GPU (or rank) computes it. Dropout in SDPA draws from it too.
 _DEVICE_STREAM = "torch-cuda"
+# The streams a micro-batch's samples are read under (random augmentation in __getitem__ or
+# the collate function): apart from its forward's, so reading draws nothing from those.
+DATA = "data/"
 # What cuBLAS needs for deterministic results (torch checks for one of these two values).
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 _CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
@@ -169,9 +173,11 @@ def rng_scope(
     step: int,
     micro_batch_id: int,
     device_generators: Sequence[torch.Generator] | None = None,
+    purpose: str = "",
 ) -> Iterator[None]:
     """Seed torch's CPU generator, ``random``, numpy's global RNG and the device's
-    generator for one micro-batch.
+    generator for one micro-batch (``purpose``: another set of streams for the same
+    micro-batch, e.g. ``DATA`` for reading its samples apart from its forward).
 
     Each gets its own stream of ``derive_seed(seed, step, micro_batch_id, ...)``. The
     device generators are ``device_generators`` if given, else
@@ -181,10 +187,10 @@ def rng_scope(
     draws exactly what it would have drawn without it. Other devices' generators are not
     touched (``torch.manual_seed`` would reseed all of them, so it is not used here).
     """
-    torch_seed = derive_seed(seed, step, micro_batch_id, _TORCH_STREAM)
-    python_seed = derive_seed(seed, step, micro_batch_id, _PYTHON_STREAM)
-    numpy_seed = derive_seed(seed, step, micro_batch_id, _NUMPY_STREAM)
-    device_seed = derive_seed(seed, step, micro_batch_id, _DEVICE_STREAM)
+    torch_seed = derive_seed(seed, step, micro_batch_id, purpose + _TORCH_STREAM)
+    python_seed = derive_seed(seed, step, micro_batch_id, purpose + _PYTHON_STREAM)
+    numpy_seed = derive_seed(seed, step, micro_batch_id, purpose + _NUMPY_STREAM)
+    device_seed = derive_seed(seed, step, micro_batch_id, purpose + _DEVICE_STREAM)
     gens = current_device_generators() if device_generators is None else list(device_generators)
 
     torch_state = torch.get_rng_state()

@@ -36,7 +36,7 @@ from keepstep.elastic.dense import check_grads
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
 from keepstep.elastic.metrics import StepMetrics
 from keepstep.elastic.reduce import ReduceDone, ReduceNonFinite, ReduceOverflow
-from keepstep.elastic.rng import rng_scope
+from keepstep.elastic.rng import DATA, rng_scope
 from keepstep.elastic.train_state import check_layout
 from keepstep.elastic.weights import check_exact_in, micro_batch_weight
 
@@ -175,7 +175,9 @@ class Step:
             if job.loader.prefetch:
                 job.loader.ahead(planned[i:] + ahead)
             indices = self._indices[mb_id] = planned[i][1]
-            data = job.loader.get((self.index, mb_id), indices)
+            # A random augmentation in the dataset or collate_fn draws keyed numbers too.
+            with rng_scope(job.config.seed, self.index, mb_id, purpose=DATA):
+                data = job.loader.get((self.index, mb_id), indices)
             self._current, self._backward_done = mb_id, False
             with rng_scope(job.config.seed, self.index, mb_id):
                 began = time.perf_counter()
