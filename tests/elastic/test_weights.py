@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 
 import keepstep
 from keepstep.elastic import ConfigError
+from keepstep.elastic.metrics import StepMetrics
 from keepstep.elastic.reduce_base import check_total_weight
 from keepstep.elastic.weights import check_exact_in, micro_batch_weight
 from keepstep.launch.local import LocalRun, agreed_sha, run_local
@@ -74,19 +76,30 @@ def test_the_gradient_is_the_global_batchs_mean_per_token(mode: str) -> None:
     model = Model()
     model.drop.p = 0.0
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    job = keepstep.init(model, opt, data, 16, 4, seed=1, mode=mode, weighted_mean=True, env={})
+    job = keepstep.init(
+        model, opt, data, 16, 4, seed=1, mode=mode, weighted_mean=True, metrics=["loss"], env={}
+    )
     seen: dict[str, torch.Tensor] = {}
     job.before_optimizer_step(
         lambda m, _: seen.update({n: p.grad.clone() for n, p in m.named_parameters()})
     )
     start = copy.deepcopy(model)
+    sums, counts = [], []
     for step in job.steps(1):
         ids = []
         for mb in step.micro_batches():
             ids.append(list(mb.indices))
             inputs, targets = mb.inputs, mb.targets
-            step.backward(loss_sum(model, inputs, targets), weight=(targets != IGNORE).sum())
-        assert step.commit()
+            loss, count = loss_sum(model, inputs, targets), (targets != IGNORE).sum()
+            sums.append(float(loss.detach()))
+            counts.append(int(count))
+            step.log(loss=loss / count)
+            step.backward(loss, weight=count)
+        result = step.commit()
+    assert result
+    assert result.metrics["loss"] == pytest.approx(sum(sums) / sum(counts), rel=1e-6)  # fp32
+    mean_of_means = sum(s / c for s, c in zip(sums, counts, strict=True)) / len(sums)
+    assert result.metrics["loss"] != pytest.approx(mean_of_means)
     want = _reference(start, data, ids)
     for name, grad in seen.items():
         torch.testing.assert_close(grad.double(), want[name], rtol=1e-5, atol=1e-7)
@@ -119,7 +132,11 @@ def test_a_weighted_job_ends_identical_alone_sharded_and_through_a_crash(tmp_pat
         result = run_local(run, tmp_path / name, {**os.environ, **env})
         for member, code in result.returncodes.items():
             assert code == 0, f"{member} exited {code}:\n{result.logs[member][-3000:]}"
+            curve = re.findall(r"losses=\[(.*)\]", result.logs[member])[-1].split(", ")
+            curves.append(curve)  # a restarted member's: the steps after its restart
         return agreed_sha(result)
+
+    curves: list[list[str]] = []
 
     alone = launch("alone", [["m0"]], {})
     three = [["m0", "m1", "m2"], ["m0", "m2"], ["m0", "m1", "m2"]]
@@ -129,3 +146,17 @@ def test_a_weighted_job_ends_identical_alone_sharded_and_through_a_crash(tmp_pat
     )  # fmt: skip
     zero2 = launch("zero2", [["m0", "m1"]], {"KEEPSTEP_SHARD": "zero2"})
     assert crash == alone and zero2 == alone
+    full = curves[0]  # alone's: every step's token-mean loss
+    assert len(full) == 8 and all(c == full[len(full) - len(c) :] for c in curves), curves
+
+
+def test_a_weighted_jobs_metrics_weigh_each_micro_batch_by_its_weight() -> None:
+    metrics = StepMetrics(["loss", "lr"], n_micro=3, weighted=True)
+    for mb, (loss, weight) in enumerate([(2.0, 10), (float("nan"), 0), (5.0, 30)]):
+        metrics.log(mb, {"loss": loss, "lr": 0.5})
+        metrics.weights[mb] = weight
+    out = metrics.reduce(metrics.buffer(), step=0)
+    assert out == {"loss": (2.0 * 10 + 5.0 * 30) / 40, "lr": 0.5}  # weight 0: not read
+    plain = StepMetrics(["loss"], n_micro=2)
+    plain.log(0, {"loss": 1.0}), plain.log(1, {"loss": 2.0})
+    assert plain.buffer().numel() == 4 and plain.reduce(plain.buffer(), 0) == {"loss": 1.5}

@@ -50,12 +50,20 @@ def main() -> None:
     torch.manual_seed(0)
     model = Model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    job = keepstep.init(model, optimizer, data, weighted_mean=True, clip_grad_norm=1.0)
+    job = keepstep.init(
+        model, optimizer, data, weighted_mean=True, clip_grad_norm=1.0, metrics=("loss",)
+    )
+    losses = []
     for step in job.steps():
         for mb in step.micro_batches():
             inputs, targets = mb.inputs, mb.targets
-            step.backward(loss_sum(model, inputs, targets), weight=(targets != IGNORE).sum())
-        step.commit()
+            count = (targets != IGNORE).sum()
+            loss = loss_sum(model, inputs, targets)
+            step.log(loss=loss / count)  # weighted by count at commit: the token mean
+            step.backward(loss, weight=count)
+        if result := step.commit():
+            losses.append(result.metrics["loss"])
+    print(f"losses={[float.hex(v) for v in losses]}")
     print(f"done steps={job.done} params_sha256={job.params_sha256()}")
 
 

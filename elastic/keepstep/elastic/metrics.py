@@ -12,6 +12,12 @@ to zeros only, which is exact in any order. Every member then averages the slots
 micro-batch order: the same float operations whatever the membership. A second set of
 slots counts who logged, so a name that some micro-batch did not log (a script that logs on
 one rank only) is refused with the same error on every member instead of averaging a part.
+
+In a job with a weighted mean (weights.py) the average is weighted as the gradient is: a
+third set of slots holds each micro-batch's weight, and a name's value is the sum of
+weight x value over the summed weights, so a per-micro-batch mean logged as ``loss_sum /
+n`` gives the global batch's mean per token. A micro-batch of weight 0 counts for nothing
+(its logged 0/0 is not read).
 """
 
 from __future__ import annotations
@@ -26,10 +32,12 @@ from keepstep.elastic.errors import ConfigError
 class StepMetrics:
     """One step's logged values on this member, by name and micro-batch."""
 
-    def __init__(self, names: Sequence[str], n_micro: int) -> None:
+    def __init__(self, names: Sequence[str], n_micro: int, weighted: bool = False) -> None:
         self.names = tuple(names)
         self.n_micro = n_micro
+        self.weighted = weighted
         self._values: dict[tuple[int, int], float] = {}  # (name index, mb id) -> value
+        self.weights: dict[int, int] = {}  # mb id -> its weight (a weighted job's)
 
     def log(self, mb_id: int, values: Mapping[str, object]) -> None:
         """Record `values` for micro-batch `mb_id` (a later call for it replaces a name)."""
@@ -43,20 +51,23 @@ class StepMetrics:
             self._values[(self.names.index(name), mb_id)] = _scalar(name, value)
 
     def buffer(self, device: torch.device | None = None) -> torch.Tensor:
-        """Values then presence, one float64 slot per (name, micro-batch); zeros elsewhere.
-        Filled on the CPU, then moved to ``device`` (the communicator's: NCCL reduces only
-        device tensors)."""
+        """Values then presence, one float64 slot per (name, micro-batch), then (weighted)
+        one weight per micro-batch; zeros elsewhere. Filled on the CPU, then moved to
+        ``device`` (the communicator's: NCCL reduces only device tensors)."""
         k, n = len(self.names), self.n_micro
-        out = torch.zeros(2 * k * n, dtype=torch.float64)
+        out = torch.zeros(2 * k * n + (n if self.weighted else 0), dtype=torch.float64)
         for (i, mb), value in self._values.items():
             out[i * n + mb] = value
             out[k * n + i * n + mb] = 1.0
+        for mb, weight in self.weights.items():
+            out[2 * k * n + mb] = weight  # exact: a count < 2**53 (weights.py)
         return out if device is None else out.to(device)
 
     def reduce(self, summed: torch.Tensor, step: int) -> dict[str, float]:
         """Each name's mean over the step's micro-batches, from the all-reduced buffer."""
         k, n = len(self.names), self.n_micro
-        values, present = summed[: k * n].tolist(), summed[k * n :].tolist()
+        values, present = summed[: k * n].tolist(), summed[k * n : 2 * k * n].tolist()
+        weights = summed[2 * k * n :].tolist() if self.weighted else [1.0] * n
         out: dict[str, float] = {}
         for i, name in enumerate(self.names):
             counts = present[i * n : (i + 1) * n]
@@ -70,9 +81,10 @@ class StepMetrics:
             if missing:
                 continue  # not logged in this step at all
             total = 0.0
-            for v in values[i * n : (i + 1) * n]:  # in micro-batch order, on every member
-                total += v
-            out[name] = total / n
+            for v, w in zip(values[i * n : (i + 1) * n], weights, strict=True):
+                if w:  # in micro-batch order, on every member; weight 0 counts for nothing
+                    total += w * v  # 1.0 * v is v: unweighted, the plain mean
+            out[name] = total / sum(weights)
         return out
 
 

@@ -154,7 +154,8 @@ class Step:
         self._compute_s = 0.0  # the loop body's seconds (see the module docstring)
         self._weight = 0  # the weights of this member's micro-batches (a weighted mean)
         names = job.config.metrics
-        self._metrics = StepMetrics(names, job.config.n_micro) if names else None
+        weighted = job.config.weighted_mean
+        self._metrics = StepMetrics(names, job.config.n_micro, weighted) if names else None
         job.reducer.begin_step()
         job.buffer_sync.begin_step()
 
@@ -203,7 +204,10 @@ class Step:
             raise ConfigError("step.backward(loss) called outside `for mb in step.micro_batches()`")
         if self._backward_done:
             raise ConfigError(f"step.backward called twice for micro-batch {self._current}")
-        self._weight += micro_batch_weight(weight, self.job.config.weighted_mean)
+        mb_weight = micro_batch_weight(weight, self.job.config.weighted_mean)
+        self._weight += mb_weight
+        if self._metrics is not None and self._metrics.weighted:
+            self._metrics.weights[self._current] = mb_weight
         loss.backward()  # type: ignore[no-untyped-call]
         for name, p in self.job.frozen:
             if p.grad is not None:
@@ -301,6 +305,11 @@ class Step:
         compute_s = dict(zip(comm.members, summed_slots[n_buf : n_buf + size], strict=True))
         # Summed as Python ints, exactly, in rank order: the same total on every member.
         total = sum(int(w) for w in summed_slots[n_buf + size :]) if weighted else None
+        if total == 0:
+            raise ConfigError(
+                f"step {self.index}: the weights of all its micro-batches sum to 0, so "
+                "there is no mean to take (every token of the global batch masked out?)"
+            )
         metrics: dict[str, float] = {}
         # Both before `finish`, which writes the gradient and moves the reducer's exponents:
         # a member that lost a peer here must still be where a member that lost it in the
@@ -319,11 +328,6 @@ class Step:
                 comm.allreduce(buffers, dist.ReduceOp.SUM, timeout)
             except PeerLost as error:
                 return self._fail(error)
-        if total == 0:
-            raise ConfigError(
-                f"step {self.index}: the weights of all its micro-batches sum to 0, so "
-                "there is no mean to take (every token of the global batch masked out?)"
-            )
         if sharded is not None:
             outcome = sharded.finish(buffer, job.config.n_micro, job.params, total)
         else:
