@@ -238,3 +238,23 @@ def test_a_muon_and_adamw_job_ends_identical_alone_and_through_a_crash(tmp_path:
         timeout_scale=4.0,
     )  # fmt: skip
     assert crash == alone
+
+
+def test_a_scheduler_built_on_the_group_moves_every_members_lr() -> None:
+    model = mlp()
+    muon, adamw = muon_adamw(model)
+    group = OptimizerGroup([muon, adamw])
+    sched = torch.optim.lr_scheduler.LambdaLR(group, lambda s: 0.5**s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "scheduler stepped before the optimizer"
+        train(model, group, 1)
+        sched.step()
+    assert [g["lr"] for g in group.param_groups] == [0.01, 0.005]
+    assert muon.param_groups[0]["lr"] == 0.01 and adamw.param_groups[0]["lr"] == 0.005
+    watch = LrWatch(group)
+    watch.reset()
+    train(model, group, 1)
+    sched.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        watch.check(2, [sched])  # the group's own scheduler owns every group's lr
