@@ -1,6 +1,7 @@
 """The job test_augment.py launches: a dataset whose __getitem__ augments at random with
-torch's, ``random``'s and numpy's global generators, as torchvision-style transforms do;
-prints its final hashes."""
+torch's, ``random``'s and numpy's global generators, as torchvision-style transforms do,
+and a loop body that draws a loss weight per step outside its micro-batches; prints its
+final hashes."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     job = keepstep.init(model, optimizer, Augmented())
     for step in job.steps():
+        weight = random.choice([0.5, 1.0, 2.0])  # a per-step random choice, outside
         for mb in step.micro_batches():
-            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+            step.backward(weight * F.mse_loss(model(mb.inputs), mb.targets))
         step.commit()
     print(f"done steps={job.done} params_sha256={job.params_sha256()}")
 

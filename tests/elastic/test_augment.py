@@ -1,5 +1,6 @@
 """What the job reads: a DataLoader or an iterable-style dataset refused by name, and
-random augmentation in the dataset keyed per micro-batch (or, with prefetch, refused)."""
+random augmentation in the dataset keyed per micro-batch (or, with prefetch, refused);
+what a loop body draws outside its micro-batches, keyed per step."""
 
 from __future__ import annotations
 
@@ -81,14 +82,15 @@ def _train(history: int) -> str:
     job = keepstep.init(model, torch.optim.SGD(model.parameters(), lr=0.05), Augmented(64),
                         16, 4, seed=1, env={})  # fmt: skip
     for step in job.steps(3):
+        weight = 1.0 + random.random()  # outside the micro-batches: keyed by step
         for mb in step.micro_batches():
             random.random()  # the forward's draws do not move the next read's
-            step.backward(F.mse_loss(model(mb.inputs), mb.targets))
+            step.backward(weight * F.mse_loss(model(mb.inputs), mb.targets))
         step.commit()
     return job.params_sha256()
 
 
-def test_random_reads_are_keyed_whatever_the_generators_held_before() -> None:
+def test_random_reads_and_step_draws_are_keyed_whatever_the_generators_held_before() -> None:
     assert _train(history=0) == _train(history=7)
 
 

@@ -50,7 +50,7 @@ from keepstep.elastic.heap import frozen_heap
 from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, checked_scaler, skip_step
 from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.reduce import make_reducer
-from keepstep.elastic.rng import SampleOrder, fix_determinism
+from keepstep.elastic.rng import STEP, SampleOrder, fix_determinism, rng_scope
 from keepstep.elastic.rollback import MemberView, fall_back, resume_plan
 from keepstep.elastic.sharded import optimizer_sha256, shard_figures, sharded_optimizer
 from keepstep.elastic.snapshot_store import SnapshotStore
@@ -211,7 +211,10 @@ class Job:
                 continue
             assert self.membership is not None
             step = Step(self, self.done, self.assignment[self.membership.me])
-            yield step
+            # What the loop body draws outside its micro-batches is keyed by the step too:
+            # the same on every member, and again when the step is repeated.
+            with rng_scope(self.config.seed, step.index, 0, purpose=STEP):
+                yield step
             result = step.result
             if result is None:
                 raise ConfigError(f"step {step.index} ended without step.commit()")

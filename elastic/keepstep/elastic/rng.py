@@ -28,6 +28,7 @@ from keepstep.elastic.errors import ConfigError
 __all__ = [
     "CUBLAS_WORKSPACE_CONFIG",
     "DATA",
+    "STEP",
     "SampleOrder",
     "derive_seed",
     "fix_determinism",
@@ -47,6 +48,8 @@ _DEVICE_STREAM = "torch-cuda"
 # The streams a micro-batch's samples are read under (random augmentation in __getitem__ or
 # the collate function): apart from its forward's, so reading draws nothing from those.
 DATA = "data/"
+# The streams of a step's loop body outside its micro-batches (a random choice per step).
+STEP = "step/"
 # What cuBLAS needs for deterministic results (torch checks for one of these two values).
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 _CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
