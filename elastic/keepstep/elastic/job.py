@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -46,6 +46,7 @@ from keepstep.elastic.control import Controller, Membership, Reconfiguration
 from keepstep.elastic.data import MicroBatchLoader
 from keepstep.elastic.dense import check_modules
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost, StateMissing
+from keepstep.elastic.evaluate import EvalFn, evaluate
 from keepstep.elastic.heap import frozen_heap
 from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, checked_scaler, skip_step
 from keepstep.elastic.lr_watch import LrWatch
@@ -160,6 +161,22 @@ class Job:
             raise ConfigError(f"before_optimizer_step({hook!r}): not callable")
         self.hooks.append(hook)
         return hook
+
+    def evaluate(
+        self,
+        dataset: Any,
+        fn: EvalFn,
+        *,
+        names: Sequence[str],
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> dict[str, float]:
+        """Total each of ``names`` over ``fn(batch)`` for every batch of ``dataset`` (the
+        model in eval mode, no gradients), the batches split across members: the same
+        totals on every member at any world size. Call it between steps, the same way on
+        every member; ``fn`` returns additive quantities (a summed loss and a count). A
+        member lost meanwhile costs no result (evaluate.py)."""
+        return evaluate(self, dataset, fn, names, batch_size, collate_fn or self.collate)
 
     # -- the loop ---------------------------------------------------------------------
     def steps(self, total: int | None = None) -> Iterator[Step]:

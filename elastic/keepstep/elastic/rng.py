@@ -28,6 +28,7 @@ from keepstep.elastic.errors import ConfigError
 __all__ = [
     "CUBLAS_WORKSPACE_CONFIG",
     "DATA",
+    "EVAL",
     "STEP",
     "SampleOrder",
     "derive_seed",
@@ -50,6 +51,8 @@ _DEVICE_STREAM = "torch-cuda"
 DATA = "data/"
 # The streams of a step's loop body outside its micro-batches (a random choice per step).
 STEP = "step/"
+# The streams of an evaluation batch (job.evaluate: evaluate.py).
+EVAL = "eval/"
 # What cuBLAS needs for deterministic results (torch checks for one of these two values).
 CUBLAS_WORKSPACE_CONFIG = ":4096:8"
 _CUBLAS_DETERMINISTIC = (":4096:8", ":16:8")
