@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from keepstep.elastic.errors import SnapshotCorrupt as SnapshotCorrupt
     from keepstep.elastic.errors import SnapshotMissing as SnapshotMissing
     from keepstep.elastic.errors import StateShapeError as StateShapeError
+    from keepstep.elastic.hyper import HyperparametersDiffer as HyperparametersDiffer
     from keepstep.elastic.job import Job as Job
     from keepstep.elastic.local_device import device as device
     from keepstep.elastic.optimizer_group import OptimizerGroup as OptimizerGroup
@@ -64,6 +65,7 @@ _WHERE = {
     "SnapshotMissing": "errors",
     "StateShapeError": "errors",
     "ScriptStateWarning": "errors",
+    "HyperparametersDiffer": "hyper",
     "Job": "job",
     "ReduceMode": "reduce",
     "MicroBatch": "step",

@@ -48,6 +48,7 @@ from keepstep.elastic.dense import check_modules
 from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost, StateMissing
 from keepstep.elastic.evaluate import EvalFn, evaluate
 from keepstep.elastic.heap import frozen_heap
+from keepstep.elastic.hyper import HyperCheck
 from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, checked_scaler, skip_step
 from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.reduce import make_reducer
@@ -131,6 +132,7 @@ class Job:
         if self.grad_scaler is not None:
             self.tracked.add(SCALER_NAME, self.grad_scaler)
         self.lr_watch = LrWatch(optimizer)
+        self.hyper = HyperCheck(optimizer)  # members step with the same lr (hyper.py)
         # shard="zero1"/"zero2": the script's optimizer is stepped in shards (sharded.py).
         self.sharded = sharded_optimizer(config.shard, self.params, optimizer, self.reducer)
         self.hooks: list[Hook] = []
@@ -422,9 +424,11 @@ class Job:
         t2 = time.perf_counter()
         self.planner.enter(membership, self.done)
         # The caller's slots: which buffers changed, every member's compute seconds (and
-        # micro-batch weights, for a weighted mean), and the planned-change flag (step.py).
+        # micro-batch weights, for a weighted mean), the hyperparameters' hashes and the
+        # planned-change flag (step.py).
         per_member = 2 if self.config.weighted_mean else 1
-        count = self.buffer_sync.count + per_member * len(membership.members) + 1
+        count = self.buffer_sync.count + per_member * len(membership.members)
+        count += self.hyper.count + 1
         self.reducer.set_caller_slots(count)
         t3 = time.perf_counter()
         record = Reconfiguration(

@@ -275,21 +275,24 @@ class Step:
             return self._fail(PeerLost(comm.epoch, "epoch aborted during compute"))
         timeout = job.collective_timeout
         buffer = job.reducer.buffer()
-        # The caller's slots (Job sets B + world size + 1): [which of the B model buffers
-        # this member's micro-batches changed (buffers.py) | compute seconds of rank 0 ..
-        # W-1 | planned-change flag]. A member writes its own; `begin_step` zeroed the
+        # The caller's slots (Job sets B + world size + 2G + 1): [which of the B model
+        # buffers this member's micro-batches changed (buffers.py) | compute seconds of rank
+        # 0 .. W-1 | the hashes of the G param groups' hyperparameters (hyper.py) |
+        # planned-change flag]. A member writes its own seconds; `begin_step` zeroed the
         # others', so the sum hands every member each figure exactly (x + 0 = x in a float
         # format), and all members learn of a planned change in the same step, with no
         # collective more.
         assert buffer.is_floating_point(), "the caller's slots carry seconds"
         n_buf, size, weighted = job.buffer_sync.count, comm.size, job.config.weighted_mean
-        slots = buffer[-(n_buf + (2 if weighted else 1) * size + 1) :]
+        n_hyper = job.hyper.count
+        slots = buffer[-(n_buf + (2 if weighted else 1) * size + n_hyper + 1) :]
         if n_buf:
             flags = job.buffer_sync.flags()
             slots[:n_buf] = torch.tensor(flags, dtype=slots.dtype, device=slots.device)
         slots[n_buf + comm.rank] = self._compute_s
         if weighted:  # [... | weights of rank 0 .. W-1 |]: each exact in the buffer's format
             slots[n_buf + size + comm.rank] = check_exact_in(self._weight, slots.dtype)
+        job.hyper.fill(slots[-1 - n_hyper : -1], size)
         slots[-1] = 1 if job.controller.change_pending() else 0
         sharded = job.sharded if job.sharded is not None and job.sharded.scatters else None
         try:
@@ -300,6 +303,9 @@ class Step:
         except PeerLost as error:
             return self._fail(error)
         *summed_slots, flag = buffer[-len(slots) :].tolist()
+        cut = len(summed_slots) - n_hyper
+        summed_slots, hyper = summed_slots[:cut], summed_slots[cut:]
+        job.hyper.check(hyper, size, self.index)  # every member decides from the same sums
         changed = [count > 0 for count in summed_slots[:n_buf]]  # members that changed each
         announced = bool(flag)
         compute_s = dict(zip(comm.members, summed_slots[n_buf : n_buf + size], strict=True))

@@ -1,0 +1,148 @@
+"""Members step with the same optimizer hyperparameters, or the step is refused.
+
+Where it sits: at every commit ``Step`` asks ``HyperCheck.fill`` to write this member's
+slots of the gradient buffer (its caller slots, no collective of its own) and, once the
+buffer is summed, ``HyperCheck.check`` to read them back.
+
+Why: an lr that one member sets from something only it sees parts the members' parameters
+silently. The usual case is a metric-driven scheduler stepped with the member's own loss
+(``ReduceLROnPlateau.step(loss.item())``): each member's loss is that of its own
+micro-batches, so the schedulers disagree on when to cut the lr. Nothing fails; the
+members' hashes differ at the end. This check turns it into an error at the first step
+whose hyperparameters differ, on every member at once, naming the param group and this
+member's values.
+
+How: each param group's hyperparameters (everything but ``params``) are hashed to a small
+integer ``h``; every member adds ``h`` and ``h * h`` into two slots per group. The summed
+slots give ``S1 = sum(h)`` and ``S2 = sum(h * h)``, and ``W * S2 == S1 * S1`` holds exactly
+when every member's ``h`` is the same (Cauchy-Schwarz), so every member reaches the same
+verdict from the same sums. ``h`` has as many bits as the buffer's float format can sum
+exactly for ``W`` members (16 in float64 up to 2**21 members, fewer in float32), so a
+difference goes unseen in a step with probability about 2**-bits; a scheduler that parts
+the members keeps them apart, and the next steps find it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from keepstep.elastic.errors import ConfigError
+
+__all__ = ["HyperCheck", "HyperparametersDiffer", "fingerprint", "hash_bits"]
+
+_MAX_BITS = 16
+_FIX = (
+    "Step what sets them with what every member shares: a scheduler after `if "
+    "step.commit():` from the step index or from step.commit().metrics (the global batch's "
+    "mean, the same on every member), never from this member's own loss; "
+    "ReduceLROnPlateau.step(result.metrics['loss']) or job.evaluate's totals."
+)
+
+
+class HyperparametersDiffer(ConfigError):
+    """The members would step the same parameters with different hyperparameters."""
+
+
+def hash_bits(world_size: int, dtype: torch.dtype) -> int:
+    """Bits of ``h`` such that ``world_size * (2**bits - 1)**2`` is exact in ``dtype``."""
+    significand = round(-math.log2(torch.finfo(dtype).eps)) + 1  # 24, 53
+    headroom = significand - max(1, math.ceil(math.log2(world_size + 1)))
+    return max(1, min(_MAX_BITS, headroom // 2))
+
+
+def _encode(value: object, out: list[bytes]) -> None:
+    """Append ``value``'s bytes, the same in every process for the same value."""
+    if isinstance(value, bool) or value is None:
+        out.append(repr(value).encode())
+    elif isinstance(value, int):
+        out.append(b"i%d" % value)
+    elif isinstance(value, float):
+        out.append(b"f" + struct.pack("<d", value))  # -0.0 and each nan pattern as they are
+    elif isinstance(value, str):
+        out.append(b"s" + value.encode("utf-8", "surrogatepass"))
+    elif isinstance(value, tuple | list):
+        out.append(b"(%d" % len(value))
+        for item in value:
+            _encode(item, out)
+    elif isinstance(value, torch.Tensor):  # an lr held as a tensor (capturable, fused)
+        out.append(f"t{value.dtype}{tuple(value.shape)}".encode())
+        if value.numel() <= 64 and not value.is_complex():
+            out.append(value.detach().to("cpu", torch.float64).numpy().tobytes())
+    else:  # a callable or an object: its type, not its address
+        out.append(f"o{type(value).__module__}.{type(value).__qualname__}".encode())
+
+
+def fingerprint(group: Mapping[str, Any]) -> bytes:
+    """A param group's hyperparameters (every key but ``params``), hashed."""
+    out: list[bytes] = []
+    for key in sorted(k for k in group if k != "params"):
+        out.append(b"k" + key.encode())
+        _encode(group[key], out)
+    return hashlib.sha256(b"\0".join(out)).digest()
+
+
+def describe(group: Mapping[str, Any]) -> str:
+    """The group's plain hyperparameters, for an error message."""
+    shown = []
+    for key in sorted(k for k in group if k != "params"):
+        value = group[key]
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool | int | float | str | tuple | type(None)):
+            shown.append(f"{key}={value!r}")
+    return ", ".join(shown)
+
+
+class HyperCheck:
+    """Two caller slots per param group of ``optimizer``: its hash, and the hash squared."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.groups = len(optimizer.param_groups)
+
+    @property
+    def count(self) -> int:
+        """The caller slots this check needs: fixed at ``keepstep.init``, as the groups are."""
+        return 2 * self.groups
+
+    def _hashes(self, bits: int) -> list[int]:
+        if len(self.optimizer.param_groups) != self.groups:
+            raise ConfigError(
+                f"the optimizer has {len(self.optimizer.param_groups)} param groups, "
+                f"{self.groups} when keepstep.init ran: the job's layout is fixed then "
+                "(add_param_group before keepstep.init)"
+            )
+        return [
+            int.from_bytes(fingerprint(g)[:4], "little") % (1 << bits)
+            for g in self.optimizer.param_groups
+        ]
+
+    def fill(self, slots: torch.Tensor, world_size: int) -> None:
+        """Write this member's ``h, h*h`` per group into ``slots`` (``count`` elements)."""
+        bits = hash_bits(world_size, slots.dtype)
+        values = [float(v) for h in self._hashes(bits) for v in (h, h * h)]
+        slots.copy_(torch.tensor(values, dtype=slots.dtype))
+
+    def check(self, summed: Iterable[float], world_size: int, step: int) -> None:
+        """``HyperparametersDiffer`` naming each group whose members' hashes differ."""
+        values = [int(v) for v in summed]
+        differ = [
+            group
+            for group, (s1, s2) in enumerate(zip(values[::2], values[1::2], strict=True))
+            if world_size * s2 != s1 * s1
+        ]
+        if not differ:
+            return
+        groups = self.optimizer.param_groups
+        mine = "; ".join(f"this member's group {g}: {describe(groups[g])}" for g in differ)
+        raise HyperparametersDiffer(
+            f"step {step}: the {world_size} members would step with different optimizer "
+            f"hyperparameters in param group{'s' if len(differ) > 1 else ''} "
+            f"{', '.join(map(str, differ))} ({mine}), and their parameters would part. {_FIX}"
+        )
