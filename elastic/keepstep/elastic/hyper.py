@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import struct
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -56,35 +55,25 @@ def hash_bits(world_size: int, dtype: torch.dtype) -> int:
     return max(1, min(_MAX_BITS, headroom // 2))
 
 
-def _encode(value: object, out: list[bytes]) -> None:
-    """Append ``value``'s bytes, the same in every process for the same value."""
-    if isinstance(value, bool) or value is None:
-        out.append(repr(value).encode())
-    elif isinstance(value, int):
-        out.append(b"i%d" % value)
-    elif isinstance(value, float):
-        out.append(b"f" + struct.pack("<d", value))  # -0.0 and each nan pattern as they are
-    elif isinstance(value, str):
-        out.append(b"s" + value.encode("utf-8", "surrogatepass"))
-    elif isinstance(value, tuple | list):
-        out.append(b"(%d" % len(value))
-        for item in value:
-            _encode(item, out)
-    elif isinstance(value, torch.Tensor):  # an lr held as a tensor (capturable, fused)
-        out.append(f"t{value.dtype}{tuple(value.shape)}".encode())
+def _plain(value: object) -> object:
+    """``value`` as plain data whose ``repr`` is the same in every process for the same
+    value (a float's repr round-trips exactly; a list reads as the tuple it restores to)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, tuple | list):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, torch.Tensor):  # an lr held as a tensor (capturable, fused)
+        values = None
         if value.numel() <= 64 and not value.is_complex():
-            out.append(value.detach().to("cpu", torch.float64).numpy().tobytes())
-    else:  # a callable or an object: its type, not its address
-        out.append(f"o{type(value).__module__}.{type(value).__qualname__}".encode())
+            values = tuple(value.detach().to("cpu", torch.float64).flatten().tolist())
+        return ("tensor", str(value.dtype), tuple(value.shape), values)
+    return ("object", type(value).__module__, type(value).__qualname__)  # not its address
 
 
 def fingerprint(group: Mapping[str, Any]) -> bytes:
     """A param group's hyperparameters (every key but ``params``), hashed."""
-    out: list[bytes] = []
-    for key in sorted(k for k in group if k != "params"):
-        out.append(b"k" + key.encode())
-        _encode(group[key], out)
-    return hashlib.sha256(b"\0".join(out)).digest()
+    plain = [(key, _plain(group[key])) for key in sorted(k for k in group if k != "params")]
+    return hashlib.blake2b(repr(plain).encode("utf-8", "backslashreplace"), digest_size=8).digest()
 
 
 def describe(group: Mapping[str, Any]) -> str:
