@@ -57,6 +57,7 @@ from keepstep.elastic.rollback import MemberView, fall_back, resume_plan
 from keepstep.elastic.sharded import optimizer_sha256, shard_figures, sharded_optimizer
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
+from keepstep.elastic.step_guard import StepGuard
 from keepstep.elastic.tracked import Stateful, TrackedState
 from keepstep.elastic.train_state import (
     capture,
@@ -133,6 +134,7 @@ class Job:
             self.tracked.add(SCALER_NAME, self.grad_scaler)
         self.lr_watch = LrWatch(optimizer)
         self.hyper = HyperCheck(optimizer)  # members step with the same lr (hyper.py)
+        self.step_guard = StepGuard(optimizer)  # the script's own optimizer.step() refused
         # shard="zero1"/"zero2": the script's optimizer is stepped in shards (sharded.py).
         self.sharded = sharded_optimizer(config.shard, self.params, optimizer, self.reducer)
         self.hooks: list[Hook] = []
@@ -206,7 +208,8 @@ class Job:
                     self._snapshot()
                 self._switch(self.controller.initial(self.config.collective_timeout))
             try:
-                yield from self._loop(total)
+                with self.step_guard.loop():
+                    yield from self._loop(total)
             finally:
                 self.loader.close()
         self.snapshots.wait()
@@ -291,12 +294,13 @@ class Job:
             total = torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False)
             norm = float(total)
         self.lr_watch.check(index, self.tracked.objects())
-        if self.sharded is not None:
-            self.sharded.step()  # PeerLost in its all-gathers: the step does not commit
-        elif scaler is not None:
-            scaler.step(self.optimizer)
-        else:
-            self.optimizer.step()
+        with self.step_guard.job_steps():
+            if self.sharded is not None:
+                self.sharded.step()  # PeerLost in its all-gathers: the step does not commit
+            elif scaler is not None:
+                scaler.step(self.optimizer)
+            else:
+                self.optimizer.step()
         if scaler is not None:  # sharded: unscale_ found no inf, which is all update needs
             scaler.update()
         self._advance()
@@ -310,7 +314,8 @@ class Job:
         assert scaler is not None, "only a job with a grad_scaler skips steps"
         self._wait_for_snapshot()  # as in apply_update: nothing changes before the copy ends
         log.info("step %d skipped, the loss scale backs off: %s", index, reason)
-        skip_step(scaler, self.optimizer)  # finds the inf it plants: the optimizer never steps
+        with self.step_guard.job_steps():  # finds the inf it plants: the optimizer never steps
+            skip_step(scaler, self.optimizer)
         if self.sharded is not None:  # the unchanged state, gathered for the snapshot
             self.sharded.skip()
         self._advance()

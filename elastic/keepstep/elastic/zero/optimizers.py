@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.step_guard import GuardHook
 
 __all__ = ["ELEMENTWISE", "check_supported", "hyper", "rebuild", "sync_groups"]
 
@@ -87,6 +88,7 @@ def check_supported(optimizer: torch.optim.Optimizer) -> frozenset[str]:
         h
         for attr in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
         for h in getattr(optimizer, attr, {}).values()
+        if not isinstance(h, GuardHook)  # the job's own (step_guard.py)
     ]
     if hooks:
         raise ConfigError(
