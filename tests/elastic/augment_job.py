@@ -1,10 +1,11 @@
 """The job test_augment.py launches: a dataset whose __getitem__ augments at random with
 torch's, ``random``'s and numpy's global generators, as torchvision-style transforms do,
 and a loop body that draws a loss weight per step outside its micro-batches; prints its
-final hashes."""
+final hashes. ``--workers N`` reads the micro-batches in N forked processes."""
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import numpy as np
@@ -34,10 +35,13 @@ class Augmented(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workers", type=int, default=0, help="loader_workers (0: in-thread)")
+    args = parser.parse_args()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    job = keepstep.init(model, optimizer, Augmented())
+    job = keepstep.init(model, optimizer, Augmented(), loader_workers=args.workers)
     for step in job.steps():
         weight = random.choice([0.5, 1.0, 2.0])  # a per-step random choice, outside
         for mb in step.micro_batches():

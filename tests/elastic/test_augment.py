@@ -70,8 +70,12 @@ def test_with_prefetch_a_dataset_that_draws_is_refused_and_the_generators_kept(
     assert np.array_equal(np.random.get_state()[1], held[2])  # as the probe found them
     check_reads_draw_nothing(TensorDataset(torch.randn(8, 2)), default_collate)
     model = nn.Linear(2, 1)
-    with pytest.raises(ConfigError, match="Use prefetch=0"):
+    with pytest.raises(ConfigError, match=r"Use loader_workers=N .*, prefetch=0"):
         keepstep.init(model, torch.optim.SGD(model.parameters()), data, 4, 2, prefetch=2, env={})
+    # in worker processes the same dataset's reads are keyed: accepted
+    job = keepstep.init(model, torch.optim.SGD(model.parameters()), data, 4, 2, prefetch=2,
+                        loader_workers=1, env={})  # fmt: skip
+    job.loader.close()
 
 
 def _train(history: int) -> str:
@@ -113,3 +117,6 @@ def test_an_augmenting_job_ends_identical_alone_and_through_a_crash(tmp_path: Pa
         timeout_scale=4.0,
     )  # fmt: skip
     assert crash == alone
+    # Read in forked loader processes, each read keyed as in the training thread.
+    workers = launch("workers", [["m0", "m1"]], script_args=["--workers", "2"])
+    assert workers == alone

@@ -112,6 +112,7 @@ def init(
     grad_scaler: torch.amp.GradScaler | None = None,
     metrics: Sequence[str] = (),
     prefetch: int = 0,
+    loader_workers: int = 0,
     balance: Balance | str | None = None,
     shard: Shard | str | None = None,
     drain_slow: DrainSlow | str | None = None,
@@ -138,6 +139,9 @@ def init(
     ``"grad_scaler"``. ``metrics``: the names ``step.log`` takes (e.g. ``("loss",)``),
     reduced across members to the same value at any world size. ``prefetch``: micro-batches
     read ahead on a background thread (the dataset's ``__getitem__`` must be thread-safe).
+    ``loader_workers=N``: read them in N forked processes instead, for reads that hold the
+    GIL (decoding, augmentation); each read is keyed like the training thread's, so the
+    batches are the same bits (``prefetch`` defaults to 2N then).
     ``balance="speed"``: a slow member gets fewer micro-batches, from measured speed
     (balance.py); the numbers stay those of an even split. Default ``"off"``.
     ``shard="zero1"``: each member steps and keeps the optimizer state of its own shard and
@@ -184,6 +188,7 @@ def init(
         clip_grad_norm=clip_grad_norm,
         metrics=_names(metrics),
         prefetch=prefetch,
+        loader_workers=loader_workers,
         balance=_setting("balance", balance, str, env) or Balance.OFF,  # JobConfig checks it
         shard=_setting("shard", shard, str, env) or None,  # JobConfig checks it
         drain_slow=_setting("drain_slow", _drain_slow(drain_slow), DrainSlow.parse, env),

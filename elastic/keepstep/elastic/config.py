@@ -50,7 +50,8 @@ class JobConfig:
     step in its slot until its agent has read it (None: no durable checkpoints).
 
     `metrics`: the names `step.log` takes, fixed for the job so every member reduces the
-    same layout; `prefetch`: micro-batches read ahead of the training thread (data.py).
+    same layout; `prefetch`: micro-batches read ahead of the training thread (data.py);
+    `loader_workers`: processes that read them (data_workers.py; 0: threads).
     `balance`: whether the plan follows the members' measured speed (balance.py).
     `shard`: None keeps a full optimizer on every member; ``"zero1"`` shards its state and
     step (sharded.py), ``"zero2"`` the reduced gradient too (exact mode), with the same
@@ -75,6 +76,7 @@ class JobConfig:
     clip_grad_norm: float | None = None
     metrics: tuple[str, ...] = ()
     prefetch: int = 0
+    loader_workers: int = 0
     balance: Balance = Balance.OFF
     shard: Shard | None = None
     drain_slow: DrainSlow | None = None
@@ -140,6 +142,9 @@ class JobConfig:
             raise ConfigError(f"prefetch={self.prefetch!r} must be an integer >= 0")
         if self.prefetch < 0:
             raise ConfigError(f"prefetch={self.prefetch!r} must be an integer >= 0")
+        workers = self.loader_workers
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ConfigError(f"loader_workers={workers!r} must be an integer >= 0 (processes)")
         try:
             object.__setattr__(self, "balance", Balance(self.balance))
         except ValueError:

@@ -19,11 +19,15 @@ micro-batch) apart from the forward's, so every member augments a micro-batch al
 prefetch the reads run on background threads, where the process-wide generators cannot be
 keyed: the dataset must then draw nothing from them (checked on sample 0 at start) and be
 safe to call from another thread (reads of files and arrays are; most datasets are).
+With ``workers`` the reads run in forked processes instead (data_workers.py), each keyed
+like the training thread's, so a dataset may draw there and reads in Python run beside
+the forward.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import os
 import random
 import threading
@@ -36,7 +40,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from keepstep.elastic.data_workers import Readers, WorkersLost
 from keepstep.elastic.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 Collate = Callable[[list[Any]], Any]
 Key = tuple[int, int]  # (step, micro-batch id)
@@ -95,8 +102,9 @@ def check_reads_draw_nothing(dataset: Any, collate: Collate) -> None:
             f"reading dataset[0] draws from {' and '.join(drew)}'s global generator (a random "
             "augmentation in __getitem__ or collate_fn?). With prefetch the reads run on a "
             "background thread, where those draws cannot be keyed by (seed, step, "
-            "micro-batch) and members would augment differently. Use prefetch=0 (reads in "
-            "the training thread are keyed), or draw from a generator seeded by the index"
+            "micro-batch) and members would augment differently. Use loader_workers=N "
+            "(reads in worker processes are keyed), prefetch=0 (reads in the training thread "
+            "are keyed), or draw from a generator seeded by the index"
         )
 
 
@@ -115,25 +123,40 @@ class MicroBatchLoader:
 
     ``prefetch``: how many micro-batches may be read ahead (0: read on demand, in the
     training thread); ``threads``: the background readers (default: 1, or 2 when
-    prefetching 4 or more).
+    prefetching 4 or more). ``workers`` > 0 reads ahead in that many forked processes
+    instead (data_workers.py), each read keyed by ``seed`` like the training thread's;
+    ``prefetch`` then defaults to two micro-batches a worker.
     """
 
     def __init__(
-        self, dataset: Any, collate: Collate, prefetch: int = 0, threads: int | None = None
+        self,
+        dataset: Any,
+        collate: Collate,
+        prefetch: int = 0,
+        threads: int | None = None,
+        workers: int = 0,
+        seed: int = 0,
     ) -> None:
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise ConfigError(f"prefetch={prefetch!r} must be an int >= 0 (micro-batches ahead)")
         if threads is not None and (not isinstance(threads, int) or threads < 1):
             raise ConfigError(f"loader threads={threads!r} must be an int >= 1")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+            raise ConfigError(f"loader_workers={workers!r} must be an int >= 0 (processes)")
         check_dataset(dataset)
-        if prefetch:
+        if workers and not prefetch:
+            prefetch = 2 * workers
+        if prefetch and not workers:
             check_reads_draw_nothing(dataset, collate)
         self.dataset, self.collate, self.prefetch = dataset, collate, prefetch
-        self._pending: OrderedDict[Key, tuple[tuple[int, ...], Future[Any]]] = OrderedDict()
+        self._pending: OrderedDict[Key, tuple[tuple[int, ...], Future[Any] | None]] = OrderedDict()
         self._pool: ThreadPoolExecutor | None = None
-        if prefetch:
-            workers = threads if threads is not None else (2 if prefetch >= 4 else 1)
-            self._pool = ThreadPoolExecutor(workers, thread_name_prefix="keepstep-loader")
+        self._readers: Readers | None = None
+        if workers:
+            self._readers = Readers(dataset, collate, seed, workers)
+        elif prefetch:
+            count = threads if threads is not None else (2 if prefetch >= 4 else 1)
+            self._pool = ThreadPoolExecutor(count, thread_name_prefix="keepstep-loader")
         self.hits = 0  # micro-batches that were ready (or in flight) when asked for
         self.misses = 0
 
@@ -143,36 +166,59 @@ class MicroBatchLoader:
     def ahead(self, planned: Sequence[tuple[Key, Sequence[int]]]) -> None:
         """Start reading the micro-batches `planned` (in the order they will be asked for),
         up to `prefetch` of them in flight or ready; guesses no longer planned are dropped."""
-        if self._pool is None:
+        if self._pool is None and self._readers is None:
             return
         wanted = dict(planned[: self.prefetch])
         for key in [k for k in self._pending if k not in wanted]:
             _, future = self._pending.pop(key)
-            future.cancel()  # read already, or being read: dropped when done
+            if future is not None:
+                future.cancel()  # read already, or being read: dropped when done
         for key, indices in wanted.items():
             held = self._pending.get(key)
             if held is not None and held[0] == tuple(indices):
                 continue
-            future = self._pool.submit(self.read, tuple(indices))
-            self._pending[key] = (tuple(indices), future)
+            if self._readers is not None:
+                self._readers.submit(key, indices)
+                self._pending[key] = (tuple(indices), None)
+            else:
+                assert self._pool is not None
+                future = self._pool.submit(self.read, tuple(indices))
+                self._pending[key] = (tuple(indices), future)
+        if self._readers is not None:
+            self._readers.forget(lambda k: k in self._pending)
 
     def get(self, key: Key, indices: Sequence[int], timeout: float | None = None) -> Any:
         """The batch of micro-batch `key` (step, id) made of `indices`: the prefetched one
         if it was read from the same indices, else read now."""
         held = self._pending.pop(key, None)
         if held is not None and held[0] == tuple(indices):
-            self.hits += 1
-            return held[1].result(timeout)  # a reader's exception is raised here
+            future = held[1]
+            if future is not None:
+                self.hits += 1
+                return future.result(timeout)  # a reader's exception is raised here
+            if self._readers is not None:
+                try:
+                    batch = self._readers.wait(key, indices, lambda k: k in self._pending, timeout)
+                    self.hits += 1
+                    return batch
+                except WorkersLost as lost:
+                    log.warning("%s: reading in the training thread from now on", lost)
+                    self._readers.close()
+                    self._readers = None
         self.misses += 1
         return self.read(indices)
 
     def close(self) -> None:
         for _, future in self._pending.values():
-            future.cancel()
+            if future is not None:
+                future.cancel()
         self._pending.clear()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+        if self._readers is not None:
+            self._readers.close()
+            self._readers = None
 
 
 class TokenFile:

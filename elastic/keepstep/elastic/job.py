@@ -101,7 +101,13 @@ class Job:
         self.controller = controller
         self.snapshots = snapshots
         self.collate: Callable[[list[Any]], Any] = collate or default_collate
-        self.loader = MicroBatchLoader(dataset, self.collate, config.prefetch)
+        self.loader = MicroBatchLoader(
+            dataset,
+            self.collate,
+            config.prefetch,
+            workers=config.loader_workers,
+            seed=config.seed,
+        )
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if not self.params:
             raise ConfigError("the model has no parameters that require grad")

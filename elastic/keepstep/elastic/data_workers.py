@@ -1,0 +1,154 @@
+"""Reading micro-batches in worker processes, each read in its keyed RNG scope.
+
+Where it sits: ``MicroBatchLoader`` (data.py) with ``workers > 0`` hands the micro-batches
+it reads ahead to a ``Readers`` pool instead of threads; ``get`` waits for the one the
+training thread asks for.
+
+Why processes: decoding and augmenting samples in Python (images, audio) holds the GIL, so
+reader threads do not run beside the forward; a ``DataLoader`` uses processes for that
+(``num_workers``). And in a process of its own a read can be keyed like one in the
+training thread: each worker enters ``rng_scope(seed, step, micro-batch, DATA)`` around
+its read, so torch's, ``random``'s and numpy's global generators draw exactly what the
+training thread would have drawn there, and random augmentation gives the same bits read
+anywhere (threads cannot: the generators are process-wide).
+
+How: the workers are forked when the job starts (``keepstep.init``, before the job's
+communicator and its threads exist), so the dataset and collate function are inherited,
+not pickled. Tasks go down one queue, results come back on another; a result is
+``(key, indices, bytes)`` and the bytes are unpickled here: they come only from this
+process's own forked children, over anonymous pipes (no socket, no address anyone else
+can reach), and the children run nothing but the script's own dataset code. A guess the
+plan drops is still read by some worker and its result discarded on arrival. A worker that
+dies (killed, out of memory) is noticed while a read is awaited: the pool is shut and the
+loader reads in the training thread from then on, which gives the same bits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import pickle
+import queue
+import signal
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from keepstep.elastic.errors import ConfigError, KeepstepError
+from keepstep.elastic.rng import DATA, rng_scope
+
+__all__ = ["Readers", "WorkersLost"]
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int]  # (step, micro-batch id)
+_POLL_S = 0.5  # how often a wait looks at the workers' health
+_STOP_S = 5.0  # how long close() waits for a worker before it is terminated
+
+
+class WorkersLost(KeepstepError):
+    """A reader process died: the caller reads in its own thread from now on."""
+
+
+def _serve(
+    dataset: Any, collate: Callable[[list[Any]], Any], seed: int, tasks: Any, results: Any
+) -> None:
+    """A worker's loop: read each task's micro-batch in its keyed scope, until ``None``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        key, indices = task
+        try:
+            # device_generators=(): a forked child never touches the parent's CUDA context.
+            with rng_scope(seed, key[0], key[1], device_generators=(), purpose=DATA):
+                batch = collate([dataset[i] for i in indices])
+            results.put((key, indices, True, pickle.dumps(batch, protocol=5)))
+        except BaseException:
+            results.put((key, indices, False, traceback.format_exc()))
+
+
+class Readers:
+    """``workers`` forked reader processes, and the results they sent back."""
+
+    def __init__(
+        self, dataset: Any, collate: Callable[[list[Any]], Any], seed: int, workers: int
+    ) -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"loader_workers={workers!r} must be an int >= 1")
+        if "fork" not in multiprocessing.get_all_start_methods():
+            raise ConfigError("loader_workers needs fork() (Linux); use prefetch threads here")
+        ctx = multiprocessing.get_context("fork")
+        self._tasks = ctx.Queue()
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_serve,
+                args=(dataset, collate, seed, self._tasks, self._results),
+                name=f"keepstep-reader-{i}",
+                daemon=True,
+            )
+            for i in range(workers)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._ready: dict[tuple[Key, tuple[int, ...]], tuple[bool, bytes | str]] = {}
+
+    def submit(self, key: Key, indices: Sequence[int]) -> None:
+        self._tasks.put((key, tuple(indices)))
+
+    def wait(
+        self, key: Key, indices: Sequence[int], wanted: Callable[[Key], bool], timeout: float | None
+    ) -> Any:
+        """The batch of ``key`` read from ``indices``; results for keys ``wanted`` rejects
+        are dropped as they arrive. ``WorkersLost`` if a worker died; the reader's own
+        exception is re-raised as a ``KeepstepError`` with its traceback."""
+        target = (key, tuple(indices))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while target not in self._ready:
+            try:
+                got_key, got_indices, ok, payload = self._results.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    codes = ", ".join(f"{p.name} exited {p.exitcode}" for p in dead)
+                    raise WorkersLost(f"loader worker lost ({codes})") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise KeepstepError(
+                        f"micro-batch {key} not read by the loader workers in {timeout} s"
+                    ) from None
+                continue
+            if (got_key, got_indices) == target or wanted(got_key):
+                self._ready[(got_key, got_indices)] = (ok, payload)
+        ok, payload = self._ready.pop(target)
+        if not ok:
+            assert isinstance(payload, str)
+            raise KeepstepError(f"reading micro-batch {key} in a loader worker failed:\n{payload}")
+        assert isinstance(payload, bytes)
+        return pickle.loads(payload)  # from this process's own forked reader (see above)
+
+    def forget(self, wanted: Callable[[Key], bool]) -> None:
+        """Drop results already here for keys no longer wanted."""
+        for held in [k for k in self._ready if not wanted(k[0])]:
+            del self._ready[held]
+
+    def close(self) -> None:
+        """Stop the workers: ask, wait up to ``_STOP_S``, then terminate."""
+        for _ in self._procs:
+            try:
+                self._tasks.put_nowait(None)
+            except (ValueError, OSError):  # the queue is already closed
+                break
+        deadline = time.monotonic() + _STOP_S
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(_STOP_S)
+        for q in (self._tasks, self._results):
+            q.cancel_join_thread()  # never block the exit on data no one will read
+            q.close()
+        self._procs = []
+        self._ready.clear()
