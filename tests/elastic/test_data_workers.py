@@ -7,6 +7,8 @@ import logging
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -130,3 +132,38 @@ def test_close_ends_every_worker_and_bad_counts_are_refused() -> None:
     for bad in (-1, True, 1.5):
         with pytest.raises(ConfigError, match="loader_workers="):
             MicroBatchLoader(Drawing(), default_collate, workers=bad)  # type: ignore[arg-type]
+
+
+_ORPHAN = """
+import os, signal, sys
+from torch.utils.data import default_collate
+sys.path.insert(0, sys.argv[1])
+from test_data_workers import Drawing
+from keepstep.elastic.data import MicroBatchLoader
+loader = MicroBatchLoader(Drawing(), default_collate, workers=2, seed=1)
+print(" ".join(str(p.pid) for p in loader._readers._procs), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: as an OOM kill ends it
+"""
+
+
+def test_workers_end_when_the_training_process_is_killed() -> None:
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run(
+        [sys.executable, "-c", _ORPHAN, here], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    pids = [int(p) for p in out.stdout.split()]
+    assert len(pids) == 2
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        with open(f"/proc/{pid}/stat") as stat:  # reaped by init, or a zombie awaiting it
+            return stat.read().split(")")[-1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import pickle
 import queue
 import signal
@@ -56,8 +57,14 @@ def _serve(
 ) -> None:
     """A worker's loop: read each task's micro-batch in its keyed scope, until ``None``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:  # the training process died without close()
+                return
+            continue
         if task is None:
             return
         key, indices = task
