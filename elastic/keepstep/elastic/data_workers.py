@@ -114,14 +114,12 @@ class Readers:
         exception is re-raised as a ``KeepstepError`` with its traceback."""
         target = (key, tuple(indices))
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._check_alive()  # one that died idle would otherwise go unseen while others serve
         while target not in self._ready:
             try:
                 got_key, got_indices, ok, payload = self._results.get(timeout=_POLL_S)
             except queue.Empty:
-                dead = [p for p in self._procs if not p.is_alive()]
-                if dead:
-                    codes = ", ".join(f"{p.name} exited {p.exitcode}" for p in dead)
-                    raise WorkersLost(f"loader worker lost ({codes})") from None
+                self._check_alive()  # one that died holding this task
                 if deadline is not None and time.monotonic() > deadline:
                     raise KeepstepError(
                         f"micro-batch {key} not read by the loader workers in {timeout} s"
@@ -135,6 +133,12 @@ class Readers:
             raise KeepstepError(f"reading micro-batch {key} in a loader worker failed:\n{payload}")
         assert isinstance(payload, bytes)
         return pickle.loads(payload)  # from this process's own forked reader (see above)
+
+    def _check_alive(self) -> None:
+        dead = [p for p in self._procs if not p.is_alive()]
+        if dead:
+            codes = ", ".join(f"{p.name} exited {p.exitcode}" for p in dead)
+            raise WorkersLost(f"loader worker lost ({codes})")
 
     def forget(self, wanted: Callable[[Key], bool]) -> None:
         """Drop results already here for keys no longer wanted."""
