@@ -14,10 +14,10 @@ anywhere (threads cannot: the generators are process-wide).
 
 How: the workers are forked when the job starts (``keepstep.init``, before the job's
 communicator and its threads exist), so the dataset and collate function are inherited,
-not pickled. Tasks go down one queue, results come back on another; a result is
-``(key, indices, bytes)`` and the bytes are unpickled here: they come only from this
-process's own forked children, over anonymous pipes (no socket, no address anyone else
-can reach), and the children run nothing but the script's own dataset code. A guess the
+not pickled. Tasks go down one queue (the children trust their parent); each worker sends
+its results up a pipe of its own as bytes: a JSON header naming the micro-batch, then the
+batch in batch_wire.py's fixed layout (tensors and plain values), so nothing a worker
+sends is unpickled here. A guess the
 plan drops is still read by some worker and its result discarded on arrival. A worker that
 dies (killed, out of memory) is noticed while a read is awaited: the pool is shut and the
 loader reads in the training thread from then on, which gives the same bits.
@@ -25,17 +25,20 @@ loader reads in the training thread from then on, which gives the same bits.
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
-import pickle
 import queue
 import signal
+import struct
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing import connection
 from typing import Any
 
+from keepstep.elastic.batch_wire import decode, encode
 from keepstep.elastic.errors import ConfigError, KeepstepError
 from keepstep.elastic.rng import DATA, rng_scope
 
@@ -50,6 +53,11 @@ _STOP_S = 5.0  # how long close() waits for a worker before it is terminated
 
 class WorkersLost(KeepstepError):
     """A reader process died: the caller reads in its own thread from now on."""
+
+
+def _message(key: Key, indices: tuple[int, ...], error: str | None, batch: bytes) -> bytes:
+    meta = json.dumps({"key": list(key), "indices": list(indices), "error": error}).encode()
+    return struct.pack("<I", len(meta)) + meta + batch
 
 
 def _serve(
@@ -72,9 +80,10 @@ def _serve(
             # device_generators=(): a forked child never touches the parent's CUDA context.
             with rng_scope(seed, key[0], key[1], device_generators=(), purpose=DATA):
                 batch = collate([dataset[i] for i in indices])
-            results.put((key, indices, True, pickle.dumps(batch, protocol=5)))
+            message = _message(key, indices, None, encode(batch))
         except BaseException:
-            results.put((key, indices, False, traceback.format_exc()))
+            message = _message(key, indices, traceback.format_exc(), b"")
+        results.send_bytes(message)
 
 
 class Readers:
@@ -88,20 +97,23 @@ class Readers:
         if "fork" not in multiprocessing.get_all_start_methods():
             raise ConfigError("loader_workers needs fork() (Linux); use prefetch threads here")
         ctx = multiprocessing.get_context("fork")
-        self._tasks = ctx.Queue()
-        self._results = ctx.Queue()
+        self._tasks = ctx.Queue()  # down to the children: they trust their parent
+        pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]  # up: bytes only
+        self._results = [receiver for receiver, _ in pipes]
         self._procs = [
             ctx.Process(
                 target=_serve,
-                args=(dataset, collate, seed, self._tasks, self._results),
+                args=(dataset, collate, seed, self._tasks, sender),
                 name=f"keepstep-reader-{i}",
                 daemon=True,
             )
-            for i in range(workers)
+            for i, (_, sender) in enumerate(pipes)
         ]
         for proc in self._procs:
             proc.start()
-        self._ready: dict[tuple[Key, tuple[int, ...]], tuple[bool, bytes | str]] = {}
+        for _, sender in pipes:
+            sender.close()  # the child's end: a child's exit then reads as EOF here
+        self._ready: dict[tuple[Key, tuple[int, ...]], tuple[str | None, bytes]] = {}
 
     def submit(self, key: Key, indices: Sequence[int]) -> None:
         self._tasks.put((key, tuple(indices)))
@@ -116,23 +128,28 @@ class Readers:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_alive()  # one that died idle would otherwise go unseen while others serve
         while target not in self._ready:
-            try:
-                got_key, got_indices, ok, payload = self._results.get(timeout=_POLL_S)
-            except queue.Empty:
+            ready = connection.wait(self._results, timeout=_POLL_S)
+            if not ready:
                 self._check_alive()  # one that died holding this task
                 if deadline is not None and time.monotonic() > deadline:
                     raise KeepstepError(
                         f"micro-batch {key} not read by the loader workers in {timeout} s"
-                    ) from None
-                continue
-            if (got_key, got_indices) == target or wanted(got_key):
-                self._ready[(got_key, got_indices)] = (ok, payload)
-        ok, payload = self._ready.pop(target)
-        if not ok:
-            assert isinstance(payload, str)
-            raise KeepstepError(f"reading micro-batch {key} in a loader worker failed:\n{payload}")
-        assert isinstance(payload, bytes)
-        return pickle.loads(payload)  # from this process's own forked reader (see above)
+                    )
+            for receiver in ready:
+                try:
+                    raw = receiver.recv_bytes()  # type: ignore[union-attr]
+                except EOFError:
+                    self._check_alive()
+                    raise WorkersLost("loader worker lost (its pipe closed)") from None
+                (size,) = struct.unpack_from("<I", raw)
+                meta = json.loads(raw[4 : 4 + size])
+                got = (tuple(meta["key"]), tuple(meta["indices"]))
+                if got == target or wanted(got[0]):
+                    self._ready[got] = (meta["error"], raw[4 + size :])
+        error, batch = self._ready.pop(target)
+        if error is not None:
+            raise KeepstepError(f"reading micro-batch {key} in a loader worker failed:\n{error}")
+        return decode(batch)  # tensors and plain values only (batch_wire.py)
 
     def _check_alive(self) -> None:
         dead = [p for p in self._procs if not p.is_alive()]
@@ -158,8 +175,10 @@ class Readers:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(_STOP_S)
-        for q in (self._tasks, self._results):
-            q.cancel_join_thread()  # never block the exit on data no one will read
-            q.close()
+        self._tasks.cancel_join_thread()  # never block the exit on tasks no one will read
+        self._tasks.close()
+        for receiver in self._results:
+            receiver.close()
+        self._results = []
         self._procs = []
         self._ready.clear()
