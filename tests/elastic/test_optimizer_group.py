@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -186,8 +187,12 @@ def test_bad_groups_are_refused_by_name() -> None:
         group.step(lambda: 0.0)
     with pytest.raises(ConfigError, match="add a param group to one of"):
         group.add_param_group({"params": []})
-    with pytest.raises(ConfigError, match="several optimizers"):
-        check_supported(group)  # ZeRO shards one optimizer
+    assert check_supported(group) == {"momentum_buffer"}  # ZeRO shards member by member
+    lbfgs = OptimizerGroup(
+        [torch.optim.SGD(model[0].parameters()), torch.optim.LBFGS(model[2].parameters())]
+    )
+    with pytest.raises(ConfigError, match="cannot shard LBFGS: it re-evaluates a closure"):
+        check_supported(lbfgs)
     data = TensorDataset(torch.randn(32, 4), torch.randn(32, 2))
     with pytest.raises(ConfigError, match="optimizer=<function"):
         keepstep.init(model, mlp, data, global_batch=8, micro_batch=4, env={})  # type: ignore[arg-type]
@@ -219,25 +224,35 @@ def test_a_job_of_two_optimizers_trains_as_one_optimizer_with_their_groups() -> 
 
 @pytest.mark.slow
 def test_a_muon_and_adamw_job_ends_identical_alone_and_through_a_crash(tmp_path: Path) -> None:
-    def launch(name: str, schedule: list[list[str]], **kw: object) -> str:
+    """Unsharded, and sharded with ZeRO-1 (replicas stepped where they are kept) and
+    ZeRO-2: the same parameters and the same gathered optimizer state as one member."""
+
+    def launch(name: str, schedule: list[list[str]], shard: str = "", **kw: object) -> set[str]:
         run = LocalRun(
             script=JOB, steps=8, global_batch=24, micro_batch=4, schedule=schedule, seed=3,
             timeout=100.0, **kw,  # type: ignore[arg-type]
         )  # fmt: skip
-        result = run_local(run, tmp_path / name, dict(os.environ))
+        env = {k: v for k, v in os.environ.items() if k != "KEEPSTEP_SHARD"}
+        result = run_local(
+            run, tmp_path / name, {**env, **({"KEEPSTEP_SHARD": shard} if shard else {})}
+        )
+        ends = set()
         for member, code in result.returncodes.items():
-            assert code == 0, f"{member} exited {code}:\n{result.logs[member][-3000:]}"
-            assert "muon_moments=2048 " in result.logs[member], result.logs[member][-500:]
-            assert "ScriptStateWarning" not in result.logs[member]  # both schedulers tracked
-        return agreed_sha(result)
+            log = result.logs[member]
+            assert code == 0, f"{member} exited {code}:\n{log[-3000:]}"
+            moments = "muon_moments=0 " if shard else "muon_moments=2048 "
+            assert moments in log, log[-500:]
+            assert "ScriptStateWarning" not in log  # both schedulers tracked
+            ends |= set(re.findall(r"optim_sha256=(\w+) params_sha256=(\w+)", log)[-1:])
+        assert len(ends) == 1, ends
+        return {agreed_sha(result), *next(iter(ends))}
 
     alone = launch("alone", [["m0"]])
     three = [["m0", "m1", "m2"], ["m0", "m2"], ["m0", "m1", "m2"]]
-    crash = launch(
-        "crash", three, at_step=[0, None, 5], crash={"m1": 3}, restart={"m1": 2},
-        timeout_scale=4.0,
-    )  # fmt: skip
-    assert crash == alone
+    crash = {"at_step": [0, None, 5], "crash": {"m1": 3}, "restart": {"m1": 2}}
+    for shard in ("", "zero1", "zero2"):
+        got = launch(f"crash-{shard}", three, shard, timeout_scale=4.0, **crash)
+        assert got == alone, shard or "unsharded"
 
 
 def test_a_scheduler_built_on_the_group_moves_every_members_lr() -> None:

@@ -146,7 +146,8 @@ def init(
     (balance.py); the numbers stay those of an even split. Default ``"off"``.
     ``shard="zero1"``: each member steps and keeps the optimizer state of its own shard and
     the parameters are all-gathered (ZeRO-1, sharded.py), bit-identical to the full step;
-    the optimizer must be elementwise (SGD, Adam, AdamW, ...). ``shard="zero2"`` (exact
+    the optimizer must be elementwise (SGD, Adam, AdamW, ...) or Muon (zero/muon.py), or
+    a list of these. ``shard="zero2"`` (exact
     mode): each member also holds only its shard of the reduced gradient (a
     reduce-scatter), with the same numbers. Default None: full replicas.
     ``drain_slow="0.25:20"`` (or ``DrainSlow(below=0.25, after=20)``): a member slower than

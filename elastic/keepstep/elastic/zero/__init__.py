@@ -7,8 +7,10 @@ all-gathers the parameters, with bits identical to the unsharded step at any wor
 
     ownership.py   the layout in rank order, checked (one owner per element); windows
     optimizers.py  which optimizers are elementwise; rebuilding the script's over a shard
+    muon.py        Muon: sharded momentum, whole matrices stepped where a shard touches them
     state.py       the shard's state: cut from the full state, joined, gathered
     gather.py      the all-gather seam: a process group, or ranks on threads (the fake)
+    pieces.py      PieceGather: every rank's owned pieces of some tensors, into every rank's
     optimizer.py   ZeroOptimizer: step, gather, state_dict, full_state_dict
     replicas.py    ReplicaSteps: the replicas a member keeps, stepped as their owners do
 

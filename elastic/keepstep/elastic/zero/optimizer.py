@@ -14,6 +14,9 @@ same kernels), and windows put every element at the same place in the kernels' v
 loops as the full step does. With more than one intra-op thread the full step cuts a
 large tensor between threads where no window can follow; the measured difference is in
 bf16/fp16 only, and such a job is refused (float32 stays identical in our tests).
+Muon's whole-matrix part is the exception that the finisher ``_orthogonalize`` handles:
+the matrices' updates are gathered and each matrix a window touches is stepped whole
+(zero/muon.py).
 
 State: each rank keeps optimizer state for its windows only, about ``1/W`` of the full
 state. ``state_dict``/``load_state_dict`` are the shard's (what a member's snapshot
@@ -26,16 +29,19 @@ the shard state advanced: the step must not commit, and the job restores its sna
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 
 from keepstep.elastic.errors import ConfigError, StateShapeError
+from keepstep.elastic.optimizer_group import OptimizerGroup
 from keepstep.elastic.zero.gather import Gather, allgather_ragged
+from keepstep.elastic.zero.muon import MUON, step_matrix
 from keepstep.elastic.zero.optimizers import check_supported, hyper, rebuild, sync_groups
 from keepstep.elastic.zero.ownership import ALIGN, Ownership, windows
+from keepstep.elastic.zero.pieces import PieceGather
 from keepstep.elastic.zero.state import join_pieces, pack_owned, slice_state, unpack_full
 
 __all__ = ["ZeroOptimizer", "state_bytes"]
@@ -110,17 +116,12 @@ class ZeroOptimizer:
         for w, view in zip(self.windows, self._views, strict=True):
             per_group[self._group_of[w.tensor]].append(view)
         self._inner_index = {id(v): i for i, v in enumerate(v for g in per_group for v in g)}
-        self.inner = rebuild(optimizer, per_group)
+        self.inner = rebuild(optimizer, per_group, self._orthogonalize)
         self._attached = False  # attach_grads gave the next step its gradients
-        # The parameter bytes each rank contributes to the gather, in order.
-        self._sends = [
-            [pc for pc in ownership.pieces(r) if pc.tensor in self._group_of]
-            for r in range(ownership.world)
-        ]
-        self._lengths = [
-            sum((b - a) * self.params[t].element_size() for t, a, b in mine) for mine in self._sends
-        ]
-        self._mine: torch.Tensor | None = None  # this rank's bytes of the parameter gather
+        self._pieces = PieceGather(gather, ownership, [p.element_size() for p in self.params])
+        self._stepped = frozenset(self._group_of)  # the tensors this optimizer steps
+        # Muon's matrices (zero/muon.py): their updates are gathered whole before they step.
+        self._matrices = frozenset(t for t, g in self._group_of.items() if _is_muon(optimizer, g))
         if optimizer.state:  # a resumed script, or Adagrad's state made at construction
             self.load_full_state_dict(optimizer.state_dict())
         optimizer.state.clear()
@@ -148,9 +149,34 @@ class ZeroOptimizer:
             for view in self._views:
                 view.grad = None
         # What torch's LR-scheduler wrapper of optimizer.step records: schedulers built on
-        # the front optimizer then see it stepped, and do not warn.
-        setattr(self.optimizer, "_opt_called", True)  # noqa: B010
+        # the front optimizer (or on a member of a group) then see it stepped, and do not warn.
+        for stepped in (self.optimizer, *getattr(self.optimizer, "optimizers", ())):
+            setattr(stepped, "_opt_called", True)  # noqa: B010
         self.gather_params()
+
+    def _orthogonalize(self, updates: Mapping[torch.Tensor, torch.Tensor]) -> None:
+        """Muon's whole-matrix step (zero/muon.py): the owners' pieces of every matrix's
+        momentum update gathered, then each matrix a window of this rank touches stepped
+        whole, as the unsharded Muon steps it. A collective: every rank calls it."""
+        full = {
+            t: torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            for t, p in enumerate(self.params)
+            if t in self._matrices
+        }
+        stepped: set[int] = set()
+        for w, view in zip(self.windows, self._views, strict=True):
+            update = updates.get(view)
+            if update is None:
+                continue
+            stepped.add(w.tensor)
+            for r in w.owned:
+                full[w.tensor][r.start : r.stop] = update[r.start - w.start : r.stop - w.start]
+        self._pieces.run(lambda t: full[t].view(torch.uint8), self._matrices, self.timeout)
+        for t in sorted(stepped):
+            p = self.params[t]
+            step_matrix(
+                p.detach(), full[t].view(p.shape), self.inner.param_groups[self._group_of[t]]
+            )
 
     def _grads_from_params(self) -> list[torch.Tensor | None]:
         """Each window's slice of its parameter's ``.grad`` (a view; None without one)."""
@@ -189,41 +215,13 @@ class ZeroOptimizer:
             if grad is not None:
                 for r in w.owned:
                     full[w.tensor][r.start : r.stop] = grad[r.start - w.start : r.stop - w.start]
-        self._allgather_pieces(lambda t: full[t].view(torch.uint8))
+        self._pieces.run(lambda t: full[t].view(torch.uint8), self._stepped, self.timeout)
         for t, p in enumerate(self.params):
             p.grad = full[t].view(p.shape) if t in full and given[t] > 0 else None
 
     def gather_params(self) -> None:
         """Every rank's owned pieces of the parameters, into every rank's parameters."""
-        self._allgather_pieces(self._bytes)
-
-    def _allgather_pieces(self, flat_bytes: Callable[[int], torch.Tensor]) -> None:
-        """Every rank's owned pieces of the tensors ``flat_bytes(t)`` (1-D bytes, one
-        per parameter, of its dtype), into every rank's."""
-        world = self.ownership.world
-        if world == 1:
-            return
-        tensors = {t: flat_bytes(t) for t in self._group_of}
-
-        def views(r: int) -> list[torch.Tensor]:  # rank r's pieces, as bytes of the tensors
-            out = []
-            for t, a, b in self._sends[r]:
-                size = self.params[t].element_size()
-                out.append(tensors[t][a * size : b * size])
-            return out
-
-        if self._mine is None:  # kept for the epoch: written warm gather after gather
-            size = max(max(self._lengths), 1)
-            self._mine = torch.zeros(size, dtype=torch.uint8, device=self.gather.device)
-        mine = self._mine
-        if self._lengths[self.rank]:
-            torch.cat(views(self.rank), out=mine[: self._lengths[self.rank]])
-        slots = self.gather.allgather(mine, self.timeout)
-        for r, slot in enumerate(slots):
-            if r != self.rank and self._lengths[r]:
-                into = views(r)
-                parts = torch.split(slot[: self._lengths[r]], [v.numel() for v in into])
-                torch._foreach_copy_(into, list(parts))
+        self._pieces.run(self._bytes, self._stepped, self.timeout)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -392,6 +390,14 @@ class ZeroOptimizer:
         for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
             group.update(hyper(saved))
         sync_groups(self.optimizer, self.inner)
+
+
+def _is_muon(optimizer: torch.optim.Optimizer, group: int) -> bool:
+    """Whether param group ``group`` is stepped by ``torch.optim.Muon`` (a member's, in a
+    group of optimizers)."""
+    if isinstance(optimizer, OptimizerGroup):
+        optimizer = optimizer.owner_of(group)
+    return MUON is not None and type(optimizer) is MUON
 
 
 def _own(value: Any) -> Any:

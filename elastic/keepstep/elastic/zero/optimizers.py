@@ -12,10 +12,12 @@ What can be sharded
     gradient and state, plus per-tensor scalars that advance the same way for every
     element (the step count). Then stepping a slice gives the slice of the full step. That
     holds for the torch classes in ``ELEMENTWISE`` (the exact class: a subclass may change
-    ``step``). Refused, with the reason: LBFGS (closures, line search over the whole
-    vector), SparseAdam and sparse gradients, Adafactor and Muon (rows, columns, whole
-    matrices), ``differentiable=True`` (a graph through the step), and step hooks on the
-    script's optimizer (the shard's step would not call them).
+    ``step``). Muon too: its momentum is elementwise, and its whole-matrix step runs
+    where a shard touches the matrix (zero/muon.py). A list of optimizers
+    (``OptimizerGroup``, e.g. Muon and AdamW) is sharded member by member. Refused, with
+    the reason: LBFGS (closures, line search over the whole vector), SparseAdam and sparse
+    gradients, Adafactor (rows and columns), ``differentiable=True`` (a graph through the
+    step), and step hooks on the script's optimizer (the shard's step would not call them).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 import torch
 
 from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.optimizer_group import OptimizerGroup
 from keepstep.elastic.step_guard import GuardHook
+from keepstep.elastic.zero.muon import MUON, Finish, MuonWindows, check_muon
 
 __all__ = ["ELEMENTWISE", "check_supported", "hyper", "rebuild", "sync_groups"]
 
@@ -52,10 +56,8 @@ _WHY_NOT = {
     "LBFGS": "it re-evaluates a closure and searches along the whole parameter vector",
     "SparseAdam": "it steps sparse gradients, which have no element ranges to split",
     "Adafactor": "it factors the second moment over whole rows and columns",
-    "Muon": "it orthogonalizes whole matrices",
-    "OptimizerGroup": "it steps several optimizers (keepstep.init got a list); shard a job "
-    "that has one",
 }
+_MUON_KEYS = frozenset({"momentum_buffer"})
 
 
 def check_supported(optimizer: torch.optim.Optimizer) -> frozenset[str]:
@@ -65,9 +67,17 @@ def check_supported(optimizer: torch.optim.Optimizer) -> frozenset[str]:
     name = cls.__qualname__
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise ConfigError(f"ZeRO-1 needs a torch.optim.Optimizer, got {name}")
-    keys = ELEMENTWISE.get(cls)
+    if isinstance(optimizer, OptimizerGroup):
+        # Per-element keys never name a per-tensor value in another class: the union is
+        # what every member's pieces are cut by.
+        return frozenset().union(*(check_supported(o) for o in optimizer.optimizers))
+    if MUON is not None and cls is MUON:
+        check_muon(optimizer)
+        keys: frozenset[str] | None = _MUON_KEYS
+    else:
+        keys = ELEMENTWISE.get(cls)
     if keys is None:
-        supported = ", ".join(sorted(c.__name__ for c in ELEMENTWISE))
+        supported = ", ".join(sorted([c.__name__ for c in ELEMENTWISE] + ["Muon"]))
         why = _WHY_NOT.get(name)
         if why is None:
             parent = next((c.__name__ for c in cls.__mro__[1:] if c in ELEMENTWISE), None)
@@ -105,19 +115,32 @@ def hyper(group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def rebuild(
-    optimizer: torch.optim.Optimizer, shard_params: Sequence[Sequence[torch.Tensor]]
+    optimizer: torch.optim.Optimizer,
+    shard_params: Sequence[Sequence[torch.Tensor]],
+    finish: Finish | None = None,
 ) -> torch.optim.Optimizer:
     """The same optimizer class over ``shard_params[g]`` in param group ``g``, every group
-    keeping its hyper-parameters (an empty group too, so group indices still match)."""
+    keeping its hyper-parameters (an empty group too, so group indices still match). A
+    group of optimizers: each member rebuilt over its groups' windows. Muon: the windows'
+    momentum, with ``finish`` to orthogonalise and apply (zero/muon.py)."""
     cls = type(optimizer)
     if len(shard_params) != len(optimizer.param_groups):
         raise ConfigError(
             f"{len(shard_params)} shard groups for {len(optimizer.param_groups)} param groups"
         )
+    if isinstance(optimizer, OptimizerGroup):
+        members, at = [], 0
+        for member in optimizer.optimizers:
+            n = len(member.param_groups)
+            members.append(rebuild(member, shard_params[at : at + n], finish))
+            at += n
+        return OptimizerGroup(members)
     groups = [
         {**hyper(group), "params": list(params)}
         for group, params in zip(optimizer.param_groups, shard_params, strict=True)
     ]
+    if MUON is not None and cls is MUON:
+        return MuonWindows(groups, optimizer.defaults, finish)
     # Only the constructor's own arguments (AdamW's defaults carry decoupled_weight_decay,
     # which its __init__ does not take); each group holds its complete set anyway.
     accepted = inspect.signature(cls.__init__).parameters

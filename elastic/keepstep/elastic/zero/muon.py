@@ -1,0 +1,115 @@
+"""Muon under ZeRO: the momentum sharded like any elementwise state, whole matrices
+orthogonalised where a shard touches them.
+
+Where it sits: ``rebuild`` (zero/optimizers.py) builds a ``MuonWindows`` where the script
+has ``torch.optim.Muon``, over the 1-D windows a rank steps (zero/ownership.py).
+``torch.optim.Muon`` steps each matrix P with gradient G as
+
+    B <- lerp(B, G, 1 - mu)                      elementwise
+    U <- lerp(G, B, mu) if nesterov else B       elementwise
+    O <- NewtonSchulz(U)                         the whole matrix
+    P <- P * (1 - lr * wd) - lr' * O             elementwise (lr' scaled by P's shape)
+
+The first two lines run on the windows, as every elementwise optimizer does under ZeRO:
+the momentum ``B`` stays sharded, about 1/W of it per rank. The third needs ``U`` whole,
+so ``MuonWindows.step`` hands the windows' ``U`` to a *finisher*: ``ZeroOptimizer``'s
+all-gathers the owners' pieces of ``U`` (one more all-gather of the matrices' size per
+step), and every rank orthogonalises the matrices its windows touch and steps each of
+them whole with ``step_matrix`` -- torch's own Newton-Schulz function on the same
+matrix, then the same elementwise calls on the same shape. Same kernels, same input:
+the same bits as the unsharded step. The parameter all-gather that follows brings every
+other matrix from its owners. A matrix is orthogonalised by the one or two ranks whose
+windows touch it, so the Newton-Schulz work is spread across the members, not repeated.
+
+Without a finisher (a replica's step, zero/replicas.py, keeps the state only) the step
+stops after the momentum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from keepstep.elastic.errors import ConfigError
+
+__all__ = ["MUON", "Finish", "MuonWindows", "check_muon", "step_matrix"]
+
+# The script's class, where this torch has one (torch >= 2.9).
+MUON: type[torch.optim.Optimizer] | None = getattr(torch.optim, "Muon", None)
+
+# The windows' updates U (1-D, by window view), to be orthogonalised and applied.
+Finish = Callable[[Mapping[torch.Tensor, torch.Tensor]], None]
+
+
+class MuonWindows(torch.optim.Optimizer):
+    """``torch.optim.Muon``'s momentum over 1-D windows; ``finish`` (if any) gets the
+    windows' updates at the end of every step, to orthogonalise and apply them."""
+
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        defaults: Mapping[str, Any],
+        finish: Finish | None = None,
+    ) -> None:
+        super().__init__(list(params), dict(defaults))
+        self.finish = finish
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise ConfigError("Muon under ZeRO steps without a closure")
+        updates: dict[torch.Tensor, torch.Tensor] = {}
+        for group in self.param_groups:
+            momentum = group["momentum"]
+            for view in group["params"]:
+                grad = view.grad
+                if grad is None:  # torch's Muon leaves such a matrix alone
+                    continue
+                state = self.state[view]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - momentum)
+                updates[view] = grad.lerp(buf, momentum) if group["nesterov"] else buf
+        if self.finish is not None:
+            self.finish(updates)
+
+
+def step_matrix(param: torch.Tensor, update: torch.Tensor, group: Mapping[str, Any]) -> None:
+    """One Muon step of the whole matrix ``param`` (detached) with its momentum update
+    ``update`` (its shape), as ``torch.optim.Muon`` makes it: the same functions, in the
+    same order, on the same shapes."""
+    from torch.optim import _muon  # torch's own functions: the same bits as its step
+    from torch.optim.optimizer import _to_scalar
+
+    lr = _to_scalar(group["lr"])
+    ortho = _muon._zeropower_via_newtonschulz(
+        update, group["ns_coefficients"], group["ns_steps"], group["eps"]
+    )
+    adjusted = _muon._adjust_lr(lr, group["adjust_lr_fn"], param.shape)
+    param.mul_(1 - lr * group["weight_decay"])
+    param.add_(ortho, alpha=-adjusted)
+
+
+def check_muon(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what the sharded step would not reproduce: a parameter that is not a matrix
+    (torch refuses it at construction, a script may have added one since) and a torch
+    without the functions ``step_matrix`` calls."""
+    try:
+        from torch.optim import _muon
+
+        _muon._zeropower_via_newtonschulz, _muon._adjust_lr  # noqa: B018
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(
+            f"ZeRO cannot shard Muon on torch {torch.__version__}: its Newton-Schulz "
+            f"function is not where keepstep calls it ({err})"
+        ) from None
+    for gi, group in enumerate(optimizer.param_groups):
+        for p in group["params"]:
+            if p.ndim != 2:
+                raise ConfigError(
+                    f"Muon param group {gi} holds a tensor of shape {tuple(p.shape)}: Muon "
+                    "steps 2-D matrices only"
+                )

@@ -1,0 +1,184 @@
+"""Muon under ZeRO (zero/muon.py) gives the unsharded step's bits at any world size: alone,
+and beside AdamW in a group of optimizers, as a script with Muon for the hidden matrices
+and AdamW for the rest builds it.
+
+As in test_zero.py, every case trains the same parameters twice on the same gradients:
+once with the script's optimizers on the full parameters (the reference), once sharded
+over W ranks on threads of this process (the ``LocalGathers`` fake). The sha256 of the
+parameters and of the gathered optimizer state must be equal.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from zero_scenario import TIMEOUT, on_threads, params_sha, state_sha
+
+from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.optimizer_group import OptimizerGroup
+from keepstep.elastic.shard import Range
+from keepstep.elastic.snapshot_shard import PieceKey
+from keepstep.elastic.zero import LocalGathers, Ownership, ZeroOptimizer
+from keepstep.elastic.zero.replicas import ReplicaSteps
+
+# Matrices wide, tall and square (Newton-Schulz transposes a tall one), and the vectors and
+# scalars a model has beside them (AdamW's in the group).
+SHAPES: list[tuple[int, ...]] = [(37, 5), (300,), (64, 48), (1,), (5, 300), (), (33, 33)]
+MATRICES = [0, 2, 4, 6]
+STEPS = 3
+
+
+def _params(dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
+
+
+def _muon(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Two param groups: nesterov with the default lr scaling, and plain momentum with
+    AdamW's rms matching and its own lr and weight decay."""
+    first, second = [params[i] for i in MATRICES[:2]], [params[i] for i in MATRICES[2:]]
+    groups: list[dict[str, Any]] = [
+        {"params": first},
+        {
+            "params": second,
+            "nesterov": False,
+            "lr": 0.01,
+            "weight_decay": 0.2,
+            "adjust_lr_fn": "match_rms_adamw",
+        },
+    ]
+    return torch.optim.Muon(groups, lr=0.02, momentum=0.9)
+
+
+def _group(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    rest = [p for i, p in enumerate(params) if i not in MATRICES]
+    return OptimizerGroup([_muon(params), torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.1)])
+
+
+def _muon_only(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return _muon(params)
+
+
+BUILDS = {"muon": _muon_only, "muon+adamw": _group}
+
+
+def _grads(params: list[torch.nn.Parameter], step: int) -> None:
+    """The reduced gradient of ``step``; matrix 2 has none at step 0 (Muon skips it)."""
+    g = torch.Generator().manual_seed(100 + step)
+    for i, p in enumerate(params):
+        grad = torch.randn(p.shape, generator=g).to(p.dtype)
+        p.grad = None if (i == 2 and step == 0) else grad
+
+
+def _sizes() -> tuple[int, ...]:
+    return tuple(int(torch.Size(s).numel()) for s in SHAPES)
+
+
+def _chunked(world: int, chunk: int) -> Ownership:
+    """Rank r owns chunks r, r + W, ...: matrices cut between several ranks."""
+    total = sum(_sizes())
+    ranges: list[list[Range]] = [[] for _ in range(world)]
+    for i, start in enumerate(range(0, total, chunk)):
+        ranges[i % world].append(Range(start, min(start + chunk, total)))
+    return Ownership(_sizes(), tuple(tuple(r) for r in ranges))
+
+
+def _reference(name: str, dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    params = _params(dtype)
+    opt = BUILDS[name](params)
+    for step in range(STEPS):
+        _grads(params, step)
+        opt.step()
+    assert not torch.equal(params[0], _params(dtype)[0])  # it stepped
+    return params_sha(params), state_sha(opt.state_dict())
+
+
+def _sharded(name: str, ownership: Ownership, dtype: torch.dtype = torch.float32) -> set[Any]:
+    def member(rank: int, gather: Any) -> tuple[str, str]:
+        params = _params(dtype)
+        zero = ZeroOptimizer(params, BUILDS[name](params), ownership, gather, timeout=TIMEOUT)
+        for step in range(STEPS):
+            _grads(params, step)
+            zero.step()
+        return params_sha(params), state_sha(zero.full_state_dict())
+
+    return set(on_threads(ownership.world, member))
+
+
+@pytest.mark.parametrize("name", sorted(BUILDS))
+def test_sharded_muon_matches_the_unsharded_step(name: str) -> None:
+    want = _reference(name)
+    for ownership in (
+        Ownership.balanced(_sizes(), 1),
+        Ownership.balanced(_sizes(), 3),
+        _chunked(4, 97),  # every matrix in pieces on several ranks
+    ):
+        assert _sharded(name, ownership) == {want}, f"{name} at W={ownership.world}"
+
+
+def test_sharded_muon_matches_in_bf16() -> None:
+    want = _reference("muon+adamw", torch.bfloat16)
+    assert _sharded("muon+adamw", _chunked(3, 61), torch.bfloat16) == {want}
+
+
+def test_each_rank_keeps_only_its_share_of_the_momentum() -> None:
+    matrix_elements = sum(_sizes()[i] for i in MATRICES)
+
+    def member(rank: int, gather: Any) -> int:
+        params = _params()
+        zero = ZeroOptimizer(params, _muon(params), Ownership.balanced(_sizes(), 4), gather)
+        _grads(params, 1)
+        zero.step()
+        return zero.state_bytes()
+
+    per_rank = on_threads(4, member)
+    assert max(per_rank) < 4 * matrix_elements / 4 * 1.5, per_rank  # fp32, plus scratch lanes
+    assert sum(per_rank) >= 4 * matrix_elements
+
+
+def test_a_replica_steps_the_momentum_its_owner_steps() -> None:
+    """zero/replicas.py: a member that keeps another's pieces steps their momentum itself;
+    the parameters are its owner's to write."""
+    params = _params()
+    opt = _muon(params)
+    _grads(params, 0)
+    opt.step()  # the state a replica was given at the epoch's first commit
+    order = [p for g in opt.param_groups for p in g["params"]]
+    keys = [PieceKey(0, 3, 150), PieceKey(2, 1000, 2000), PieceKey(3, 0, 1089)]
+    given = {
+        k: {
+            "momentum_buffer": opt.state[order[k.param]]["momentum_buffer"]
+            .reshape(-1)[k.start : k.stop]
+            .clone()
+        }
+        for k in keys
+    }
+    replica = ReplicaSteps(opt, given, frozenset({"momentum_buffer"}))
+    _grads(params, 1)
+    before = [p.detach().clone() for p in params]
+    replica.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
+    opt.step()
+    for key, state in replica.pieces().items():
+        full = opt.state[order[key.param]]["momentum_buffer"].reshape(-1)[key.start : key.stop]
+        assert torch.equal(state["momentum_buffer"], full), key
+
+
+def test_what_sharded_muon_cannot_step_is_refused_by_name() -> None:
+    params = _params()
+    gather = LocalGathers(1).rank(0)
+    own = Ownership.balanced(_sizes(), 1)
+    muon = _muon(params)
+    muon.param_groups[0]["params"].append(params[1])  # a vector added behind its back
+    with pytest.raises(
+        ConfigError, match=re.escape("Muon param group 0 holds a tensor of shape (300,)")
+    ):
+        ZeroOptimizer(params, muon, own, gather)
+    with pytest.raises(ConfigError, match="cannot shard Adafactor: it factors"):
+        rest = [p for i, p in enumerate(params) if i not in MATRICES]
+        ZeroOptimizer(
+            params, OptimizerGroup([_muon(params), torch.optim.Adafactor(rest)]), own, gather
+        )
