@@ -92,3 +92,23 @@ def test_a_sharded_job_steps_its_shards_and_refuses_the_scripts_step(shard: str)
             opt.step()
         assert step.commit()
     assert job.done == 2
+
+
+def test_the_amp_recipes_scaler_calls_are_refused_and_the_jobs_own_still_run() -> None:
+    """A ported AMP loop keeps scaler.unscale_/step/update: each is refused by name (torch
+    would fail with "No inf checks were recorded"), and the job's own calls of them, at
+    the commit, still unscale, step and update."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=1)
+    model, (opt,), job = _job(grad_scaler=scaler)
+    for step in job.steps(2):
+        for mb in step.micro_batches():
+            step.backward(scaler.scale(nn.functional.mse_loss(model(mb.inputs), mb.targets)))
+        for call in (lambda: scaler.unscale_(opt), lambda: scaler.step(opt), scaler.update):
+            with pytest.raises(ConfigError, match=r"GradScaler\.\w+\(\) called by the script"):
+                call()
+        assert step.commit()
+    assert scaler.get_scale() == 2.0**10  # grown after each of the two steps: update ran
+    assert "step" in vars(scaler)  # this scaler's: another is untouched
+    assert "step" not in vars(torch.amp.GradScaler("cpu"))
+    job.step_guard.remove()
+    assert "step" not in vars(scaler)

@@ -141,6 +141,8 @@ class Job:
         self.lr_watch = LrWatch(optimizer)
         self.hyper = HyperCheck(optimizer)  # members step with the same lr (hyper.py)
         self.step_guard = StepGuard(optimizer)  # the script's own optimizer.step() refused
+        if self.grad_scaler is not None:  # and its scaler.step(), unscale_(), update()
+            self.step_guard.guard_scaler(self.grad_scaler)
         # shard="zero1"/"zero2": the script's optimizer is stepped in shards (sharded.py).
         self.sharded = sharded_optimizer(config.shard, self.params, optimizer, self.reducer)
         self.hooks: list[Hook] = []
@@ -290,7 +292,8 @@ class Job:
         if self.sharded is not None:  # ZeRO-2: the gradient of its windows, or all of it
             holder = self.sharded.grads_for_update(holder, bool(self.hooks) or clip is not None)
         if scaler is not None:
-            scaler.unscale_(holder)
+            with self.step_guard.job_steps():
+                scaler.unscale_(holder)
         for hook in self.hooks:
             hook(self.model, self.optimizer)
         norm = None
@@ -307,8 +310,8 @@ class Job:
                 scaler.step(self.optimizer)
             else:
                 self.optimizer.step()
-        if scaler is not None:  # sharded: unscale_ found no inf, which is all update needs
-            scaler.update()
+            if scaler is not None:  # sharded: unscale_ found no inf, all update needs
+                scaler.update()
         self._advance()
         return norm
 

@@ -13,6 +13,12 @@ nothing) and its step steps nothing, and the job trains unclipped with no sign o
 step is where that port shows, so it is refused there, naming both fixes. Outside
 ``job.steps()`` (a reference computed before, a fine-tune after) the optimizer is the
 script's again.
+
+The same holds for the ``grad_scaler`` the job drives: the AMP recipe's
+``scaler.unscale_(opt)``, ``scaler.step(opt)`` and ``scaler.update()`` are the job's to call
+inside the loop. Left in a ported loop they would fail inside torch ("No inf checks were
+recorded for this optimizer": ``.grad`` holds nothing yet), or record an unscale the job's
+own would then trip over; ``guard_scaler`` refuses them by name instead.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class StepGuard:
         self._in_loop = False
         self._job_stepping = False
         self._handles = [opt.register_step_pre_hook(GuardHook(self)) for opt in targets]
+        self._scalers: list[torch.amp.GradScaler] = []
 
     @contextmanager
     def loop(self) -> Iterator[None]:
@@ -82,6 +89,37 @@ class StepGuard:
         if self._in_loop and not self._job_stepping:
             raise ConfigError(f"{type(optimizer).__name__}.step() called by the script: {_WHY}")
 
+    def guard_scaler(self, scaler: torch.amp.GradScaler) -> None:
+        """Refuse the script's ``unscale_``, ``step`` and ``update`` of ``scaler`` (the
+        job's ``grad_scaler``) inside the loop, as its optimizer's step is refused."""
+        for name in _SCALER_CALLS:
+            setattr(scaler, name, _GuardedCall(self, getattr(scaler, name), name))
+        self._scalers.append(scaler)
+
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        for scaler in self._scalers:
+            for name in _SCALER_CALLS:
+                vars(scaler).pop(name, None)  # the class's methods again
+        self._scalers.clear()
+
+
+_SCALER_CALLS = ("unscale_", "step", "update")
+
+
+class _GuardedCall:
+    """One of a grad scaler's methods, refused to the script inside the loop."""
+
+    def __init__(self, guard: StepGuard, call: Any, name: str) -> None:
+        self.guard, self.call, self.name = guard, call, name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.guard._in_loop and not self.guard._job_stepping:
+            raise ConfigError(
+                f"GradScaler.{self.name}() called by the script: the job given "
+                f"grad_scaler= unscales the reduced gradient, skips a step with inf or nan "
+                f"and updates the scale itself at step.commit(); keep only "
+                f"step.backward(scaler.scale(loss)). {_WHY}"
+            )
+        return self.call(*args, **kwargs)
