@@ -72,9 +72,9 @@ def _watch_gradients() -> None:
         seen(_grad_bytes(p.grad for p in job.params))
         return apply(job, index)
 
-    def attach_grads(zero: ZeroOptimizer, grads: Any) -> None:
+    def attach_grads(zero: ZeroOptimizer, grads: Any, given: Any = None) -> None:
         seen(_grad_bytes(grads))
-        attach(zero, grads)
+        attach(zero, grads, given)
 
     Job.apply_update = apply_update  # type: ignore[method-assign]
     ZeroOptimizer.attach_grads = attach_grads  # type: ignore[method-assign]

@@ -11,6 +11,7 @@ parameters and of the gathered optimizer state must be equal.
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 import pytest
@@ -22,6 +23,8 @@ from keepstep.elastic.optimizer_group import OptimizerGroup
 from keepstep.elastic.shard import Range
 from keepstep.elastic.snapshot_shard import PieceKey
 from keepstep.elastic.zero import LocalGathers, Ownership, ZeroOptimizer
+from keepstep.elastic.zero import optimizer as zero_optimizer
+from keepstep.elastic.zero.muon import designate, ns_cost
 from keepstep.elastic.zero.replicas import ReplicaSteps
 
 # Matrices wide, tall and square (Newton-Schulz transposes a tall one), and the vectors and
@@ -182,3 +185,44 @@ def test_what_sharded_muon_cannot_step_is_refused_by_name() -> None:
         ZeroOptimizer(
             params, OptimizerGroup([_muon(params), torch.optim.Adafactor(rest)]), own, gather
         )
+
+
+def test_each_matrix_is_given_to_one_rank_the_largest_first() -> None:
+    shapes = {0: (64, 48), 2: (5, 300), 4: (33, 33), 7: (128, 128), 9: (10, 10)}
+    got = designate(shapes, 3)
+    assert got == designate(dict(reversed(shapes.items())), 3)  # a function of the shapes
+    assert got[7] == 0 and got[0] == 1  # the costliest two first, on empty ranks
+    load = [sum(ns_cost(shapes[t]) for t, r in got.items() if r == rank) for rank in range(3)]
+    assert max(load) == ns_cost((128, 128))  # nothing joins the largest: it is the bound
+    assert ns_cost((5, 300)) == ns_cost((300, 5)) == 2 * 25 * 300 + 125
+    assert designate(shapes, 1) == dict.fromkeys(shapes, 0)
+
+
+def test_every_matrix_is_orthogonalised_once_in_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not once per member: the rank designated for a matrix steps it whole, and the
+    parameter gather sends it from there."""
+    calls: list[tuple[int, tuple[int, ...]]] = []
+    real = zero_optimizer.step_matrix
+
+    def counted(param: torch.Tensor, update: torch.Tensor, group: Any) -> None:
+        calls.append((threading.get_ident(), tuple(param.shape)))
+        real(param, update, group)
+
+    monkeypatch.setattr(zero_optimizer, "step_matrix", counted)
+    world = 4
+    assert _sharded("muon", _chunked(world, 97)) == {_reference("muon")}
+    # matrix 2 has no gradient at step 0: torch's Muon, and so no rank, steps it then
+    want = sorted([SHAPES[i] for i in MATRICES] * STEPS)
+    want.remove(SHAPES[2])
+    assert sorted(s for _, s in calls) == want
+    assert len({thread for thread, _ in calls}) == world  # four matrices on four ranks
+
+
+def test_zero2_gradients_must_say_which_tensors_have_one() -> None:
+    def member(rank: int, gather: Any) -> None:
+        params = _params()
+        zero = ZeroOptimizer(params, _muon(params), Ownership.balanced(_sizes(), 2), gather)
+        with pytest.raises(ConfigError, match="attach_grads needs given="):
+            zero.attach_grads([None] * len(zero.windows))
+
+    on_threads(2, member)

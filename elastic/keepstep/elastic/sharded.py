@@ -284,7 +284,7 @@ class ShardedOptimizer:
         if whole:
             self.zero.gather_grads(grads, self._given)
             return front
-        self.zero.attach_grads(grads)
+        self.zero.attach_grads(grads, self._given)
         return self.zero.inner
 
     def step(self) -> None:

@@ -12,14 +12,16 @@ has ``torch.optim.Muon``, over the 1-D windows a rank steps (zero/ownership.py).
 
 The first two lines run on the windows, as every elementwise optimizer does under ZeRO:
 the momentum ``B`` stays sharded, about 1/W of it per rank. The third needs ``U`` whole,
-so ``MuonWindows.step`` hands the windows' ``U`` to a *finisher*: ``ZeroOptimizer``'s
-all-gathers the owners' pieces of ``U`` (one more all-gather of the matrices' size per
-step), and every rank orthogonalises the matrices its windows touch and steps each of
-them whole with ``step_matrix`` -- torch's own Newton-Schulz function on the same
-matrix, then the same elementwise calls on the same shape. Same kernels, same input:
-the same bits as the unsharded step. The parameter all-gather that follows brings every
-other matrix from its owners. A matrix is orthogonalised by the one or two ranks whose
-windows touch it, so the Newton-Schulz work is spread across the members, not repeated.
+so ``MuonWindows.step`` hands the windows' ``U`` to a *finisher*. ``ZeroOptimizer``'s
+gives every matrix to one rank (``designate``: the Newton-Schulz work balanced across the
+ranks, largest matrices first), all-gathers the owners' pieces of ``U`` (one more
+all-gather of the matrices' size per step; each rank keeps those of its own matrices),
+and each rank steps its matrices whole with ``step_matrix``: torch's own Newton-Schulz
+function on the same matrix, then the same elementwise calls on the same shape. Same
+kernels, same input: the same bits as the unsharded step. The parameter all-gather that
+follows sends each matrix whole from the rank that stepped it (pieces/PieceGather's
+``whole``), every other tensor from its owners. So each matrix is orthogonalised once in
+the job, not once per member, and no rank holds more than its matrices' ``U`` whole.
 
 Without a finisher (a replica's step, zero/replicas.py, keeps the state only) the step
 stops after the momentum.
@@ -27,14 +29,14 @@ stops after the momentum.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from keepstep.elastic.errors import ConfigError
 
-__all__ = ["MUON", "Finish", "MuonWindows", "check_muon", "step_matrix"]
+__all__ = ["MUON", "Finish", "MuonWindows", "check_muon", "designate", "ns_cost", "step_matrix"]
 
 # The script's class, where this torch has one (torch >= 2.9).
 MUON: type[torch.optim.Optimizer] | None = getattr(torch.optim, "Muon", None)
@@ -75,6 +77,26 @@ class MuonWindows(torch.optim.Optimizer):
                 updates[view] = grad.lerp(buf, momentum) if group["nesterov"] else buf
         if self.finish is not None:
             self.finish(updates)
+
+
+def ns_cost(shape: Sequence[int]) -> int:
+    """Multiply-adds of one Newton-Schulz iteration on a matrix of ``shape`` (m <= n after
+    the transpose): the Gram matrix (m*m*n), its square (m^3), the update (m*m*n)."""
+    m, n = sorted(shape)
+    return 2 * m * m * n + m * m * m
+
+
+def designate(shapes: Mapping[int, Sequence[int]], world: int) -> dict[int, int]:
+    """The rank that steps each matrix whole, by tensor index: the costliest first, each to
+    the least loaded rank (the lowest on a tie). A pure function of the shapes and the
+    world size: every rank computes the same."""
+    load = [0] * world
+    out: dict[int, int] = {}
+    for t in sorted(shapes, key=lambda t: (-ns_cost(shapes[t]), t)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[t] = r
+        load[r] += ns_cost(shapes[t])
+    return out
 
 
 def step_matrix(param: torch.Tensor, update: torch.Tensor, group: Mapping[str, Any]) -> None:

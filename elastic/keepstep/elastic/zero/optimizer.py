@@ -38,7 +38,7 @@ import torch
 from keepstep.elastic.errors import ConfigError, StateShapeError
 from keepstep.elastic.optimizer_group import OptimizerGroup
 from keepstep.elastic.zero.gather import Gather, allgather_ragged
-from keepstep.elastic.zero.muon import MUON, step_matrix
+from keepstep.elastic.zero.muon import MUON, designate, step_matrix
 from keepstep.elastic.zero.optimizers import check_supported, hyper, rebuild, sync_groups
 from keepstep.elastic.zero.ownership import ALIGN, Ownership, windows
 from keepstep.elastic.zero.pieces import PieceGather
@@ -120,8 +120,11 @@ class ZeroOptimizer:
         self._attached = False  # attach_grads gave the next step its gradients
         self._pieces = PieceGather(gather, ownership, [p.element_size() for p in self.params])
         self._stepped = frozenset(self._group_of)  # the tensors this optimizer steps
-        # Muon's matrices (zero/muon.py): their updates are gathered whole before they step.
+        # Muon's matrices (zero/muon.py): each is stepped whole on the rank designated for it.
         self._matrices = frozenset(t for t, g in self._group_of.items() if _is_muon(optimizer, g))
+        shapes = {t: tuple(self.params[t].shape) for t in self._matrices}
+        self._designated = designate(shapes, ownership.world)
+        self._given: frozenset[int] = frozenset()  # the tensors with a gradient this step
         if optimizer.state:  # a resumed script, or Adagrad's state made at construction
             self.load_full_state_dict(optimizer.state_dict())
         optimizer.state.clear()
@@ -142,6 +145,7 @@ class ZeroOptimizer:
         if not self._attached:
             for view, grad in zip(self._views, self._grads_from_params(), strict=True):
                 view.grad = grad
+            self._given = frozenset(t for t, p in enumerate(self.params) if p.grad is not None)
         self._attached = False
         try:
             self.inner.step()
@@ -155,28 +159,29 @@ class ZeroOptimizer:
         self.gather_params()
 
     def _orthogonalize(self, updates: Mapping[torch.Tensor, torch.Tensor]) -> None:
-        """Muon's whole-matrix step (zero/muon.py): the owners' pieces of every matrix's
-        momentum update gathered, then each matrix a window of this rank touches stepped
-        whole, as the unsharded Muon steps it. A collective: every rank calls it."""
+        """Muon's whole-matrix step (zero/muon.py): the owners' pieces of the matrices'
+        momentum updates gathered, each into the rank designated for its matrix, which
+        steps the matrix whole as the unsharded Muon does. A collective: every rank
+        calls it."""
+        mine = frozenset(t for t, r in self._designated.items() if r == self.rank)
+        touched = {w.tensor for w in self.windows} & self._matrices
         full = {
             t: torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
             for t, p in enumerate(self.params)
-            if t in self._matrices
+            if t in mine | touched
         }
-        stepped: set[int] = set()
         for w, view in zip(self.windows, self._views, strict=True):
             update = updates.get(view)
-            if update is None:
-                continue
-            stepped.add(w.tensor)
-            for r in w.owned:
-                full[w.tensor][r.start : r.stop] = update[r.start - w.start : r.stop - w.start]
-        self._pieces.run(lambda t: full[t].view(torch.uint8), self._matrices, self.timeout)
-        for t in sorted(stepped):
+            if update is not None:
+                for r in w.owned:
+                    at = slice(r.start - w.start, r.stop - w.start)
+                    full[w.tensor][r.start : r.stop] = update[at]
+        gather = self._pieces
+        gather.run(lambda t: full[t].view(torch.uint8), self._matrices, self.timeout, into=mine)
+        for t in sorted(mine & self._given):  # torch's Muon leaves one without a gradient
             p = self.params[t]
-            step_matrix(
-                p.detach(), full[t].view(p.shape), self.inner.param_groups[self._group_of[t]]
-            )
+            group = self.inner.param_groups[self._group_of[t]]
+            step_matrix(p.detach(), full[t].view(p.shape), group)
 
     def _grads_from_params(self) -> list[torch.Tensor | None]:
         """Each window's slice of its parameter's ``.grad`` (a view; None without one)."""
@@ -191,12 +196,25 @@ class ZeroOptimizer:
             None if (g := flat[w.tensor]) is None else g[w.start : w.stop] for w in self.windows
         ]
 
-    def attach_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
+    def attach_grads(
+        self, grads: Sequence[torch.Tensor | None], given: Sequence[int] | None = None
+    ) -> None:
         """The windows' gradients for the next ``step``, one per window (ZeRO-2's,
         zero/grads.py), in place of the parameters' ``.grad``. ``inner`` holds them
-        until the step (a grad scaler unscales them there)."""
+        until the step (a grad scaler unscales them there). ``given[t]``: whether some
+        micro-batch gave tensor t a gradient; needed when Muon steps matrices whole (the
+        rank that steps one may hold none of its gradient)."""
         if len(grads) != len(self.windows):
             raise ConfigError(f"{len(grads)} gradients for {len(self.windows)} windows")
+        if given is None and self._matrices and self.ownership.world > 1:
+            raise ConfigError("attach_grads needs given= when Muon steps matrices whole")
+        if given is not None and len(given) != len(self.params):
+            raise ConfigError(f"{len(given)} counts for {len(self.params)} tensors")
+        if given is not None:
+            self._given = frozenset(t for t, n in enumerate(given) if n > 0)
+        else:  # one rank: its windows cover every tensor
+            pairs = zip(self.windows, grads, strict=True)
+            self._given = frozenset(w.tensor for w, g in pairs if g is not None)
         for view, grad in zip(self._views, grads, strict=True):
             view.grad = grad
         self._attached = True
@@ -220,8 +238,9 @@ class ZeroOptimizer:
             p.grad = full[t].view(p.shape) if t in full and given[t] > 0 else None
 
     def gather_params(self) -> None:
-        """Every rank's owned pieces of the parameters, into every rank's parameters."""
-        self._pieces.run(self._bytes, self._stepped, self.timeout)
+        """Every rank's owned pieces of the parameters, into every rank's parameters
+        (Muon's matrices whole, from the rank that stepped them)."""
+        self._pieces.run(self._bytes, self._stepped, self.timeout, whole=self._designated)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

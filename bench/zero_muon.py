@@ -1,0 +1,101 @@
+"""Muon under ZeRO: what each member computes, keeps and sends per step, at W members.
+
+    scripts/env python bench/zero_muon.py [--members 1 2 4 8] [--d-model 1024]
+        [--layers 8] [--repeats 3]
+
+The matrices are a decoder's hidden ones (per layer: qkv 3d x d, out d x d, MLP up 4d x d
+and down d x 4d), stepped by Muon; the job's own ownership (shard_epoch.ownership_for,
+members one per node) cuts them. Per member count it prints:
+
+    touched      matrices a member's shard touches (its windows): what each member would
+                 orthogonalise if every member touching a matrix stepped it whole
+    designated   matrices the member steps whole (zero/muon.py ``designate``)
+    ns_s         seconds of Newton-Schulz for the member's designated matrices, the
+                 largest over members, measured here (each shape timed alone, median of
+                 ``--repeats``); W=1 is what every member of an unsharded job spends
+    momentum_mb  MB of momentum the member keeps (fp32, its owned elements)
+    gather_mb    MB the extra all-gather of the updates sends per member (the slot)
+
+Figures are counts and bytes, except ns_s, which is CPU time on this machine (the one
+machine's figure: compare them with each other, not with a GPU's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch.optim import _muon
+
+from keepstep.elastic.shard_epoch import ownership_for
+from keepstep.elastic.zero.muon import designate, ns_cost
+
+
+def _shapes(d: int, layers: int) -> list[tuple[int, int]]:
+    return [s for _ in range(layers) for s in ((3 * d, d), (d, d), (4 * d, d), (d, 4 * d))]
+
+
+def _ns_seconds(shape: tuple[int, int], repeats: int) -> float:
+    g = torch.Generator().manual_seed(0)
+    update = torch.randn(shape, generator=g)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        _muon._zeropower_via_newtonschulz(update, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--members", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # a member's step runs on one intra-op thread
+    shapes = _shapes(args.d_model, args.layers)
+    sizes = [m * n for m, n in shapes]
+    seconds = {s: _ns_seconds(s, args.repeats) for s in sorted(set(shapes))}
+    total = sum(sizes)
+    print(
+        f"{len(shapes)} matrices, {total / 1e6:.1f} M elements; Newton-Schulz on one "
+        f"thread here: {sum(seconds[s] for s in shapes):.2f} s per step for all of them"
+    )
+    print(f"{'W':>3} {'touched':>14} {'designated':>14} {'ns_s':>7} {'momentum_mb':>12} "
+          f"{'gather_mb':>10}")  # fmt: skip
+    rows = []
+    for world in args.members:
+        members = [f"n{i}/0" for i in range(world)]
+        own = ownership_for(sizes, members)
+        touched = [len({pc.tensor for pc in own.pieces(r)}) for r in range(world)]
+        given = designate(dict(enumerate(shapes)), world)
+        mine = [[t for t, r in given.items() if r == rank] for rank in range(world)]
+        ns = [sum(seconds[shapes[t]] for t in m) for m in mine]
+        owned = [own.owned(r) for r in range(world)]
+        row = {
+            "members": world,
+            "touched_max": max(touched),
+            "touched_mean": statistics.mean(touched),
+            "designated_max": max(len(m) for m in mine),
+            "ns_cost_share_max": max(sum(ns_cost(shapes[t]) for t in m) for m in mine)
+            / sum(ns_cost(s) for s in shapes),
+            "ns_s_max": max(ns),
+            "momentum_mb_max": max(owned) * 4 / 1e6,
+            "gather_mb": (max(owned) * 4 / 1e6) if world > 1 else 0.0,
+        }
+        rows.append(row)
+        spread = f"{statistics.mean(touched):.1f} (max {max(touched)})"
+        print(
+            f"{world:>3} {spread:>14} "
+            f"{row['designated_max']:>14} {row['ns_s_max']:>7.2f} "
+            f"{row['momentum_mb_max']:>12.1f} {row['gather_mb']:>10.1f}"
+        )
+    print("RESULT " + json.dumps({"d_model": args.d_model, "layers": args.layers, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
