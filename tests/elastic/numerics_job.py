@@ -1,6 +1,6 @@
 """The job test_numerics_agreement.py launches: a small MLP whose member named by
 ``--other`` reports another CPU model in its numerics fingerprint, as a member on a node
-of another kind would."""
+of another kind would; the member named by ``--compiled`` compiles the model."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--other", default="", help="the member on another kind of CPU")
     parser.add_argument("--mode", default="exact")
+    parser.add_argument("--compiled", default="", help="the member that compiles the model")
     args = parser.parse_args()
-    if os.environ.get("KEEPSTEP_MEMBER") == args.other:
+    me = os.environ.get("KEEPSTEP_MEMBER")
+    if me == args.other:
         numerics._cpu_model = lambda: "Another CPU 9000"  # what /proc/cpuinfo would say there
 
     g = torch.Generator().manual_seed(5)
@@ -29,6 +31,8 @@ def main() -> None:
     data = TensorDataset(x, x.sum(1, keepdim=True))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 1))
+    if me == args.compiled:  # e.g. compiled only where a GPU of some kind is found
+        model.compile()
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     job = keepstep.init(model, optimizer, data, mode=args.mode)
     for step in job.steps():

@@ -18,6 +18,7 @@ from keepstep.elastic.numerics import (
     check_agreement,
     current,
     mixed_reason,
+    model_kernels,
 )
 from keepstep.elastic.reduce import ReduceMode
 
@@ -46,6 +47,7 @@ def test_the_digest_is_stable_and_covers_every_field() -> None:
         "cublas": "12.8.4.1",
         "cudnn": "90800",
         "torch": "2.11.0+cu128",
+        "kernels": "compiled",
     }
     digests = {dataclasses.replace(H200, **{k: v}).digest for k, v in changed.items()}
     assert len(digests | {H200.digest}) == len(changed) + 1
@@ -132,3 +134,20 @@ def test_agree_reads_what_members_told_and_names_a_malformed_one() -> None:
         agree({"node-a": H200.as_dict(), "node-b": {"torch": "2"}}, ReduceMode.EXACT)
     with pytest.raises(BadMessage, match=r"node-b's numerics fingerprint: sm_count="):
         agree({"node-b": {**H200.as_dict(), "sm_count": "many"}}, ReduceMode.EXACT)
+
+
+def test_the_models_kernels_are_told_apart() -> None:
+    """A member that compiles (all of the model, or some modules) and one that does not
+    compute different bits: the fingerprint says which, without compiling anything."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    assert model_kernels(model) == "eager"
+    assert model_kernels(torch.compile(model)) == "compiled"
+    assert model_kernels(model) == "eager"  # the wrapper leaves the model as it was
+    model[0].compile()
+    assert model_kernels(model) == "compiled in part (1 of 4 modules)"
+    model.compile()
+    assert model_kernels(model) == "compiled"
+    eager, compiled = (current(torch.device("cpu"), k) for k in ("eager", "compiled"))
+    assert eager.kernels == "eager" and compiled.describe().endswith(", compiled model")
+    with pytest.raises(NumericsMismatch, match=r"\(2 fingerprints; kernels\): a has .*eager model"):
+        check_agreement({"a": eager, "b": compiled}, ReduceMode.EXACT)

@@ -51,6 +51,7 @@ from keepstep.elastic.heap import frozen_heap
 from keepstep.elastic.hyper import HyperCheck
 from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, checked_scaler, skip_step
 from keepstep.elastic.lr_watch import LrWatch
+from keepstep.elastic.numerics import model_kernels
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import STEP, SampleOrder, fix_determinism, rng_scope
 from keepstep.elastic.rollback import MemberView, fall_back, resume_plan
@@ -469,7 +470,9 @@ class Job:
         held, sharded = tuple(i.step for i in self.snapshots.infos()), self.sharded
         mine = MemberView(self.fresh, self.done, held, chunks=sharded.chunks if sharded else None)
         device = self.params[0].device
-        views = exchange_views(comm, mine, self.collective_timeout, self.config.mode, device)
+        kernels = model_kernels(self.model)  # compiled on some members only: refused
+        timeout, mode = self.collective_timeout, self.config.mode
+        views = exchange_views(comm, mine, timeout, mode, device, kernels)
         decision = resume_plan(views)
         log.info("epoch %d: %s", comm.epoch, decision.reason)
         resume = decision.resume_step

@@ -4,7 +4,10 @@ Where it sits: exact mode promises that a step's numbers do not depend on who co
 which micro-batch. That holds between members whose kernels round the same way: the same
 GPU model and SM count (cuBLAS picks its algorithm, and so its summation order, by them),
 driver, CUDA, cuBLAS and cuDNN versions, and torch version; on the CPU, the processor
-model, the instruction set torch dispatches to, and torch. `current()` reads them for this
+model, the instruction set torch dispatches to, and torch. And the model's kernels:
+`torch.compile` fuses ops into kernels that round differently from eager ones, so a
+member compiled and a member eager part bits (`model_kernels` tells them apart: a script
+that compiles only where some condition holds). `current()` reads them for this
 process; `mixed_reason` and `check_agreement` are the pure decision over every member's
 fingerprint, and `agree` runs it as every epoch is entered, before its first step (the
 fingerprint rides in each member's view as `as_dict()`: transfer.exchange_views).
@@ -20,6 +23,7 @@ import importlib.metadata
 import json
 import logging
 import platform
+import sys
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
@@ -36,6 +40,7 @@ __all__ = [
     "check_agreement",
     "current",
     "mixed_reason",
+    "model_kernels",
 ]
 
 UNKNOWN = "unknown"
@@ -61,6 +66,7 @@ class NumericsFingerprint:
     cublas: str
     cudnn: str
     torch: str
+    kernels: str = "eager"  # or what of the model torch.compile compiles (model_kernels)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -92,12 +98,14 @@ class NumericsFingerprint:
     def describe(self) -> str:
         """One line for error messages and logs."""
         if self.device_kind == "cpu":
-            return f"cpu {self.device_name} ({self.capability}), torch {self.torch}"
-        return (
-            f"{self.device_name} (sm {self.capability}, {self.sm_count} SMs), driver "
-            f"{self.driver}, CUDA {self.cuda}, cuBLAS {self.cublas}, cuDNN {self.cudnn}, "
-            f"torch {self.torch}"
-        )
+            line = f"cpu {self.device_name} ({self.capability}), torch {self.torch}"
+        else:
+            line = (
+                f"{self.device_name} (sm {self.capability}, {self.sm_count} SMs), driver "
+                f"{self.driver}, CUDA {self.cuda}, cuBLAS {self.cublas}, cuDNN {self.cudnn}, "
+                f"torch {self.torch}"
+            )
+        return f"{line}, {self.kernels} model"
 
 
 def _cpu_model() -> str:
@@ -134,9 +142,34 @@ def _dist_version(prefix: str) -> str:
     return found[0][1] if found else UNKNOWN
 
 
-def current(device: torch.device | None = None) -> NumericsFingerprint:
+def model_kernels(model: torch.nn.Module) -> str:
+    """What of ``model`` runs compiled: ``"eager"``, ``"compiled"`` (``torch.compile(model)``
+    or ``model.compile()``), or ``"compiled in part (N of M modules)"`` (submodules compiled
+    in place). A function compiled apart from the model is not seen."""
+    # Only dynamo makes these wrappers: not imported, nothing is compiled (and importing it
+    # here would cost a second).
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    wrapper = getattr(frame, "OptimizedModule", None)
+    if wrapper is not None and isinstance(model, wrapper):
+        return "compiled"
+    modules = list(model.modules())
+    compiled = [
+        m
+        for m in modules
+        if getattr(m, "_compiled_call_impl", None) is not None
+        or (wrapper is not None and isinstance(m, wrapper))
+    ]
+    if not compiled:
+        return "eager"
+    if compiled[0] is model:
+        return "compiled"
+    return f"compiled in part ({len(compiled)} of {len(modules)} modules)"
+
+
+def current(device: torch.device | None = None, kernels: str = "eager") -> NumericsFingerprint:
     """This process's fingerprint for `device` (default: the current CUDA device when
-    CUDA is available, else the CPU)."""
+    CUDA is available, else the CPU) and a model whose kernels are ``kernels``
+    (``model_kernels``)."""
     if device is None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     version = torch.__version__
@@ -151,6 +184,7 @@ def current(device: torch.device | None = None) -> NumericsFingerprint:
             cublas=UNKNOWN,
             cudnn=UNKNOWN,
             torch=version,
+            kernels=kernels,
         )
     if device.type != "cuda":
         raise ConfigError(f"device={device}; a fingerprint is read for 'cuda' or 'cpu'")
@@ -167,6 +201,7 @@ def current(device: torch.device | None = None) -> NumericsFingerprint:
         cublas=_dist_version("nvidia-cublas"),
         cudnn=str(cudnn) if cudnn else UNKNOWN,
         torch=version,
+        kernels=kernels,
     )
 
 

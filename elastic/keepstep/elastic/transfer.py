@@ -49,17 +49,24 @@ def snapshot_limit(model: torch.nn.Module) -> int:
 
 
 @functools.cache
-def numerics_of(device: torch.device) -> dict[str, str | int]:
-    """This process's numerics fingerprint for ``device``, read once."""
-    return current(device).as_dict()
+def numerics_of(device: torch.device, kernels: str = "eager") -> dict[str, str | int]:
+    """This process's numerics fingerprint for ``device`` and a model whose kernels are
+    ``kernels``, read once."""
+    return current(device, kernels).as_dict()
 
 
 def exchange_views(
-    comm: Communicator, mine: MemberView, timeout: timedelta, mode: ReduceMode, device: torch.device
+    comm: Communicator,
+    mine: MemberView,
+    timeout: timedelta,
+    mode: ReduceMode,
+    device: torch.device,
+    kernels: str = "eager",
 ) -> list[MemberView]:
     """Every member's view in rank order, as bounded JSON (never pickle), each with its
-    member's numerics fingerprint for ``device``, agreed in ``mode`` (``numerics.agree``)."""
-    mine = replace(mine, numerics=numerics_of(device))
+    member's numerics fingerprint for ``device`` and ``kernels`` (numerics.model_kernels),
+    agreed in ``mode`` (``numerics.agree``)."""
+    mine = replace(mine, numerics=numerics_of(device, kernels))
     blobs = comm.allgather_bytes(mine.encode(), VIEW_MAX_BYTES, timeout)
     views = [MemberView.decode(blob, rank) for rank, blob in enumerate(blobs)]
     agree(dict(zip(comm.members, (v.numerics for v in views), strict=True)), mode)
