@@ -23,7 +23,7 @@ from keepstep.elastic.optimizer_group import OptimizerGroup
 from keepstep.elastic.shard import Range
 from keepstep.elastic.snapshot_shard import PieceKey
 from keepstep.elastic.zero import LocalGathers, Ownership, ZeroOptimizer
-from keepstep.elastic.zero import optimizer as zero_optimizer
+from keepstep.elastic.zero import matrices as zero_matrices
 from keepstep.elastic.zero.muon import designate, ns_cost
 from keepstep.elastic.zero.replicas import ReplicaSteps
 
@@ -202,13 +202,13 @@ def test_every_matrix_is_orthogonalised_once_in_the_job(monkeypatch: pytest.Monk
     """Not once per member: the rank designated for a matrix steps it whole, and the
     parameter gather sends it from there."""
     calls: list[tuple[int, tuple[int, ...]]] = []
-    real = zero_optimizer.step_matrix
+    real = zero_matrices.step_matrix
 
     def counted(param: torch.Tensor, update: torch.Tensor, group: Any) -> None:
         calls.append((threading.get_ident(), tuple(param.shape)))
         real(param, update, group)
 
-    monkeypatch.setattr(zero_optimizer, "step_matrix", counted)
+    monkeypatch.setattr(zero_matrices, "step_matrix", counted)
     world = 4
     assert _sharded("muon", _chunked(world, 97)) == {_reference("muon")}
     # matrix 2 has no gradient at step 0: torch's Muon, and so no rank, steps it then

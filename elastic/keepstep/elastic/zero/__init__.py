@@ -7,7 +7,8 @@ all-gathers the parameters, with bits identical to the unsharded step at any wor
 
     ownership.py   the layout in rank order, checked (one owner per element); windows
     optimizers.py  which optimizers are elementwise; rebuilding the script's over a shard
-    muon.py        Muon: sharded momentum, whole matrices stepped where a shard touches them
+    muon.py        Muon: sharded momentum, its whole-matrix step, which rank steps which
+    matrices.py    WholeMatrices: Muon's matrices gathered to and stepped on their rank
     state.py       the shard's state: cut from the full state, joined, gathered
     gather.py      the all-gather seam: a process group, or ranks on threads (the fake)
     pieces.py      PieceGather: every rank's owned pieces of some tensors, into every rank's

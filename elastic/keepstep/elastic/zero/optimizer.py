@@ -15,8 +15,7 @@ loops as the full step does. With more than one intra-op thread the full step cu
 large tensor between threads where no window can follow; the measured difference is in
 bf16/fp16 only, and such a job is refused (float32 stays identical in our tests).
 Muon's whole-matrix part is the exception that the finisher ``_orthogonalize`` handles:
-the matrices' updates are gathered and each matrix a window touches is stepped whole
-(zero/muon.py).
+each matrix is stepped whole on one rank (zero/muon.py, zero/matrices.py).
 
 State: each rank keeps optimizer state for its windows only, about ``1/W`` of the full
 state. ``state_dict``/``load_state_dict`` are the shard's (what a member's snapshot
@@ -38,7 +37,8 @@ import torch
 from keepstep.elastic.errors import ConfigError, StateShapeError
 from keepstep.elastic.optimizer_group import OptimizerGroup
 from keepstep.elastic.zero.gather import Gather, allgather_ragged
-from keepstep.elastic.zero.muon import MUON, designate, step_matrix
+from keepstep.elastic.zero.matrices import WholeMatrices
+from keepstep.elastic.zero.muon import MUON
 from keepstep.elastic.zero.optimizers import check_supported, hyper, rebuild, sync_groups
 from keepstep.elastic.zero.ownership import ALIGN, Ownership, windows
 from keepstep.elastic.zero.pieces import PieceGather
@@ -121,9 +121,8 @@ class ZeroOptimizer:
         self._pieces = PieceGather(gather, ownership, [p.element_size() for p in self.params])
         self._stepped = frozenset(self._group_of)  # the tensors this optimizer steps
         # Muon's matrices (zero/muon.py): each is stepped whole on the rank designated for it.
-        self._matrices = frozenset(t for t, g in self._group_of.items() if _is_muon(optimizer, g))
-        shapes = {t: tuple(self.params[t].shape) for t in self._matrices}
-        self._designated = designate(shapes, ownership.world)
+        muon = frozenset(t for t, g in self._group_of.items() if _is_muon(optimizer, g))
+        self._matrices = WholeMatrices(self.params, muon, self.windows, self._views, self._pieces)
         self._given: frozenset[int] = frozenset()  # the tensors with a gradient this step
         if optimizer.state:  # a resumed script, or Adagrad's state made at construction
             self.load_full_state_dict(optimizer.state_dict())
@@ -159,29 +158,9 @@ class ZeroOptimizer:
         self.gather_params()
 
     def _orthogonalize(self, updates: Mapping[torch.Tensor, torch.Tensor]) -> None:
-        """Muon's whole-matrix step (zero/muon.py): the owners' pieces of the matrices'
-        momentum updates gathered, each into the rank designated for its matrix, which
-        steps the matrix whole as the unsharded Muon does. A collective: every rank
-        calls it."""
-        mine = frozenset(t for t, r in self._designated.items() if r == self.rank)
-        touched = {w.tensor for w in self.windows} & self._matrices
-        full = {
-            t: torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-            for t, p in enumerate(self.params)
-            if t in mine | touched
-        }
-        for w, view in zip(self.windows, self._views, strict=True):
-            update = updates.get(view)
-            if update is not None:
-                for r in w.owned:
-                    at = slice(r.start - w.start, r.stop - w.start)
-                    full[w.tensor][r.start : r.stop] = update[at]
-        gather = self._pieces
-        gather.run(lambda t: full[t].view(torch.uint8), self._matrices, self.timeout, into=mine)
-        for t in sorted(mine & self._given):  # torch's Muon leaves one without a gradient
-            p = self.params[t]
-            group = self.inner.param_groups[self._group_of[t]]
-            step_matrix(p.detach(), full[t].view(p.shape), group)
+        """Muon's finisher: its matrices stepped whole (zero/matrices.py)."""
+        groups = {t: self.inner.param_groups[self._group_of[t]] for t in self._matrices.mine}
+        self._matrices.step(updates, self._given, groups, self.timeout)
 
     def _grads_from_params(self) -> list[torch.Tensor | None]:
         """Each window's slice of its parameter's ``.grad`` (a view; None without one)."""
@@ -206,7 +185,7 @@ class ZeroOptimizer:
         rank that steps one may hold none of its gradient)."""
         if len(grads) != len(self.windows):
             raise ConfigError(f"{len(grads)} gradients for {len(self.windows)} windows")
-        if given is None and self._matrices and self.ownership.world > 1:
+        if given is None and self._matrices.matrices and self.ownership.world > 1:
             raise ConfigError("attach_grads needs given= when Muon steps matrices whole")
         if given is not None and len(given) != len(self.params):
             raise ConfigError(f"{len(given)} counts for {len(self.params)} tensors")
@@ -240,7 +219,7 @@ class ZeroOptimizer:
     def gather_params(self) -> None:
         """Every rank's owned pieces of the parameters, into every rank's parameters
         (Muon's matrices whole, from the rank that stepped them)."""
-        self._pieces.run(self._bytes, self._stepped, self.timeout, whole=self._designated)
+        self._pieces.run(self._bytes, self._stepped, self.timeout, whole=self._matrices.designated)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

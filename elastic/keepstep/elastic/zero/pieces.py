@@ -63,29 +63,33 @@ class PieceGather:
         *,
         whole: Mapping[int, int] = _NONE,
         into: frozenset[int] | None = None,
+        source: Callable[[Piece], torch.Tensor] | None = None,
     ) -> None:
         """Every rank's pieces (``plan``) of the tensors ``flat_bytes(t)`` for ``t`` in
         ``which`` (1-D bytes of the whole tensor), written into this rank's; only those of
-        the tensors ``into`` when given (``flat_bytes`` is then asked for no other tensor
-        than these and the ones this rank sends). A collective: every rank calls it with
-        the same ``which`` and ``whole``; ``PeerLost`` if a rank fails."""
+        the tensors ``into`` when given. What this rank sends comes from ``source(piece)``
+        when given (the piece's bytes), else from ``flat_bytes``; ``flat_bytes`` is asked
+        for no tensor it need not give. A collective: every rank calls it with the same
+        ``which`` and ``whole``; ``PeerLost`` if a rank fails."""
         if self.ownership.world == 1:
             return
         sends, lengths = self.plan(which, whole)
         rank = self.gather.rank
         receive = which if into is None else into & which
-        tensors = {t: flat_bytes(t) for t in sorted({t for t, _, _ in sends[rank]} | receive)}
+        sent = set() if source is not None else {t for t, _, _ in sends[rank]}
+        tensors = {t: flat_bytes(t) for t in sorted(sent | receive)}
         size = self.element_sizes
 
-        def views(r: int) -> list[torch.Tensor]:  # rank r's pieces, as bytes of the tensors
-            return [tensors[t][a * size[t] : b * size[t]] for t, a, b in sends[r]]
+        def bytes_of(piece: Piece) -> torch.Tensor:
+            t, a, b = piece
+            return tensors[t][a * size[t] : b * size[t]]
 
         length = max(max(lengths), 1)  # every rank sends a slot of one size
         if self._mine is None or self._mine.numel() < length:
             self._mine = torch.zeros(length, dtype=torch.uint8, device=self.gather.device)
         mine = self._mine[:length]
         if lengths[rank]:
-            torch.cat(views(rank), out=mine[: lengths[rank]])
+            torch.cat([(source or bytes_of)(pc) for pc in sends[rank]], out=mine[: lengths[rank]])
         slots = self.gather.allgather(mine, timeout)
         for r, slot in enumerate(slots):
             if r == rank or not lengths[r]:

@@ -1,0 +1,86 @@
+"""Muon's matrices under ZeRO: each stepped whole by one rank (zero/muon.py says why).
+
+Where it sits: ``ZeroOptimizer`` (zero/optimizer.py) builds one ``WholeMatrices`` per
+epoch over the tensors Muon steps; ``MuonWindows`` hands it the windows' momentum updates
+at the end of every step (its finisher). It gathers each matrix's update into the rank
+``designate`` gave the matrix, which steps the matrix whole (``step_matrix``); the
+parameter gather that follows sends every matrix whole from that rank (``designated``,
+PieceGather's ``whole``). Memory: whole updates for this rank's matrices only; the pieces
+it sends are read from its windows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from keepstep.elastic.shard.layout import Piece
+from keepstep.elastic.zero.muon import designate, step_matrix
+from keepstep.elastic.zero.ownership import Window
+from keepstep.elastic.zero.pieces import PieceGather
+
+__all__ = ["WholeMatrices"]
+
+
+class WholeMatrices:
+    """The whole-matrix steps of ``matrices`` (tensor indices into ``params``), for the rank
+    whose ``windows`` and their 1-D ``views`` are given, over ``pieces``' ranks."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        matrices: frozenset[int],
+        windows: Sequence[Window],
+        views: Sequence[torch.Tensor],
+        pieces: PieceGather,
+    ) -> None:
+        self.params = params
+        self.matrices = matrices
+        self.pieces = pieces
+        shapes = {t: tuple(params[t].shape) for t in matrices}
+        self.designated = designate(shapes, pieces.ownership.world)
+        rank = pieces.gather.rank
+        self.mine = frozenset(t for t, r in self.designated.items() if r == rank)
+        self._windows = list(zip(windows, views, strict=True))
+
+    def step(
+        self,
+        updates: Mapping[torch.Tensor, torch.Tensor],
+        given: frozenset[int],
+        groups: Mapping[int, Mapping[str, Any]],
+        timeout: timedelta,
+    ) -> None:
+        """Gather the windows' ``updates`` (by view) into the designated ranks, and step
+        this rank's matrices that have a gradient (``given``) with their param group's
+        hyper-parameters (``groups``, by tensor). A collective: every rank calls it."""
+        full = {t: torch.zeros_like(self.params[t].detach().view(-1)) for t in self.mine}
+        at: dict[int, list[tuple[Window, torch.Tensor | None]]] = {}
+        for w, view in self._windows:
+            if w.tensor not in self.matrices:
+                continue
+            update = updates.get(view)
+            at.setdefault(w.tensor, []).append((w, update))
+            if update is not None and w.tensor in full:
+                for r in w.owned:
+                    span = slice(r.start - w.start, r.stop - w.start)
+                    full[w.tensor][r.start : r.stop] = update[span]
+
+        def source(piece: Piece) -> torch.Tensor:  # an owned piece of an update, as bytes
+            t, a, b = piece
+            w, update = next(x for x in at[t] if x[0].start <= a and b <= x[0].stop)
+            if update is None:  # no gradient: what is sent is never read
+                size = self.params[t].element_size()
+                device = self.pieces.gather.device
+                return torch.zeros((b - a) * size, dtype=torch.uint8, device=device)
+            return update[a - w.start : b - w.start].view(torch.uint8)
+
+        def into(t: int) -> torch.Tensor:
+            return full[t].view(torch.uint8)
+
+        self.pieces.run(into, self.matrices, timeout, into=self.mine, source=source)
+        for t in sorted(self.mine & given):  # torch's Muon leaves one without a gradient
+            p = self.params[t]
+            step_matrix(p.detach(), full[t].view(p.shape), groups[t])
