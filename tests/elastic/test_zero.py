@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_zero_muon as muon_case
 import torch
 
 # The typed names live here; torch.distributed re-exports them only at runtime.
@@ -402,6 +403,20 @@ def _worker_main(port: int, rank: int) -> None:
             full = zero.full_state_dict()
             key = f"{world}/{name}/{dtype}"
             results[key] = [params_sha(params), state_sha(full), zero.state_bytes()]
+        # The all-to-all Muon's matrices travel by: rank r sends rank d r + d + 1 bytes.
+        sends = [
+            torch.full((rank + d + 1,), 16 * rank + d, dtype=torch.uint8) for d in range(world)
+        ]
+        got = [t.tolist() for t in gather.alltoall(sends, 2 * world, TIMEOUT)]
+        assert got == [[16 * r + rank] * (r + rank + 1) for r in range(world)], got
+        params = muon_case.muon_params()
+        own = muon_case.chunked(world, 97)
+        zero = ZeroOptimizer(params, muon_case.BUILDS["muon+adamw"](params), own, gather)
+        for step in range(muon_case.STEPS):
+            muon_case.muon_grads(params, step)
+            zero.step()
+        full = zero.full_state_dict()
+        results[f"{world}/muon+adamw"] = [params_sha(params), state_sha(full), 0]
     print("RESULT " + json.dumps({"rank": rank, "results": results}), flush=True)
 
 
@@ -435,6 +450,7 @@ def test_gloo_ranks_match_the_unsharded_step_at_every_world_size(tmp_path: Path)
         for name, dtype in [(n, torch.float32) for n in GLOO_CONFIGS] + [("adamw", torch.bfloat16)]:
             params, opt = reference(CONFIGS[name], dtype=dtype)
             want[f"{name}/{dtype}"] = [params_sha(params), state_sha(opt.state_dict())]
+        want["muon+adamw"] = list(muon_case.reference("muon+adamw"))
         _wait_all(procs, WORKER_LIMIT_S + 30)  # each worker ends itself first
         failed = [
             f"rank {rank} exit {proc.returncode}:\n{outs[rank][1].read_text()[-2000:]}"

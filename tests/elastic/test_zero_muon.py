@@ -18,7 +18,7 @@ import pytest
 import torch
 from zero_scenario import TIMEOUT, on_threads, params_sha, state_sha
 
-from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.errors import BadMessage, ConfigError
 from keepstep.elastic.optimizer_group import OptimizerGroup
 from keepstep.elastic.shard import Range
 from keepstep.elastic.snapshot_shard import PieceKey
@@ -34,7 +34,7 @@ MATRICES = [0, 2, 4, 6]
 STEPS = 3
 
 
-def _params(dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
+def muon_params(dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(0)
     return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in SHAPES]
 
@@ -68,7 +68,7 @@ def _muon_only(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 BUILDS = {"muon": _muon_only, "muon+adamw": _group}
 
 
-def _grads(params: list[torch.nn.Parameter], step: int) -> None:
+def muon_grads(params: list[torch.nn.Parameter], step: int) -> None:
     """The reduced gradient of ``step``; matrix 2 has none at step 0 (Muon skips it)."""
     g = torch.Generator().manual_seed(100 + step)
     for i, p in enumerate(params):
@@ -80,7 +80,7 @@ def _sizes() -> tuple[int, ...]:
     return tuple(int(torch.Size(s).numel()) for s in SHAPES)
 
 
-def _chunked(world: int, chunk: int) -> Ownership:
+def chunked(world: int, chunk: int) -> Ownership:
     """Rank r owns chunks r, r + W, ...: matrices cut between several ranks."""
     total = sum(_sizes())
     ranges: list[list[Range]] = [[] for _ in range(world)]
@@ -89,22 +89,22 @@ def _chunked(world: int, chunk: int) -> Ownership:
     return Ownership(_sizes(), tuple(tuple(r) for r in ranges))
 
 
-def _reference(name: str, dtype: torch.dtype = torch.float32) -> tuple[str, str]:
-    params = _params(dtype)
+def reference(name: str, dtype: torch.dtype = torch.float32) -> tuple[str, str]:
+    params = muon_params(dtype)
     opt = BUILDS[name](params)
     for step in range(STEPS):
-        _grads(params, step)
+        muon_grads(params, step)
         opt.step()
-    assert not torch.equal(params[0], _params(dtype)[0])  # it stepped
+    assert not torch.equal(params[0], muon_params(dtype)[0])  # it stepped
     return params_sha(params), state_sha(opt.state_dict())
 
 
 def _sharded(name: str, ownership: Ownership, dtype: torch.dtype = torch.float32) -> set[Any]:
     def member(rank: int, gather: Any) -> tuple[str, str]:
-        params = _params(dtype)
+        params = muon_params(dtype)
         zero = ZeroOptimizer(params, BUILDS[name](params), ownership, gather, timeout=TIMEOUT)
         for step in range(STEPS):
-            _grads(params, step)
+            muon_grads(params, step)
             zero.step()
         return params_sha(params), state_sha(zero.full_state_dict())
 
@@ -113,27 +113,27 @@ def _sharded(name: str, ownership: Ownership, dtype: torch.dtype = torch.float32
 
 @pytest.mark.parametrize("name", sorted(BUILDS))
 def test_sharded_muon_matches_the_unsharded_step(name: str) -> None:
-    want = _reference(name)
+    want = reference(name)
     for ownership in (
         Ownership.balanced(_sizes(), 1),
         Ownership.balanced(_sizes(), 3),
-        _chunked(4, 97),  # every matrix in pieces on several ranks
+        chunked(4, 97),  # every matrix in pieces on several ranks
     ):
         assert _sharded(name, ownership) == {want}, f"{name} at W={ownership.world}"
 
 
 def test_sharded_muon_matches_in_bf16() -> None:
-    want = _reference("muon+adamw", torch.bfloat16)
-    assert _sharded("muon+adamw", _chunked(3, 61), torch.bfloat16) == {want}
+    want = reference("muon+adamw", torch.bfloat16)
+    assert _sharded("muon+adamw", chunked(3, 61), torch.bfloat16) == {want}
 
 
 def test_each_rank_keeps_only_its_share_of_the_momentum() -> None:
     matrix_elements = sum(_sizes()[i] for i in MATRICES)
 
     def member(rank: int, gather: Any) -> int:
-        params = _params()
+        params = muon_params()
         zero = ZeroOptimizer(params, _muon(params), Ownership.balanced(_sizes(), 4), gather)
-        _grads(params, 1)
+        muon_grads(params, 1)
         zero.step()
         return zero.state_bytes()
 
@@ -145,9 +145,9 @@ def test_each_rank_keeps_only_its_share_of_the_momentum() -> None:
 def test_a_replica_steps_the_momentum_its_owner_steps() -> None:
     """zero/replicas.py: a member that keeps another's pieces steps their momentum itself;
     the parameters are its owner's to write."""
-    params = _params()
+    params = muon_params()
     opt = _muon(params)
-    _grads(params, 0)
+    muon_grads(params, 0)
     opt.step()  # the state a replica was given at the epoch's first commit
     order = [p for g in opt.param_groups for p in g["params"]]
     keys = [PieceKey(0, 3, 150), PieceKey(2, 1000, 2000), PieceKey(3, 0, 1089)]
@@ -160,7 +160,7 @@ def test_a_replica_steps_the_momentum_its_owner_steps() -> None:
         for k in keys
     }
     replica = ReplicaSteps(opt, given, frozenset({"momentum_buffer"}))
-    _grads(params, 1)
+    muon_grads(params, 1)
     before = [p.detach().clone() for p in params]
     replica.step()
     assert all(torch.equal(a, b) for a, b in zip(before, params, strict=True))
@@ -171,7 +171,7 @@ def test_a_replica_steps_the_momentum_its_owner_steps() -> None:
 
 
 def test_what_sharded_muon_cannot_step_is_refused_by_name() -> None:
-    params = _params()
+    params = muon_params()
     gather = LocalGathers(1).rank(0)
     own = Ownership.balanced(_sizes(), 1)
     muon = _muon(params)
@@ -210,7 +210,7 @@ def test_every_matrix_is_orthogonalised_once_in_the_job(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(zero_matrices, "step_matrix", counted)
     world = 4
-    assert _sharded("muon", _chunked(world, 97)) == {_reference("muon")}
+    assert _sharded("muon", chunked(world, 97)) == {reference("muon")}
     # matrix 2 has no gradient at step 0: torch's Muon, and so no rank, steps it then
     want = sorted([SHAPES[i] for i in MATRICES] * STEPS)
     want.remove(SHAPES[2])
@@ -220,9 +220,30 @@ def test_every_matrix_is_orthogonalised_once_in_the_job(monkeypatch: pytest.Monk
 
 def test_zero2_gradients_must_say_which_tensors_have_one() -> None:
     def member(rank: int, gather: Any) -> None:
-        params = _params()
+        params = muon_params()
         zero = ZeroOptimizer(params, _muon(params), Ownership.balanced(_sizes(), 2), gather)
         with pytest.raises(ConfigError, match="attach_grads needs given="):
             zero.attach_grads([None] * len(zero.windows))
 
     on_threads(2, member)
+
+
+def test_the_all_to_all_delivers_each_buffer_to_its_rank_and_bounds_them() -> None:
+    """The seam Muon's pieces travel by (zero/gather.py ``alltoall``), on the thread fake;
+    the gloo and communicator ones run in test_zero.py's workers and the job tests."""
+
+    def member(rank: int, gather: Any) -> list[list[int]]:
+        sends = [torch.full((rank + d,), 10 * rank + d, dtype=torch.uint8) for d in range(3)]
+        return [t.tolist() for t in gather.alltoall(sends, 4, TIMEOUT)]
+
+    for rank, got in enumerate(on_threads(3, member)):
+        assert got == [[10 * r + rank] * (r + rank) for r in range(3)]
+
+    def too_long(rank: int, gather: Any) -> None:
+        sends = [torch.zeros(5 if rank == 1 else 1, dtype=torch.uint8) for _ in range(2)]
+        with pytest.raises(BadMessage, match="rank 1 sent 5 bytes; at most 4 expected"):
+            gather.alltoall(sends, 4, TIMEOUT)
+
+    on_threads(2, too_long)
+    with pytest.raises(ConfigError, match="one buffer per rank: 1 for 2"):
+        LocalGathers(2).rank(0).alltoall([torch.zeros(1, dtype=torch.uint8)], 4, TIMEOUT)

@@ -1,11 +1,13 @@
-"""The one collective ZeRO-1 needs: an all-gather of byte buffers, behind a small seam.
+"""The collectives ZeRO-1 needs: all-gather and all-to-all of byte buffers, behind a seam.
 
 Where it sits: ``ZeroOptimizer`` (zero/optimizer.py) all-gathers the updated parameters
-after every step and, on request, the optimizer state. It talks to a ``Gather``: a rank,
-a size, the device its buffers live on, and ``allgather`` of equal-length tensors with a
-timeout. ``GroupGather`` is that over a torch.distributed process group (gloo: CPU
-buffers); ``LocalGathers`` is the in-memory fake beside it, ranks on threads of one
-process, for fast tests. ``CommGather`` is that over the job's ``Communicator`` (its abort
+after every step and, on request, the optimizer state; Muon's whole-matrix step sends
+each matrix's pieces to the one rank that steps it (an all-to-all). It talks to a
+``Gather``: a rank, a size, the device its buffers live on, ``allgather`` of
+equal-length tensors and ``alltoall`` of byte buffers, each with a timeout.
+``GroupGather`` is that over a torch.distributed process group (gloo: CPU buffers);
+``LocalGathers`` is the in-memory fake beside it, ranks on threads of one process, for
+fast tests. ``CommGather`` is that over the job's ``Communicator`` (its abort
 handling then covers these collectives too), receiving into one buffer it keeps.
 
 Everything is gathered as uint8: parameters of mixed dtypes travel in one collective, and
@@ -16,13 +18,14 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 
 # The typed names live here; torch.distributed re-exports them only at runtime.
-from torch._C._distributed_c10d import AllgatherOptions
+from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions
 
 from keepstep.elastic.comm.rounds import Alloc, Buffers
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
@@ -56,6 +59,14 @@ class Gather(Protocol):
         Raises ``PeerLost`` if a rank fails or ``timeout`` passes."""
         ...
 
+    def alltoall(
+        self, sends: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta
+    ) -> list[torch.Tensor]:
+        """``sends[d]`` (1-D uint8 on ``device``, at most ``max_bytes``; empty: nothing) to
+        rank d; what every rank sent here, in rank order (views valid until the next
+        call). ``BadMessage`` for a longer one; ``PeerLost`` as ``allgather``."""
+        ...
+
 
 class TensorCollective(Protocol):
     """What ``CommGather`` needs of the epoch's ``Communicator`` (its public methods)."""
@@ -71,6 +82,14 @@ class TensorCollective(Protocol):
         into: Alloc | None = None,
     ) -> list[torch.Tensor]: ...
 
+    def alltoall_tensors(
+        self,
+        payloads: Sequence[torch.Tensor],
+        max_bytes: int,
+        timeout: timedelta | None = None,
+        into: Alloc | None = None,
+    ) -> list[torch.Tensor]: ...
+
 
 class CommGather:
     """``zero.Gather`` over ``Communicator.allgather``: the epoch's abort handling
@@ -82,7 +101,9 @@ class CommGather:
 
     def __init__(self, comm: TensorCollective) -> None:
         self.comm = comm
-        self._into = Buffers().alloc("slots")  # kept: later gathers write it warm
+        buffers = Buffers()
+        self._into = buffers.alloc("slots")  # kept: later gathers write it warm
+        self._inbox = buffers.alloc("inbox")  # the same for the all-to-alls
 
     @property
     def rank(self) -> int:
@@ -108,6 +129,12 @@ class CommGather:
                 raise BadMessage(f"rank {rank} sent {got} values, {raw.numel()} bytes expected")
             out.append(slot.view(mine.dtype).reshape(mine.shape))
         return out
+
+    def alltoall(
+        self, sends: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta
+    ) -> list[torch.Tensor]:
+        _check_sends(sends, self.size, self.device)
+        return self.comm.alltoall_tensors(list(sends), max_bytes, timeout, into=self._inbox)
 
 
 class GroupGather:
@@ -144,6 +171,33 @@ class GroupGather:
             raise PeerLost(self.epoch, f"rank {self._rank}: allgather failed: {err}") from err
         return slots
 
+    def alltoall(
+        self, sends: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta
+    ) -> list[torch.Tensor]:
+        """The lengths first (an all-gather of every rank's list), then the bytes."""
+        _check_sends(sends, self._size, self.device)
+        deadline = time.monotonic() + timeout.total_seconds()
+        mine = torch.tensor([s.numel() for s in sends], dtype=torch.int64)
+        table = self.allgather(mine, timeout)
+        lengths = [int(row[self._rank]) for row in table]
+        _check_lengths(lengths, max_bytes)
+        if self._size == 1:
+            return [sends[0].clone()]
+        out = torch.empty(sum(lengths), dtype=torch.uint8)
+        opts = AllToAllOptions()
+        opts.timeout = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+        data = (
+            torch.cat(list(sends))
+            if any(s.numel() for s in sends)
+            else torch.empty(0, dtype=torch.uint8)
+        )
+        sizes = [s.numel() for s in sends]
+        try:
+            self.group.alltoall_base(out, data, lengths, sizes, opts).wait(opts.timeout)
+        except RuntimeError as err:
+            raise PeerLost(self.epoch, f"rank {self._rank}: alltoall failed: {err}") from err
+        return list(torch.split(out, lengths))
+
 
 class LocalGathers:
     """The in-memory fake: ``world`` ranks of one process, each calling from its own thread.
@@ -157,6 +211,7 @@ class LocalGathers:
             raise ConfigError(f"world={world!r} must be an int >= 1")
         self.world = world
         self._slots: list[torch.Tensor | None] = [None] * world
+        self._mail: list[list[torch.Tensor]] = [[] for _ in range(world)]
         self._barrier = threading.Barrier(world)
 
     def rank(self, rank: int) -> _LocalGather:
@@ -184,6 +239,20 @@ class LocalGathers:
             raise ConfigError(f"allgather needs the same shape and dtype on every rank: {shapes}")
         return out
 
+    def _post(
+        self, rank: int, sends: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta
+    ) -> list[torch.Tensor]:
+        wait_s = timeout.total_seconds()
+        try:
+            self._mail[rank] = [s.clone() for s in sends]
+            self._barrier.wait(wait_s)  # every rank has posted
+            out = [self._mail[r][rank].clone() for r in range(self.world)]
+            self._barrier.wait(wait_s)  # every rank has read: the next round may post
+        except threading.BrokenBarrierError:
+            raise PeerLost(0, f"rank {rank}: a local rank did not arrive") from None
+        _check_lengths([t.numel() for t in out], max_bytes)
+        return out
+
 
 class _LocalGather:
     def __init__(self, hub: LocalGathers, rank: int) -> None:
@@ -206,6 +275,12 @@ class _LocalGather:
         _check(mine, self.device)
         return self._hub._exchange(self._rank, mine, timeout)
 
+    def alltoall(
+        self, sends: Sequence[torch.Tensor], max_bytes: int, timeout: timedelta
+    ) -> list[torch.Tensor]:
+        _check_sends(sends, self._hub.world, self.device)
+        return self._hub._post(self._rank, sends, max_bytes, timeout)
+
 
 def allgather_ragged(
     gather: Gather, mine: torch.Tensor, timeout: timedelta, max_bytes: int
@@ -224,6 +299,21 @@ def allgather_ragged(
     left = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
     slots = gather.allgather(padded, left)  # a gather's own buffer, perhaps, until the next
     return [s[:length].clone() for s, length in zip(slots, lengths, strict=True)]
+
+
+def _check_sends(sends: Sequence[torch.Tensor], world: int, device: torch.device) -> None:
+    if len(sends) != world:
+        raise ConfigError(f"alltoall needs one buffer per rank: {len(sends)} for {world}")
+    for d, s in enumerate(sends):
+        if not isinstance(s, torch.Tensor) or s.dtype != torch.uint8 or s.dim() != 1:
+            raise ConfigError(f"alltoall sends 1-D uint8 buffers; the one to rank {d} is not")
+        _check(s, device)
+
+
+def _check_lengths(lengths: Sequence[int], max_bytes: int) -> None:
+    for rank, length in enumerate(lengths):
+        if not 0 <= length <= max_bytes:
+            raise BadMessage(f"rank {rank} sent {length} bytes; at most {max_bytes} expected")
 
 
 def _check(mine: torch.Tensor, device: torch.device) -> None:

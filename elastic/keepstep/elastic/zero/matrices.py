@@ -2,11 +2,12 @@
 
 Where it sits: ``ZeroOptimizer`` (zero/optimizer.py) builds one ``WholeMatrices`` per
 epoch over the tensors Muon steps; ``MuonWindows`` hands it the windows' momentum updates
-at the end of every step (its finisher). It gathers each matrix's update into the rank
-``designate`` gave the matrix, which steps the matrix whole (``step_matrix``); the
-parameter gather that follows sends every matrix whole from that rank (``designated``,
-PieceGather's ``whole``). Memory: whole updates for this rank's matrices only; the pieces
-it sends are read from its windows.
+at the end of every step (its finisher). The owners send their pieces of each matrix's
+update to the rank ``designate`` gave the matrix, and to it only (an all-to-all:
+PieceGather.send_to), which steps the matrix whole (``step_matrix``); the parameter
+gather that follows sends every matrix whole from that rank (``designated``, PieceGather's
+``whole``). Memory and traffic: a rank receives and holds whole updates for its own
+matrices only (about 1/W of them); the pieces it sends are read from its windows.
 """
 
 from __future__ import annotations
@@ -59,14 +60,8 @@ class WholeMatrices:
         full = {t: torch.zeros_like(self.params[t].detach().view(-1)) for t in self.mine}
         at: dict[int, list[tuple[Window, torch.Tensor | None]]] = {}
         for w, view in self._windows:
-            if w.tensor not in self.matrices:
-                continue
-            update = updates.get(view)
-            at.setdefault(w.tensor, []).append((w, update))
-            if update is not None and w.tensor in full:
-                for r in w.owned:
-                    span = slice(r.start - w.start, r.stop - w.start)
-                    full[w.tensor][r.start : r.stop] = update[span]
+            if w.tensor in self.matrices:
+                at.setdefault(w.tensor, []).append((w, updates.get(view)))
 
         def source(piece: Piece) -> torch.Tensor:  # an owned piece of an update, as bytes
             t, a, b = piece
@@ -80,7 +75,7 @@ class WholeMatrices:
         def into(t: int) -> torch.Tensor:
             return full[t].view(torch.uint8)
 
-        self.pieces.run(into, self.matrices, timeout, into=self.mine, source=source)
+        self.pieces.send_to(self.designated, source, into, timeout)
         for t in sorted(self.mine & given):  # torch's Muon leaves one without a gradient
             p = self.params[t]
             step_matrix(p.detach(), full[t].view(p.shape), groups[t])

@@ -1,14 +1,17 @@
 """Every rank's pieces of some tensors, all-gathered into every rank's copies.
 
-Where it sits: ``ZeroOptimizer`` (zero/optimizer.py) runs three such gathers over its
-``Gather`` (zero/gather.py): the updated parameters after every step, the window
-gradients for a job that reads the whole gradient (ZeRO-2 with clipping), and Muon's
-momentum updates before the whole-matrix step (zero/muon.py). Each names the tensors it
-moves. A rank sends its owned pieces of them, in flattened order, except for tensors
+Where it sits: ``ZeroOptimizer`` (zero/optimizer.py) runs two such gathers over its
+``Gather`` (zero/gather.py): the updated parameters after every step, and the window
+gradients for a job that reads the whole gradient (ZeRO-2 with clipping). Each names the
+tensors it moves. A rank sends its owned pieces of them, in flattened order, except for tensors
 given ``whole``: each of those is sent entire by the one rank named for it (Muon's
 matrices, stepped whole on one rank). What every rank sends is computed once per such
 request from the ownership, which every rank computes alike, so the slots need no
 header. One send buffer is kept for the epoch, warm gather after gather.
+
+``send_to`` is the all-to-all beside it: each tensor's owned pieces go to one rank only
+(Muon's momentum updates, to the rank that steps the matrix: zero/matrices.py), so each
+rank receives about 1/W of them where an all-gather would bring it all.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from datetime import timedelta
 
 import torch
 
+from keepstep.elastic.errors import BadMessage
 from keepstep.elastic.shard.layout import Piece
 from keepstep.elastic.zero.gather import Gather
 from keepstep.elastic.zero.ownership import Ownership
@@ -38,6 +42,7 @@ class PieceGather:
         self.element_sizes = list(element_sizes)
         self._plans: dict[tuple[frozenset[int], tuple[tuple[int, int], ...]], _Plan] = {}
         self._mine: torch.Tensor | None = None  # this rank's bytes of a gather
+        self._routes: dict[tuple[tuple[int, int], ...], list[list[list[Piece]]]] = {}
 
     def plan(self, which: frozenset[int], whole: Mapping[int, int] = _NONE) -> _Plan:
         """Per rank, the pieces it sends of the tensors ``which`` and their length in
@@ -62,45 +67,83 @@ class PieceGather:
         timeout: timedelta,
         *,
         whole: Mapping[int, int] = _NONE,
-        into: frozenset[int] | None = None,
-        source: Callable[[Piece], torch.Tensor] | None = None,
     ) -> None:
         """Every rank's pieces (``plan``) of the tensors ``flat_bytes(t)`` for ``t`` in
-        ``which`` (1-D bytes of the whole tensor), written into this rank's; only those of
-        the tensors ``into`` when given. What this rank sends comes from ``source(piece)``
-        when given (the piece's bytes), else from ``flat_bytes``; ``flat_bytes`` is asked
-        for no tensor it need not give. A collective: every rank calls it with the same
-        ``which`` and ``whole``; ``PeerLost`` if a rank fails."""
+        ``which`` (1-D bytes of the whole tensor), written into this rank's. A
+        collective: every rank calls it with the same ``which`` and ``whole``;
+        ``PeerLost`` if a rank fails."""
         if self.ownership.world == 1:
             return
         sends, lengths = self.plan(which, whole)
         rank = self.gather.rank
-        receive = which if into is None else into & which
-        sent = set() if source is not None else {t for t, _, _ in sends[rank]}
-        tensors = {t: flat_bytes(t) for t in sorted(sent | receive)}
+        tensors = {t: flat_bytes(t) for t in sorted(which)}
         size = self.element_sizes
 
-        def bytes_of(piece: Piece) -> torch.Tensor:
-            t, a, b = piece
-            return tensors[t][a * size[t] : b * size[t]]
+        def views(r: int) -> list[torch.Tensor]:  # rank r's pieces, as bytes of the tensors
+            return [tensors[t][a * size[t] : b * size[t]] for t, a, b in sends[r]]
 
         length = max(max(lengths), 1)  # every rank sends a slot of one size
         if self._mine is None or self._mine.numel() < length:
             self._mine = torch.zeros(length, dtype=torch.uint8, device=self.gather.device)
         mine = self._mine[:length]
         if lengths[rank]:
-            torch.cat([(source or bytes_of)(pc) for pc in sends[rank]], out=mine[: lengths[rank]])
+            torch.cat(views(rank), out=mine[: lengths[rank]])
         slots = self.gather.allgather(mine, timeout)
         for r, slot in enumerate(slots):
-            if r == rank or not lengths[r]:
-                continue
-            into_r, parts_r = [], []
+            if r != rank and lengths[r]:
+                into = views(r)
+                parts = torch.split(slot[: lengths[r]], [v.numel() for v in into])
+                torch._foreach_copy_(into, list(parts))
+
+    def routes(self, dest: Mapping[int, int]) -> list[list[list[Piece]]]:
+        """``routes(dest)[r][d]``: the owned pieces rank r sends rank d, of the tensors
+        ``t`` with ``dest[t] == d``, in flattened order."""
+        key = tuple(sorted(dest.items()))
+        routes = self._routes.get(key)
+        if routes is None:
+            world = self.ownership.world
+            routes = [[[] for _ in range(world)] for _ in range(world)]
+            for r in range(world):
+                for pc in self.ownership.pieces(r):
+                    if pc.tensor in dest:
+                        routes[r][dest[pc.tensor]].append(pc)
+            self._routes[key] = routes
+        return routes
+
+    def send_to(
+        self,
+        dest: Mapping[int, int],
+        source: Callable[[Piece], torch.Tensor],
+        flat_bytes: Callable[[int], torch.Tensor],
+        timeout: timedelta,
+    ) -> None:
+        """Every rank's owned pieces of each tensor ``t`` in ``dest``, sent to rank
+        ``dest[t]`` only (an all-to-all) and written there into ``flat_bytes(t)``; this
+        rank's come from ``source(piece)`` (the piece's bytes). A collective: every rank
+        calls it with the same ``dest``; ``BadMessage`` for a buffer of another length
+        than the ownership says, ``PeerLost`` if a rank fails."""
+        routes = self.routes(dest)
+        rank, world, size = self.gather.rank, self.ownership.world, self.element_sizes
+
+        def length(pieces: list[Piece]) -> int:
+            return sum((b - a) * size[t] for t, a, b in pieces)
+
+        device = self.gather.device
+        empty = torch.empty(0, dtype=torch.uint8, device=device)
+        sends = [
+            torch.cat([source(pc) for pc in routes[rank][d]]) if routes[rank][d] else empty
+            for d in range(world)
+        ]
+        longest = max(length(routes[r][d]) for r in range(world) for d in range(world))
+        got = self.gather.alltoall(sends, longest, timeout)
+        mine = {t for t, d in dest.items() if d == rank}
+        tensors = {t: flat_bytes(t) for t in sorted(mine)}
+        for r, buf in enumerate(got):
+            pieces = routes[r][rank]
+            if buf.numel() != length(pieces):
+                raise BadMessage(f"rank {r} sent {buf.numel()} bytes, {length(pieces)} expected")
             at = 0
-            for t, a, b in sends[r]:
+            for t, a, b in pieces:
                 n = (b - a) * size[t]
-                if t in receive:
-                    into_r.append(tensors[t][a * size[t] : b * size[t]])
-                    parts_r.append(slot[at : at + n])
+                tensors[t][a * size[t] : b * size[t]] = buf[at : at + n]
                 at += n
-            if into_r:
-                torch._foreach_copy_(into_r, parts_r)
