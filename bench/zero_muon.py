@@ -14,7 +14,10 @@ members one per node) cuts them. Per member count it prints:
                  largest over members, measured here (each shape timed alone, median of
                  ``--repeats``); W=1 is what every member of an unsharded job spends
     momentum_mb  MB of momentum the member keeps (fp32, its owned elements)
-    gather_mb    MB the extra all-gather of the updates sends per member (the slot)
+    sent_mb      MB of updates the member sends per step (its owned pieces of matrices
+                 other members step), the largest over members
+    recv_mb      MB of updates it receives (the pieces of its matrices others own); an
+                 all-gather would bring every member all but its own pieces instead
 
 Figures are counts and bytes, except ns_s, which is CPU time on this machine (the one
 machine's figure: compare them with each other, not with a GPU's).
@@ -66,7 +69,7 @@ def main() -> None:
         f"thread here: {sum(seconds[s] for s in shapes):.2f} s per step for all of them"
     )
     print(f"{'W':>3} {'touched':>14} {'designated':>14} {'ns_s':>7} {'momentum_mb':>12} "
-          f"{'gather_mb':>10}")  # fmt: skip
+          f"{'sent_mb':>8} {'recv_mb':>8} {'allgather_mb':>13}")  # fmt: skip
     rows = []
     for world in args.members:
         members = [f"n{i}/0" for i in range(world)]
@@ -76,6 +79,15 @@ def main() -> None:
         mine = [[t for t, r in given.items() if r == rank] for rank in range(world)]
         ns = [sum(seconds[shapes[t]] for t in m) for m in mine]
         owned = [own.owned(r) for r in range(world)]
+        sent = [
+            sum(b - a for t, a, b in own.pieces(r) if given[t] != r) * 4 / 1e6 for r in range(world)
+        ]
+        recv = [
+            sum(b - a for q in range(world) if q != r for t, a, b in own.pieces(q) if given[t] == r)
+            * 4
+            / 1e6
+            for r in range(world)
+        ]
         row = {
             "members": world,
             "touched_max": max(touched),
@@ -85,14 +97,18 @@ def main() -> None:
             / sum(ns_cost(s) for s in shapes),
             "ns_s_max": max(ns),
             "momentum_mb_max": max(owned) * 4 / 1e6,
-            "gather_mb": (max(owned) * 4 / 1e6) if world > 1 else 0.0,
+            "sent_mb_max": max(sent),
+            "recv_mb_max": max(recv),
+            # what each member would receive from an all-gather of the updates instead
+            "allgather_recv_mb_max": max(total - o for o in owned) * 4 / 1e6,
         }
         rows.append(row)
         spread = f"{statistics.mean(touched):.1f} (max {max(touched)})"
         print(
             f"{world:>3} {spread:>14} "
             f"{row['designated_max']:>14} {row['ns_s_max']:>7.2f} "
-            f"{row['momentum_mb_max']:>12.1f} {row['gather_mb']:>10.1f}"
+            f"{row['momentum_mb_max']:>12.1f} {row['sent_mb_max']:>8.1f} "
+            f"{row['recv_mb_max']:>8.1f} {row['allgather_recv_mb_max']:>13.1f}"
         )
     print("RESULT " + json.dumps({"d_model": args.d_model, "layers": args.layers, "rows": rows}))
 
