@@ -21,7 +21,7 @@ from keepstep.elastic.config import Shard
 from keepstep.elastic.errors import BadMessage, KeepstepError, PeerLost
 from keepstep.elastic.shard.layout import pieces_of
 from keepstep.elastic.shard_epoch import ownership_for
-from keepstep.elastic.sharded import CommGather, optimizer_sha256
+from keepstep.elastic.sharded import CommGather, ShardedOptimizer, optimizer_sha256
 from keepstep.elastic.sharded_checkpoint import holds_pieces_named
 from keepstep.elastic.zero import ALIGN, ZeroOptimizer
 
@@ -77,6 +77,12 @@ def test_an_optimizer_that_is_not_elementwise_is_refused_at_init() -> None:
     lbfgs = torch.optim.LBFGS(model.parameters())
     with pytest.raises(ConfigError, match="ZeRO-1 cannot shard LBFGS"):
         keepstep.init(model, lbfgs, data, 32, 4, shard="zero1", env={})
+
+
+def test_parameters_off_the_cpu_are_refused_with_the_way_that_works() -> None:
+    params = [torch.nn.Parameter(torch.zeros(4, 3, device="meta"))]
+    with pytest.raises(ConfigError, match=r"CPU parameters only; these are on meta: .*shard=None"):
+        ShardedOptimizer(params, torch.optim.Adam(params))
 
 
 def test_a_grad_scaler_with_shard_is_taken() -> None:
