@@ -1,5 +1,5 @@
-"""Muon under ZeRO: the momentum sharded like any elementwise state, whole matrices
-orthogonalised where a shard touches them.
+"""Muon under ZeRO: the momentum sharded like any elementwise state, each matrix
+orthogonalised and stepped whole by one rank.
 
 Where it sits: ``rebuild`` (zero/optimizers.py) builds a ``MuonWindows`` where the script
 has ``torch.optim.Muon``, over the 1-D windows a rank steps (zero/ownership.py).
@@ -13,15 +13,14 @@ has ``torch.optim.Muon``, over the 1-D windows a rank steps (zero/ownership.py).
 The first two lines run on the windows, as every elementwise optimizer does under ZeRO:
 the momentum ``B`` stays sharded, about 1/W of it per rank. The third needs ``U`` whole,
 so ``MuonWindows.step`` hands the windows' ``U`` to a *finisher*. ``ZeroOptimizer``'s
-gives every matrix to one rank (``designate``: the Newton-Schulz work balanced across the
-ranks, largest matrices first), all-gathers the owners' pieces of ``U`` (one more
-all-gather of the matrices' size per step; each rank keeps those of its own matrices),
-and each rank steps its matrices whole with ``step_matrix``: torch's own Newton-Schulz
-function on the same matrix, then the same elementwise calls on the same shape. Same
-kernels, same input: the same bits as the unsharded step. The parameter all-gather that
-follows sends each matrix whole from the rank that stepped it (pieces/PieceGather's
-``whole``), every other tensor from its owners. So each matrix is orthogonalised once in
-the job, not once per member, and no rank holds more than its matrices' ``U`` whole.
+(zero/matrices.py) gives every matrix to one rank (``designate``: the Newton-Schulz work
+balanced across the ranks, largest matrices first), sends it the owners' pieces of ``U``
+(an all-to-all), and each rank steps its matrices whole with ``step_matrix``: torch's own
+Newton-Schulz function on the same matrix, then the same elementwise calls on the same
+shape. Same kernels, same input: the same bits as the unsharded step. The parameter
+all-gather that follows sends each matrix whole from the rank that stepped it. So each
+matrix is orthogonalised once in the job, not once per member, and no rank holds more
+than its own matrices' ``U`` whole.
 
 Without a finisher (a replica's step, zero/replicas.py, keeps the state only) the step
 stops after the momentum.
