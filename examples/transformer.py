@@ -3,6 +3,7 @@
 Sizes are flags, so the same script is the benchmark workload (`--d-model 384 --layers 6
 --seq 1024` is ~11M parameters with 1k tokens per sample):
     scripts/env python examples/transformer.py --global-batch 32 --micro-batch 4 --steps 20
+`--muon` steps the blocks' matrices with Muon and the rest with AdamW.
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true", help="torch.compile the model (Inductor); same numbers"
     )
+    parser.add_argument(
+        "--muon",
+        action="store_true",
+        help="Muon for the blocks' matrices, AdamW for embeddings, norms, biases and head",
+    )
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -94,7 +100,13 @@ def main() -> None:
         # Every micro-batch has the same shapes, so it compiles once; its dropout draws its
         # seeds from the generator the job keys per micro-batch.
         model = torch.compile(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer]
+    if args.muon:  # as large models are trained; it shards too (keepstep run --shard zero1)
+        hidden = [p for n, p in model.named_parameters() if "blocks." in n and p.ndim == 2]
+        rest = [p for p in model.parameters() if all(p is not h for h in hidden)]
+        optimizer = [torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)]
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = CopyTask(4096, args.seq, args.vocab)
     job = keepstep.init(model, optimizer, data, args.global_batch, args.micro_batch, args.seed)
     for step in job.steps(args.steps):

@@ -1,9 +1,17 @@
 """The job test_optimizer_group.py launches: a small decoder-style model whose matrices
 Muon steps and whose embedding, norms, biases and head AdamW steps, each optimizer with its
 own tracked LR scheduler, with dropout; prints its final hashes. With KEEPSTEP_SHARD set,
-both optimizers are sharded (zero/muon.py for Muon)."""
+both optimizers are sharded (zero/muon.py for Muon); ``--die-in-alltoall MEMBER:STEP``:
+that member SIGKILLs itself as its sharded step of STEP starts Muon's all-to-all (its
+momentum already moved, the others waiting in it)."""
 
 from __future__ import annotations
+
+import argparse
+import os
+import signal
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import keepstep
+from keepstep.elastic.sharded import CommGather
 
 VOCAB, WIDTH, LENGTH = 32, 16, 6
 
@@ -32,6 +41,9 @@ class Model(nn.Module):
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--die-in-alltoall", default="", help="MEMBER:STEP")
+    args = parser.parse_args()
     g = torch.Generator().manual_seed(1234)
     tokens = torch.randint(0, VOCAB, (512, LENGTH), generator=g)
     data = TensorDataset(tokens, tokens.sum(1) % VOCAB)
@@ -46,6 +58,16 @@ def main() -> None:
         "adamw_sched": torch.optim.lr_scheduler.LambdaLR(adamw, lambda s: min(1.0, (s + 1) / 4)),
     }
     job = keepstep.init(model, [muon, adamw], data, state=schedules, clip_grad_norm=1.0)
+    member, _, at = args.die_in_alltoall.partition(":")
+    if member and member == os.environ.get("KEEPSTEP_MEMBER"):
+        send = CommGather.alltoall
+
+        def dying(self: CommGather, sends: Any, max_bytes: int, timeout: timedelta) -> Any:
+            if job.done == int(at):  # inside the step: its momentum moved, not committed
+                os.kill(os.getpid(), signal.SIGKILL)
+            return send(self, sends, max_bytes, timeout)
+
+        CommGather.alltoall = dying  # type: ignore[method-assign]
     for step in job.steps():
         for mb in step.micro_batches():
             step.backward(F.cross_entropy(model(mb.inputs), mb.targets))

@@ -21,7 +21,7 @@ from keepstep.elastic.lr_watch import LrWatch
 from keepstep.elastic.snapshot_store import MemoryBuffer, SnapshotStore
 from keepstep.elastic.train_state import capture, restore
 from keepstep.elastic.zero.optimizers import check_supported
-from keepstep.launch.local import LocalRun, agreed_sha, run_local
+from keepstep.launch.local import LocalResult, LocalRun, agreed_sha, run_local
 
 JOB = str(Path(__file__).resolve().parent / "optimizer_group_job.py")
 
@@ -253,6 +253,31 @@ def test_a_muon_and_adamw_job_ends_identical_alone_and_through_a_crash(tmp_path:
     for shard in ("", "zero1", "zero2"):
         got = launch(f"crash-{shard}", three, shard, timeout_scale=4.0, **crash)
         assert got == alone, shard or "unsharded"
+
+
+@pytest.mark.slow
+def test_a_member_lost_inside_muons_all_to_all_fails_the_step_not_the_numbers(
+    tmp_path: Path,
+) -> None:
+    """m1 dies as ZeRO-1's Muon sends its momentum pieces at step 4 (the others have moved
+    their momentum and wait in the all-to-all): they get PeerLost there, do not commit
+    step 4, restore its snapshot and repeat it with two members, to one member's bits."""
+
+    def launch(name: str, schedule: list[list[str]], *args: str, **kw: object) -> LocalResult:
+        run = LocalRun(
+            script=JOB, steps=8, global_batch=24, micro_batch=4, schedule=schedule, seed=3,
+            timeout=100.0, script_args=args, timeout_scale=4.0, **kw,  # type: ignore[arg-type]
+        )  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k != "KEEPSTEP_SHARD"}
+        return run_local(run, tmp_path / name, {**env, "KEEPSTEP_SHARD": "zero1"})
+
+    alone = agreed_sha(launch("alone", [["m0"]]))
+    schedule = [["m0", "m1", "m2"], ["m0", "m2"]]
+    result = launch("lost", schedule, "--die-in-alltoall", "m1:4", at_step=[0, None])
+    assert result.returncodes == {"m0": 0, "m1": -9, "m2": 0}, result.logs["m1"][-2000:]
+    assert agreed_sha(result) == alone
+    (recovery,) = [r for r in result.results["m0"]["reconfigurations"] if r["epoch"] == 1]
+    assert recovery["resume_step"] == 4
 
 
 def test_a_scheduler_built_on_the_group_moves_every_members_lr() -> None:
