@@ -2,10 +2,10 @@
 
 Members on threads of this process (one HashStore, the agents' "node/local" names) train
 the same job with full replicas, ZeRO-1 and ZeRO-2; every member must end with the
-parameters and the gathered optimizer state of the full run, with clipping (the gradient
-gathered for its norm), a grad scaler (the shard's gradient unscaled in the shard
-optimizer) and an LR schedule. The multi-process runs with faults are in
-test_shard_zero_job.py, which runs both sharded modes.
+parameters and the gathered optimizer state of the full run, with clipping (the norm
+taken from the windows, nothing gathered: zero/clip.py), a grad scaler (the shard's
+gradient unscaled in the shard optimizer) and an LR schedule. The multi-process runs
+with faults are in test_shard_zero_job.py, which runs both sharded modes.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import keepstep
 from keepstep.elastic import ConfigError, JobConfig, ScheduleController
 from keepstep.elastic.config import Shard
 from keepstep.elastic.reduce import ReduceMode
+from keepstep.elastic.zero import ZeroOptimizer
 
 
 def make() -> tuple[nn.Module, torch.optim.Optimizer, TensorDataset]:
@@ -93,10 +94,18 @@ def train(members: int, steps: int, **kw: Any) -> list[tuple[str, str]]:
     [{}, {"clip": 0.05}, {"scaler": True}, {"clip": 0.05, "scaler": True}],
     ids=["plain", "clipped", "scaled", "clipped-scaled"],
 )
-def test_zero2_matches_full_replicas_and_zero1(kw: dict[str, Any]) -> None:
+def test_zero2_matches_full_replicas_and_zero1(
+    kw: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
     full = train(1, 5, **kw)[0]
+    gathered: list[int] = []  # ZeRO-2 clips its windows where they lie (zero/clip.py)
+    real = ZeroOptimizer.gather_grads
+    monkeypatch.setattr(
+        ZeroOptimizer, "gather_grads", lambda z, *a: (gathered.append(1), real(z, *a))[1]
+    )
     zero2 = train(3, 5, shard="zero2", **kw)
     assert zero2 == [full] * 3
+    assert gathered == []
     assert train(2, 5, shard="zero1", **kw) == [full] * 2
 
 

@@ -290,15 +290,22 @@ class Job:
         self._wait_for_snapshot()
         scaler, holder = self.grad_scaler, self.optimizer
         clip = self.config.clip_grad_norm
-        if self.sharded is not None:  # ZeRO-2: the gradient of its windows, or all of it
-            holder = self.sharded.grads_for_update(holder, bool(self.hooks) or clip is not None)
+        # ZeRO-2: the gradient of its windows (clipped there), or all of it for the hooks.
+        windows = self.sharded is not None and clip is not None and self.sharded.clips_windows()
+        if self.sharded is not None:
+            whole = bool(self.hooks) or (clip is not None and not windows)
+            holder = self.sharded.grads_for_update(holder, whole)
+            windows = windows and not whole
         if scaler is not None:
             with self.step_guard.job_steps():
                 scaler.unscale_(holder)
         for hook in self.hooks:
             hook(self.model, self.optimizer)
         norm = None
-        if clip is not None:
+        if clip is not None and windows:
+            assert self.sharded is not None
+            norm = self.sharded.clip(clip)  # the same bits, from the windows (zero/clip.py)
+        elif clip is not None:
             # From the reduced gradient, which is the same on every member: so is the norm.
             # One fixed kernel path (foreach=False), whatever torch would pick by default.
             total = torch.nn.utils.clip_grad_norm_(self.params, clip, foreach=False)

@@ -21,9 +21,10 @@ ZeRO-2
     With ``shard="zero2"`` the step's exact sum is reduce-scattered instead of all-reduced
     (``reduce``/``finish``, zero/grads.py): a member receives the summed integers of its
     own elements only and turns them into its windows' gradients with the bits the full
-    reduction gives them. Clipping and the script's hooks read the whole gradient, so a
-    job with them all-gathers it first (``grads_for_update``); otherwise the shard
-    optimizer holds the gradient, where a grad scaler unscales it.
+    reduction gives them. The shard optimizer holds the gradient, where a grad scaler
+    unscales it and ``clip`` clips it with the whole gradient's norm (zero/clip.py). The
+    script's hooks read the whole gradient, so a job with them all-gathers it first
+    (``grads_for_update``).
 
 Snapshots
     A member's snapshot keeps its own chunks and one replica of another node's, about
@@ -277,10 +278,24 @@ class ShardedOptimizer:
             p.grad = None
         return ReduceDone()
 
+    def clips_windows(self) -> bool:
+        """Whether ``clip`` clips this step's gradient where it is: ZeRO-2's windows, when
+        every tensor with a gradient is the optimizer's (else it is gathered to clip)."""
+        if self.reducer is None or self.zero is None:
+            return False
+        return all(t in self.zero.stepped for t, n in enumerate(self._given) if n > 0)
+
+    def clip(self, max_norm: float) -> float:
+        """ZeRO-2: clip the windows' gradient as ``clip_grad_norm_`` clips the whole, with
+        its bits (zero/clip.py); the total norm. A collective."""
+        assert self.zero is not None, "clip runs inside an epoch"
+        return float(self.zero.clip_attached(max_norm))
+
     def grads_for_update(self, front: torch.optim.Optimizer, whole: bool) -> torch.optim.Optimizer:
         """Where the step's gradient is for the update; ZeRO-1: in ``.grad``, as unsharded.
         ZeRO-2: this member's windows' gradients go to the shard optimizer, which is
-        returned (a grad scaler unscales them there); with ``whole`` (clipping or hooks
+        returned (a grad scaler unscales them there, ``clip`` clips them there); with
+        ``whole`` (hooks, or clipping a gradient of tensors the optimizer does not step,
         read the whole gradient) they are all-gathered into ``.grad`` first (a collective:
         ``PeerLost`` fails the step), and the step reads them as ZeRO-1's."""
         grads, self._grads = self._grads, None

@@ -9,6 +9,7 @@ all-gathers the parameters, with bits identical to the unsharded step at any wor
     optimizers.py  which optimizers are elementwise; rebuilding the script's over a shard
     muon.py        Muon: sharded momentum, its whole-matrix step, which rank steps which
     matrices.py    WholeMatrices: Muon's matrices gathered to and stepped on their rank
+    clip.py        ZeRO-2's windows clipped with the whole gradient's norm, never gathered
     state.py       the shard's state: cut from the full state, joined, gathered
     gather.py      the all-gather seam: a process group, or ranks on threads (the fake)
     pieces.py      PieceGather: every rank's owned pieces of some tensors, into every rank's

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from keepstep.elastic.errors import ConfigError
+from keepstep.elastic.zero.pieces import assign_whole
 
 __all__ = ["MUON", "Finish", "MuonWindows", "check_muon", "designate", "ns_cost", "step_matrix"]
 
@@ -86,16 +87,9 @@ def ns_cost(shape: Sequence[int]) -> int:
 
 
 def designate(shapes: Mapping[int, Sequence[int]], world: int) -> dict[int, int]:
-    """The rank that steps each matrix whole, by tensor index: the costliest first, each to
-    the least loaded rank (the lowest on a tie). A pure function of the shapes and the
-    world size: every rank computes the same."""
-    load = [0] * world
-    out: dict[int, int] = {}
-    for t in sorted(shapes, key=lambda t: (-ns_cost(shapes[t]), t)):
-        r = min(range(world), key=lambda r: (load[r], r))
-        out[t] = r
-        load[r] += ns_cost(shapes[t])
-    return out
+    """The rank that steps each matrix whole, by tensor index: the Newton-Schulz work
+    balanced (``assign_whole`` of ``ns_cost``), the same on every rank."""
+    return assign_whole({t: ns_cost(s) for t, s in shapes.items()}, world)
 
 
 def step_matrix(param: torch.Tensor, update: torch.Tensor, group: Mapping[str, Any]) -> None:

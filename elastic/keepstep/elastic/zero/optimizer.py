@@ -36,6 +36,7 @@ import torch
 
 from keepstep.elastic.errors import ConfigError, StateShapeError
 from keepstep.elastic.optimizer_group import OptimizerGroup
+from keepstep.elastic.zero.clip import clip_windows
 from keepstep.elastic.zero.gather import Gather, allgather_ragged
 from keepstep.elastic.zero.matrices import WholeMatrices
 from keepstep.elastic.zero.muon import MUON
@@ -197,6 +198,22 @@ class ZeroOptimizer:
         for view, grad in zip(self._views, grads, strict=True):
             view.grad = grad
         self._attached = True
+
+    @property
+    def stepped(self) -> frozenset[int]:
+        """The tensors the optimizer steps (indices into ``params``)."""
+        return self._stepped
+
+    def clip_attached(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients ``attach_grads`` gave (ZeRO-2's windows) as
+        ``clip_grad_norm_(params, max_norm, foreach=False)`` clips the whole gradient, with
+        the same bits, without gathering it (zero/clip.py); the total norm. A collective."""
+        if not self._attached:
+            raise ConfigError("clip_attached clips the gradients attach_grads gave")
+        grads = [view.grad for view in self._views]
+        return clip_windows(
+            self._pieces, self.params, self.windows, grads, self._given, max_norm, self.timeout
+        )
 
     def gather_grads(self, grads: Sequence[torch.Tensor | None], given: Sequence[int]) -> None:
         """Every rank's window gradients into full ``.grad`` tensors (a collective), as

@@ -26,7 +26,7 @@ from keepstep.elastic.shard.layout import Piece
 from keepstep.elastic.zero.gather import Gather
 from keepstep.elastic.zero.ownership import Ownership
 
-__all__ = ["PieceGather"]
+__all__ = ["PieceGather", "assign_whole"]
 
 _Plan = tuple[list[list[Piece]], list[int]]
 _NONE: Mapping[int, int] = {}
@@ -147,3 +147,16 @@ class PieceGather:
                 n = (b - a) * size[t]
                 tensors[t][a * size[t] : b * size[t]] = buf[at : at + n]
                 at += n
+
+
+def assign_whole(costs: Mapping[int, int], world: int) -> dict[int, int]:
+    """The rank that takes each tensor whole (by tensor index): the costliest first, each
+    to the least loaded rank (the lowest on a tie). A pure function of the costs and the
+    world size: every rank computes the same."""
+    load = [0] * world
+    out: dict[int, int] = {}
+    for t in sorted(costs, key=lambda t: (-costs[t], t)):
+        r = min(range(world), key=lambda r: (load[r], r))
+        out[t] = r
+        load[r] += costs[t]
+    return out
