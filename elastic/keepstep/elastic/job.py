@@ -290,21 +290,19 @@ class Job:
         self._wait_for_snapshot()
         scaler, holder = self.grad_scaler, self.optimizer
         clip = self.config.clip_grad_norm
-        # ZeRO-2: the gradient of its windows (clipped there), or all of it for the hooks.
-        windows = self.sharded is not None and clip is not None and self.sharded.clips_windows()
+        windows = False  # ZeRO-2: its windows' gradient, clipped there (zero/clip.py)
         if self.sharded is not None:
+            windows = clip is not None and not self.hooks and self.sharded.clips_windows()
             whole = bool(self.hooks) or (clip is not None and not windows)
             holder = self.sharded.grads_for_update(holder, whole)
-            windows = windows and not whole
         if scaler is not None:
             with self.step_guard.job_steps():
                 scaler.unscale_(holder)
         for hook in self.hooks:
             hook(self.model, self.optimizer)
         norm = None
-        if clip is not None and windows:
-            assert self.sharded is not None
-            norm = self.sharded.clip(clip)  # the same bits, from the windows (zero/clip.py)
+        if clip is not None and windows and self.sharded is not None:
+            norm = self.sharded.clip(clip)  # the whole gradient's bits, from the windows
         elif clip is not None:
             # From the reduced gradient, which is the same on every member: so is the norm.
             # One fixed kernel path (foreach=False), whatever torch would pick by default.

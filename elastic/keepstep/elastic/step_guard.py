@@ -84,9 +84,13 @@ class StepGuard:
         finally:
             self._job_stepping = before
 
+    def refuses(self) -> bool:
+        """Whether a step (or a grad scaler's call) now would be the script's, in the loop."""
+        return self._in_loop and not self._job_stepping
+
     def check(self, optimizer: torch.optim.Optimizer) -> None:
         """``ConfigError`` for a step of ``optimizer`` the job is not taking, in its loop."""
-        if self._in_loop and not self._job_stepping:
+        if self.refuses():
             raise ConfigError(f"{type(optimizer).__name__}.step() called by the script: {_WHY}")
 
     def guard_scaler(self, scaler: torch.amp.GradScaler) -> None:
@@ -115,7 +119,7 @@ class _GuardedCall:
         self.guard, self.call, self.name = guard, call, name
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.guard._in_loop and not self.guard._job_stepping:
+        if self.guard.refuses():
             raise ConfigError(
                 f"GradScaler.{self.name}() called by the script: the job given "
                 f"grad_scaler= unscales the reduced gradient, skips a step with inf or nan "

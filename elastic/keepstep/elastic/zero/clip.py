@@ -23,7 +23,6 @@ from datetime import timedelta
 import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from keepstep.elastic.shard.layout import Piece
 from keepstep.elastic.zero.ownership import Window
 from keepstep.elastic.zero.pieces import PieceGather, assign_whole
 
@@ -59,22 +58,13 @@ def clip_windows(
     ``clip_grad_norm_`` clips the whole gradient of the tensors ``given`` (those with a
     gradient, the same on every rank); returns the total norm. A collective: every rank
     calls it."""
-    at: dict[int, list[tuple[Window, torch.Tensor]]] = {}
-    for w, g in zip(windows, grads, strict=True):
-        if g is not None:
-            at.setdefault(w.tensor, []).append((w, g))
     order = sorted(given)
     dest = assign_whole({t: params[t].numel() for t in order}, pieces.ownership.world)
     rank = pieces.gather.rank
     mine = [t for t in order if dest[t] == rank]
     full = {t: torch.empty(params[t].numel(), dtype=params[t].dtype) for t in mine}
-
-    def source(piece: Piece) -> torch.Tensor:  # an owned piece of a window's gradient
-        t, a, b = piece
-        w, g = next(x for x in at[t] if x[0].start <= a and b <= x[0].stop)
-        return g[a - w.start : b - w.start].view(torch.uint8)
-
-    pieces.send_to(dest, source, lambda t: full[t].view(torch.uint8), timeout)
+    held = list(zip(windows, grads, strict=True))
+    pieces.send_to(dest, held, lambda t: full[t].view(torch.uint8), timeout)
     own = {t: torch.linalg.vector_norm(full[t].view(params[t].shape), 2.0) for t in mine}
     slots = torch.zeros(max(len(order), 1), dtype=torch.float64)
     for i, t in enumerate(order):
@@ -84,7 +74,7 @@ def clip_windows(
     norms = {t: own.get(t, rows[dest[t]][i].to(params[t].dtype)) for i, t in enumerate(order)}
     total = total_norm(norms, params)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for t in order:
-        for _, g in at.get(t, []):
+    for w, g in held:
+        if g is not None and w.tensor in given:
             g.mul_(coef.to(g.device))
     return total

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from keepstep.elastic.shard.layout import Piece
 from keepstep.elastic.zero.muon import designate, step_matrix
 from keepstep.elastic.zero.ownership import Window
 from keepstep.elastic.zero.pieces import PieceGather
@@ -57,25 +56,10 @@ class WholeMatrices:
         """Gather the windows' ``updates`` (by view) into the designated ranks, and step
         this rank's matrices that have a gradient (``given``) with their param group's
         hyper-parameters (``groups``, by tensor). A collective: every rank calls it."""
-        full = {t: torch.zeros_like(self.params[t].detach().view(-1)) for t in self.mine}
-        at: dict[int, list[tuple[Window, torch.Tensor | None]]] = {}
-        for w, view in self._windows:
-            if w.tensor in self.matrices:
-                at.setdefault(w.tensor, []).append((w, updates.get(view)))
-
-        def source(piece: Piece) -> torch.Tensor:  # an owned piece of an update, as bytes
-            t, a, b = piece
-            w, update = next(x for x in at[t] if x[0].start <= a and b <= x[0].stop)
-            if update is None:  # no gradient: what is sent is never read
-                size = self.params[t].element_size()
-                device = self.pieces.gather.device
-                return torch.zeros((b - a) * size, dtype=torch.uint8, device=device)
-            return update[a - w.start : b - w.start].view(torch.uint8)
-
-        def into(t: int) -> torch.Tensor:
-            return full[t].view(torch.uint8)
-
-        self.pieces.send_to(self.designated, source, into, timeout)
+        # Every element arrives: the ownership has one owner for each.
+        full = {t: torch.empty_like(self.params[t].detach().view(-1)) for t in self.mine}
+        held = [(w, updates.get(view)) for w, view in self._windows]
+        self.pieces.send_to(self.designated, held, lambda t: full[t].view(torch.uint8), timeout)
         for t in sorted(self.mine & given):  # torch's Muon leaves one without a gradient
             p = self.params[t]
             step_matrix(p.detach(), full[t].view(p.shape), groups[t])

@@ -145,7 +145,8 @@ class ZeroOptimizer:
         if not self._attached:
             for view, grad in zip(self._views, self._grads_from_params(), strict=True):
                 view.grad = grad
-            self._given = frozenset(t for t, p in enumerate(self.params) if p.grad is not None)
+            if self._matrices.matrices:  # only Muon's whole-matrix step reads it
+                self._given = frozenset(t for t, p in enumerate(self.params) if p.grad is not None)
         self._attached = False
         try:
             self.inner.step()

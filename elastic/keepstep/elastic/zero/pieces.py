@@ -16,7 +16,7 @@ rank receives about 1/W of them where an all-gather would bring it all.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -24,7 +24,7 @@ import torch
 from keepstep.elastic.errors import BadMessage
 from keepstep.elastic.shard.layout import Piece
 from keepstep.elastic.zero.gather import Gather
-from keepstep.elastic.zero.ownership import Ownership
+from keepstep.elastic.zero.ownership import Ownership, Window
 
 __all__ = ["PieceGather", "assign_whole"]
 
@@ -52,8 +52,11 @@ class PieceGather:
         if plan is None:
             sends = []
             for r in range(self.ownership.world):
-                mine = [pc for pc in self.ownership.pieces(r) if pc.tensor in which]
-                mine = [pc for pc in mine if pc.tensor not in whole]
+                mine = [
+                    pc
+                    for pc in self.ownership.pieces(r)
+                    if pc.tensor in which and pc.tensor not in whole
+                ]
                 mine += [Piece(t, 0, self.ownership.sizes[t]) for t, o in key[1] if o == r]
                 sends.append(sorted(mine))
             lengths = [sum((b - a) * self.element_sizes[t] for t, a, b in mine) for mine in sends]
@@ -113,22 +116,34 @@ class PieceGather:
     def send_to(
         self,
         dest: Mapping[int, int],
-        source: Callable[[Piece], torch.Tensor],
+        held: Iterable[tuple[Window, torch.Tensor | None]],
         flat_bytes: Callable[[int], torch.Tensor],
         timeout: timedelta,
     ) -> None:
         """Every rank's owned pieces of each tensor ``t`` in ``dest``, sent to rank
-        ``dest[t]`` only (an all-to-all) and written there into ``flat_bytes(t)``; this
-        rank's come from ``source(piece)`` (the piece's bytes). A collective: every rank
-        calls it with the same ``dest``; ``BadMessage`` for a buffer of another length
-        than the ownership says, ``PeerLost`` if a rank fails."""
+        ``dest[t]`` only (an all-to-all) and written there into ``flat_bytes(t)``. This
+        rank's are read from ``held``: its windows with their values (1-D, the window's
+        elements; None: the tensor has none this step, and zeros are sent, never read).
+        A collective: every rank calls it with the same ``dest``; ``BadMessage`` for a
+        buffer of another length than the ownership says, ``PeerLost`` if a rank fails."""
         routes = self.routes(dest)
         rank, world, size = self.gather.rank, self.ownership.world, self.element_sizes
+        device = self.gather.device
+        holding: dict[int, list[tuple[Window, torch.Tensor | None]]] = {}
+        for w, values in held:
+            if w.tensor in dest:
+                holding.setdefault(w.tensor, []).append((w, values))
+
+        def source(piece: Piece) -> torch.Tensor:  # an owned piece, from its window
+            t, a, b = piece
+            w, values = next(x for x in holding[t] if x[0].start <= a and b <= x[0].stop)
+            if values is None:
+                return torch.zeros((b - a) * size[t], dtype=torch.uint8, device=device)
+            return values[a - w.start : b - w.start].view(torch.uint8)
 
         def length(pieces: list[Piece]) -> int:
             return sum((b - a) * size[t] for t, a, b in pieces)
 
-        device = self.gather.device
         empty = torch.empty(0, dtype=torch.uint8, device=device)
         sends = [
             torch.cat([source(pc) for pc in routes[rank][d]]) if routes[rank][d] else empty
