@@ -2,7 +2,7 @@
 
 `Job.steps(n)` yields `Step`s until n steps are committed. Between steps it asks the
 controller for a planned change (drain, join); after a failed step it asks for the next
-epoch. Entering an epoch is the data-plane half of a recovery:
+epoch. Entering an epoch is the data-plane half of a recovery (job_epoch.py):
 
     rebuild communicator -> exchange views and agree the resume step (rollback.py) ->
     restore (local snapshot, or a peer's snapshot over the network) -> replan
@@ -40,22 +40,21 @@ from torch.utils.data import default_collate
 from keepstep.elastic.balance import Planner
 from keepstep.elastic.board import Board
 from keepstep.elastic.buffers import BufferSync
-from keepstep.elastic.comm import WATCH_TIMEOUT, Communicator
+from keepstep.elastic.comm import Communicator
 from keepstep.elastic.config import JobConfig
 from keepstep.elastic.control import Controller, Membership, Reconfiguration
 from keepstep.elastic.data import MicroBatchLoader
 from keepstep.elastic.dense import check_modules
-from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost, StateMissing
+from keepstep.elastic.errors import ConfigError, KeepstepError, PeerLost
 from keepstep.elastic.evaluate import EvalFn, evaluate
 from keepstep.elastic.heap import frozen_heap
 from keepstep.elastic.hyper import HyperCheck
+from keepstep.elastic.job_epoch import enter
 from keepstep.elastic.loss_scale import SCALER_NAME, check_not_the_scaler, checked_scaler, skip_step
 from keepstep.elastic.lr_watch import LrWatch
-from keepstep.elastic.numerics import model_kernels
 from keepstep.elastic.reduce import make_reducer
 from keepstep.elastic.rng import STEP, SampleOrder, fix_determinism, rng_scope
-from keepstep.elastic.rollback import MemberView, fall_back, resume_plan
-from keepstep.elastic.sharded import optimizer_sha256, shard_figures, sharded_optimizer
+from keepstep.elastic.sharded import optimizer_sha256, sharded_optimizer
 from keepstep.elastic.snapshot_store import SnapshotStore
 from keepstep.elastic.step import CommitResult, Step, StepOutcome
 from keepstep.elastic.step_guard import StepGuard
@@ -64,10 +63,8 @@ from keepstep.elastic.train_state import (
     capture,
     layout_signature,
     params_sha256,
-    restore,
     state_module,
 )
-from keepstep.elastic.transfer import exchange_views, snapshot_limit, transfer_snapshot
 
 log = logging.getLogger(__name__)
 
@@ -410,92 +407,8 @@ class Job:
         recovery) moves on to the epoch after it, until one is entered."""
         while True:
             try:
-                self._enter(membership)
+                enter(self, membership)  # job_epoch.py
                 return
             except PeerLost as error:
                 log.warning("entering epoch %d failed: %s", membership.epoch, error)
                 membership = self._next_after(error)
-
-    def _enter(self, membership: Membership) -> None:
-        t0 = time.perf_counter()
-        if self.comm is not None:
-            self.comm.close()
-            self.comm = None
-        self.membership = membership
-        if not membership.includes_me:
-            self.left = True
-            return
-        self.planner.check(membership, self.done)  # refuses a batch it cannot split, early
-        # After a false alarm the agents raise the epoch's timeouts: collectives, store reads.
-        scale = membership.timeout_scale
-        self.collective_timeout = timedelta(seconds=self.config.collective_timeout) * scale
-        self.comm = Communicator.create(
-            self.controller.store(membership.epoch),
-            membership.epoch,
-            membership.members,
-            membership.me,
-            self.collective_timeout,
-            host=self.config.host,
-            store_timeout=WATCH_TIMEOUT * scale,
-            device=self.params[0].device,  # CUDA parameters: an NCCL epoch (comm/nccl.py)
-        )
-        t1, before = time.perf_counter(), self.done
-        received = self._agree_and_restore(self.comm)
-        t2 = time.perf_counter()
-        self.planner.enter(membership, self.done)
-        # The caller's slots: which buffers changed, every member's compute seconds (and
-        # micro-batch weights, for a weighted mean), the hyperparameters' hashes and the
-        # planned-change flag (step.py).
-        per_member = 2 if self.config.weighted_mean else 1
-        count = self.buffer_sync.count + per_member * len(membership.members)
-        count += self.hyper.count + 1
-        self.reducer.set_caller_slots(count)
-        t3 = time.perf_counter()
-        record = Reconfiguration(
-            epoch=membership.epoch,
-            members=membership.members,
-            communicator_s=t1 - t0,
-            restore_s=t2 - t1,
-            replan_s=t3 - t2,
-            resume_step=self.done,
-            rolled_back_steps=max(0, before - self.done) if not received else 0,
-            received_state=received,
-            **shard_figures(self.sharded),
-        )
-        self.reconfigurations.append(record)
-        self.controller.on_reconfigured(record)
-
-    def _agree_and_restore(self, comm: Communicator) -> bool:
-        """Roll every member to the same committed step; return True if state came by wire."""
-        self.snapshots.wait()
-        fallback = self.membership.fallback if self.membership is not None else None
-        if fallback is not None:  # a double fault lost sharded state: the checkpoint's step
-            self.done, self.fresh = fall_back(self.snapshots, fallback), False
-            self.loaded_step = None
-        held, sharded = tuple(i.step for i in self.snapshots.infos()), self.sharded
-        mine = MemberView(self.fresh, self.done, held, chunks=sharded.chunks if sharded else None)
-        device = self.params[0].device
-        kernels = model_kernels(self.model)  # compiled on some members only: refused
-        timeout, mode = self.collective_timeout, self.config.mode
-        views = exchange_views(comm, mine, timeout, mode, device, kernels)
-        decision = resume_plan(views)
-        log.info("epoch %d: %s", comm.epoch, decision.reason)
-        resume = decision.resume_step
-        limit = snapshot_limit(self.model)
-        received = transfer_snapshot(comm, self.snapshots, decision, limit, self.collective_timeout)
-        if self.loaded_step != resume or received or self.sharded is not None:
-            extra = restore(self.snapshots.load(resume), self.model, self.optimizer, self.tracked)
-            self.reducer.load_state_dict(
-                self.sharded.from_snapshot(extra) if self.sharded else extra
-            )
-            self.lr_watch.reset()  # a restored lr is not a change the script made
-            self.loaded_step = resume
-        self.done = resume
-        self.fresh = False
-        if self.sharded is not None:  # its shards are cut from the full state just restored
-            chunks = [v.chunks for v in views]
-            try:
-                self.sharded.enter(comm, comm.members, self.collective_timeout, chunks)
-            except StateMissing as error:  # the next epoch must admit a worker that holds it
-                raise PeerLost(comm.epoch, str(error), missing_state=True) from error
-        return received and self.done > 0

@@ -1,7 +1,7 @@
 """Entering an epoch, the wire part: every member's view, and the resume step's snapshot
 sent from the member that holds it to the members that need it.
 
-Where it sits: `Job._agree_and_restore` exchanges views here, decides with the pure
+Where it sits: `job_epoch.enter` exchanges views here, decides with the pure
 `rollback.resume_plan`, and (when some member lacks the resume step: a joiner, a restarted
 worker whose node lost its snapshot) transfers the snapshot here before restoring it.
 
