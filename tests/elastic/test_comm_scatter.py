@@ -157,8 +157,11 @@ def test_one_member_bad_arguments_and_a_lost_peer() -> None:
         comms[0].reduce_scatter(x, _T)
     with pytest.raises(ConfigError, match=r"got shape \(3, 3\)"):
         comms[0].reduce_scatter(torch.zeros(3, 3), _T)
-    with pytest.raises(ConfigError, match="alltoall_tensors sends 1-D uint8 CPU tensors"):
+    with pytest.raises(ConfigError, match="alltoall_tensors sends 1-D uint8 tensors"):
         comms[0].alltoall_tensors([x, x, x], 64, _T)
+    off = torch.zeros(2, dtype=torch.uint8, device="meta")  # neither the CPU nor gloo's device
+    with pytest.raises(ConfigError, match=r"on meta: they must all be on the CPU or all on"):
+        comms[0].alltoall_tensors([off, off, off], 64, _T)
     # Rank 2 never comes: the others give up at the deadline, as for any collective.
     short = timedelta(seconds=1)
     got = _on_threads(comms[:2], lambda r, c: c.reduce_scatter(torch.zeros(3), short))

@@ -57,6 +57,7 @@ class _Wire(_Member):
     """A hub member with the commit's collective; ``tamper`` may change what it sends."""
 
     tamper: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None
+    device = torch.device("cpu")
 
     def alltoall_tensors(
         self,

@@ -79,10 +79,13 @@ def test_an_optimizer_that_is_not_elementwise_is_refused_at_init() -> None:
         keepstep.init(model, lbfgs, data, 32, 4, shard="zero1", env={})
 
 
-def test_parameters_off_the_cpu_are_refused_with_the_way_that_works() -> None:
+def test_parameters_on_two_devices_are_refused_and_one_device_is_taken() -> None:
+    # "meta" stands in for a GPU: any device but the CPU.
+    mixed = [torch.nn.Parameter(torch.zeros(4, 3, device=d)) for d in ("cpu", "meta")]
+    with pytest.raises(ConfigError, match=r"one device; these are on cpu, meta: .*device\(\)"):
+        ShardedOptimizer(mixed, torch.optim.Adam(mixed))
     params = [torch.nn.Parameter(torch.zeros(4, 3, device="meta"))]
-    with pytest.raises(ConfigError, match=r"CPU parameters only; these are on meta: .*shard=None"):
-        ShardedOptimizer(params, torch.optim.Adam(params))
+    assert ShardedOptimizer(params, torch.optim.Adam(params)).zero is None
 
 
 def test_a_grad_scaler_with_shard_is_taken() -> None:
@@ -177,6 +180,8 @@ class _BytesHub:
 
 
 class _BytesMember:
+    device = torch.device("cpu")
+
     def __init__(self, hub: _BytesHub, rank: int) -> None:
         self.hub, self.rank, self.size = hub, rank, hub.world
 
@@ -259,7 +264,7 @@ def test_zero1_over_the_communicators_allgather_matches_the_full_step() -> None:
 
 def test_comm_gather_keeps_shape_and_dtype_and_refuses_a_short_slot() -> None:
     class Short:
-        rank, size = 0, 2
+        rank, size, device = 0, 2, torch.device("cpu")
 
         def allgather(
             self,

@@ -119,10 +119,13 @@ def chunked(world: int, chunk: int = 97) -> Ownership:
     return Ownership(tuple(sizes()), tuple(tuple(r) for r in ranges))
 
 
-def on_threads(world: int, member: Callable[[int, Any], Any]) -> list[Any]:
-    """``member(rank, gather)`` for every rank, each on its own thread; re-raises the first
-    error (the others are released from the gather at once)."""
-    hub = LocalGathers(world)
+def on_threads(
+    world: int, member: Callable[[int, Any], Any], device: torch.device | str = "cpu"
+) -> list[Any]:
+    """``member(rank, gather)`` for every rank, each on its own thread, gathering on
+    ``device``; re-raises the first error (the others are released from the gather at
+    once)."""
+    hub = LocalGathers(world, device)
     out: list[Any] = [None] * world
     errors: list[BaseException] = []
 

@@ -105,11 +105,11 @@ class ShardedOptimizer:
     ) -> None:
         # A non-elementwise optimizer is refused here, at init, not at the first step.
         self.keys = check_supported(optimizer)  # its per-element state keys
-        devices = sorted({str(p.device) for p in params if p.device.type != "cpu"})
-        if devices:  # the gathers and the snapshot pieces go through CPU buffers
+        devices = sorted({str(p.device) for p in params})
+        if len(devices) > 1:  # the gathers run over one communicator, on one device
             raise ConfigError(
-                f"shard= steps CPU parameters only; these are on {', '.join(devices)}: train "
-                "them with full replicas (shard=None), whose exact reduction runs on the device"
+                f"shard= steps parameters on one device; these are on {', '.join(devices)}: "
+                "move the model to one device (keepstep.device()) before keepstep.init"
             )
         # ZeRO-2 (a reducer given): the exact sum is reduce-scattered (zero/grads.py).
         self.reducer = reducer

@@ -129,6 +129,7 @@ class PieceSender(Protocol):
     """What ``exchange_pieces`` needs of the epoch's ``Communicator``."""
 
     rank: int
+    device: torch.device  # where it receives (CPU payloads come back on the CPU)
 
     def alltoall_tensors(
         self,
@@ -179,9 +180,11 @@ def exchange_pieces(
         {} if r == me else {**cut_pieces(state, offsets, keys, share(r, me)), **empty}
         for r in range(len(holds))
     ]
-    payloads = pack_payloads(sends, buffers.alloc("send"))
+    # Packed where the communicator sends from (on a GPU: device to device, no host copy).
+    payloads = pack_payloads(sends, buffers.alloc("send", comm.device))
     values = (sum(sizes) + len(sizes)) * (len(keys) + 2)
-    got = comm.alltoall_tensors(payloads, 16 * values + (1 << 24), timeout, buffers.alloc("recv"))
+    recv = buffers.alloc("recv", comm.device)
+    got = comm.alltoall_tensors(payloads, 16 * values + (1 << 24), timeout, recv)
     own = own_pieces(state, owners, holds, sizes, keys, me)
     seen = set(own)
     received = []

@@ -126,7 +126,7 @@ def _layout(
                     raise StateShapeError(f"parameter {t}: {key!r} has dtype {dtype}, not sent")
                 values.append([key, "tensor", dtype, list(value.shape)])
                 flat = value if value.dim() == 1 else value.reshape(-1)
-                tensors.append(flat if flat.device.type == "cpu" else flat.cpu())
+                tensors.append(flat)  # on the device: a segment stays there (pack_segments)
             elif type(value) in (bool, int, float):
                 values.append([key, type(value).__name__, value])
             else:
@@ -248,11 +248,12 @@ def _header(flat: torch.Tensor) -> tuple[list[Any], torch.Tensor]:
     """The payload's header entries (not yet checked) and its body."""
     if flat.numel() < _HEAD:
         raise BadMessage(f"a payload of {flat.numel()} bytes has no header")
-    n = int.from_bytes(flat[:_HEAD].numpy().tobytes(), "little")
+    # On a GPU only the header comes to the host; the body stays where it arrived.
+    n = int.from_bytes(flat[:_HEAD].cpu().numpy().tobytes(), "little")
     if n > flat.numel() - _HEAD:
         raise BadMessage(f"header of {n} bytes is longer than the payload")
     try:
-        entries = json.loads(flat[_HEAD : _HEAD + n].numpy().tobytes())
+        entries = json.loads(flat[_HEAD : _HEAD + n].cpu().numpy().tobytes())
     except (UnicodeDecodeError, ValueError) as err:
         raise BadMessage(f"header is not JSON: {err}") from None
     if not isinstance(entries, list):

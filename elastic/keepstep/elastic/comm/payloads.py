@@ -87,7 +87,7 @@ class PayloadRounds:
         """``payloads[d]`` to rank d; returns what each rank sent here, in rank order
         (``alltoall_tensors`` over bytes)."""
         mine = [torch.frombuffer(bytearray(p), dtype=torch.uint8) if p else EMPTY for p in payloads]
-        got = self.alltoall_tensors(mine, max_bytes, timeout)
+        got = self.alltoall_tensors(mine, max_bytes, timeout)  # CPU payloads: CPU results
         return [g.numpy().tobytes() for g in got]
 
     def alltoall_tensors(
@@ -97,16 +97,19 @@ class PayloadRounds:
         timeout: timedelta | None = None,
         into: Alloc | None = None,
     ) -> list[torch.Tensor]:
-        """``payloads[d]`` (1-D uint8, CPU) to rank d; returns what each rank sent here, in
-        rank order, as views of one buffer (from ``into(n)`` if given: one kept from the
-        last call is written warm). Each payload is at most ``max_bytes``; an empty one
-        sends nothing. Payloads laid out in one buffer (``rounds.laid_out``) go as they are.
+        """``payloads[d]`` (1-D uint8) to rank d; returns what each rank sent here, in rank
+        order. Each payload is at most ``max_bytes``; an empty one sends nothing. The
+        payloads lie all on the CPU or all on this communicator's device, and what comes
+        back lies where they do: on the device, views of one buffer (from ``into(n)`` if
+        given, on the device: one kept from the last call is written warm); CPU payloads
+        over a GPU's communicator travel through the device and come back as one copy.
+        Payloads laid out in one CPU buffer (``rounds.laid_out``) go as they are over gloo.
 
         Two rounds under one deadline: the lengths, then the bytes. Each rank checks the
         lengths it is to receive first and refuses an oversized one (``BadMessage`` naming
         the sender); its peers then time out or hear the abort it writes."""
         rounds.check_max_bytes(max_bytes)
-        sizes = rounds.payload_sizes(payloads, self.size)
+        sizes, home = rounds.payload_sizes(payloads, self.size, self.device)
         if self.size == 1:
             self._collective("alltoall_bytes", None, timeout)
             check_lengths(sizes, max_bytes, "alltoall_bytes")
@@ -123,17 +126,23 @@ class PayloadRounds:
         )
         lengths = [int(n) for n in got.cpu()]
         self._refuse_together(lengths, max_bytes, "alltoall_bytes")
-        return self._exchange(list(payloads), lengths, deadline, into)
+        came = self._exchange(list(payloads), lengths, deadline, into)
+        if home.type == self.device.type:
+            return came
+        return list(torch.split(torch.cat(came).cpu(), lengths))  # one copy to the host
 
     def _exchange(
         self, payloads: list[torch.Tensor], lengths: list[int], deadline: float, into: Alloc | None
     ) -> list[torch.Tensor]:
-        """An alltoall's bytes round: ``payloads[d]`` to rank d, ``lengths[s]`` from rank s."""
+        """An alltoall's bytes round: ``payloads[d]`` to rank d, ``lengths[s]`` from rank s;
+        what came, as views of one buffer on this communicator's device."""
         # One byte of padding after each payload: gloo is not asked to move empty slices.
         in_splits, out_splits = [p.numel() + 1 for p in payloads], [n + 1 for n in lengths]
         flat = rounds.laid_out(payloads) if self.device.type == "cpu" else None
-        mine = torch.cat([t for p in payloads for t in (p, PAD)]) if flat is None else flat
-        mine = mine.to(self.device)
+        if flat is None:
+            pad = PAD.to(payloads[0].device)
+            flat = torch.cat([t for p in payloads for t in (p, pad)])
+        mine = flat.to(self.device)
         out = rounds.receive_buffer(sum(out_splits), self.device, into)
         self._collective(
             "alltoall_bytes",
@@ -141,7 +150,7 @@ class PayloadRounds:
             left(deadline),
         )
         starts = [0, *itertools.accumulate(out_splits)]
-        return [out[a : b - 1].cpu() for a, b in itertools.pairwise(starts)]
+        return [out[a : b - 1] for a, b in itertools.pairwise(starts)]
 
     def _refuse_together(self, lengths: list[int], max_bytes: int, what: str) -> None:
         """``check_lengths``; on ``BadMessage`` the peers hear the abort, not wait for us."""

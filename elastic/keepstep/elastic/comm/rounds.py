@@ -38,6 +38,7 @@ __all__ = [
     "payload_sizes",
     "receive_buffer",
     "receive_like",
+    "same_device",
     "slots",
     "sum_slices",
 ]
@@ -63,14 +64,31 @@ def check_max_bytes(max_bytes: object) -> None:
         raise ConfigError(f"max_bytes must be an int >= 1, got {max_bytes!r}")
 
 
-def payload_sizes(payloads: Sequence[torch.Tensor], size: int) -> list[int]:
-    """The lengths of an alltoall's ``payloads``, one per rank of ``size``: ``ConfigError``
-    unless they are that many 1-D uint8 CPU tensors."""
+def payload_sizes(
+    payloads: Sequence[torch.Tensor], size: int, device: torch.device
+) -> tuple[list[int], torch.device]:
+    """The lengths of an alltoall's ``payloads``, one per rank of ``size``, and the device
+    they share: ``ConfigError`` unless they are that many 1-D uint8 tensors, all on the CPU
+    or all on the communicator's ``device``."""
     if len(payloads) != size:
         raise ConfigError(f"alltoall needs {size} payloads, got {len(payloads)}")
-    if any(p.dtype != torch.uint8 or p.dim() != 1 or p.device.type != "cpu" for p in payloads):
-        raise ConfigError("alltoall_tensors sends 1-D uint8 CPU tensors")
-    return [p.numel() for p in payloads]
+    if any(p.dtype != torch.uint8 or p.dim() != 1 for p in payloads):
+        raise ConfigError("alltoall_tensors sends 1-D uint8 tensors")
+    home = payloads[0].device
+    homes = {str(p.device) for p in payloads}
+    allowed = (home.type == "cpu" or same_device(home, device)) and len(homes) == 1
+    if not allowed:
+        raise ConfigError(
+            f"alltoall_tensors payloads are on {', '.join(sorted(homes))}: they must all be "
+            f"on the CPU or all on the communicator's device ({device})"
+        )
+    return [p.numel() for p in payloads], home
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` are one device: ``cuda`` (the current GPU) matches ``cuda:N``,
+    which is what a tensor on it reports."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def padded(payload: bytes, n: int) -> torch.Tensor:
@@ -131,7 +149,8 @@ def laid_out(payloads: list[torch.Tensor]) -> torch.Tensor | None:
 def receive_buffer(n: int, device: torch.device, into: Alloc | None) -> torch.Tensor:
     """``n`` bytes on ``device`` to receive into: fresh, or ``into(n)``, checked."""
     out = torch.empty(n, dtype=torch.uint8, device=device) if into is None else into(n)
-    if out.dim() != 1 or out.numel() != n or out.dtype != torch.uint8 or out.device != device:
+    wrong = out.dim() != 1 or out.numel() != n or out.dtype != torch.uint8
+    if wrong or not same_device(out.device, device):
         raise ConfigError(f"into({n}) gave {out.dtype} {tuple(out.shape)} on {out.device}")
     return out
 
@@ -175,11 +194,14 @@ class Buffers:
     def __init__(self) -> None:
         self._kept: dict[str, torch.Tensor] = {}
 
-    def alloc(self, use: str) -> Alloc:
+    def alloc(self, use: str, device: torch.device | str = "cpu") -> Alloc:
+        """Buffers for ``use`` on ``device`` (a collective receives on its communicator's)."""
+        where = torch.device(device)
+
         def get(n: int) -> torch.Tensor:
             kept = self._kept.get(use)
-            if kept is None or kept.numel() != n:
-                kept = self._kept[use] = torch.empty(n, dtype=torch.uint8)
+            if kept is None or kept.numel() != n or not same_device(kept.device, where):
+                kept = self._kept[use] = torch.empty(n, dtype=torch.uint8, device=where)
             return kept
 
         return get

@@ -62,11 +62,15 @@ def clip_windows(
     dest = assign_whole({t: params[t].numel() for t in order}, pieces.ownership.world)
     rank = pieces.gather.rank
     mine = [t for t in order if dest[t] == rank]
-    full = {t: torch.empty(params[t].numel(), dtype=params[t].dtype) for t in mine}
+    # Each norm is taken where torch's clip takes it: on the tensor's own device.
+    full = {
+        t: torch.empty(params[t].numel(), dtype=params[t].dtype, device=params[t].device)
+        for t in mine
+    }
     held = list(zip(windows, grads, strict=True))
     pieces.send_to(dest, held, lambda t: full[t].view(torch.uint8), timeout)
     own = {t: torch.linalg.vector_norm(full[t].view(params[t].shape), 2.0) for t in mine}
-    slots = torch.zeros(max(len(order), 1), dtype=torch.float64)
+    slots = torch.zeros(max(len(order), 1), dtype=torch.float64, device=pieces.gather.device)
     for i, t in enumerate(order):
         if t in own:
             slots[i] = own[t].to(torch.float64)  # exact: every float norm is a float64

@@ -5,10 +5,12 @@ after every step and, on request, the optimizer state; Muon's whole-matrix step 
 each matrix's pieces to the one rank that steps it (an all-to-all). It talks to a
 ``Gather``: a rank, a size, the device its buffers live on, ``allgather`` of
 equal-length tensors and ``alltoall`` of byte buffers, each with a timeout.
-``GroupGather`` is that over a torch.distributed process group (gloo: CPU buffers);
-``LocalGathers`` is the in-memory fake beside it, ranks on threads of one process, for
-fast tests. ``CommGather`` is that over the job's ``Communicator`` (its abort
-handling then covers these collectives too), receiving into one buffer it keeps.
+``GroupGather`` is that over a torch.distributed process group (gloo: CPU buffers, or
+CUDA ones it stages); ``LocalGathers`` is the in-memory fake beside it, ranks on threads
+of one process, for fast tests (and for gpu_check, ranks sharing one GPU). ``CommGather``
+is that over the job's ``Communicator`` (its abort handling then covers these
+collectives too), on its device (the GPU of an NCCL epoch), receiving into one buffer it
+keeps there.
 
 Everything is gathered as uint8: parameters of mixed dtypes travel in one collective, and
 bytes are copied, never converted, so nothing can round on the way.
@@ -74,6 +76,7 @@ class TensorCollective(Protocol):
     rank: int
     size: int
     members: tuple[str, ...]
+    device: torch.device
 
     def allgather(
         self,
@@ -102,8 +105,8 @@ class CommGather:
     def __init__(self, comm: TensorCollective) -> None:
         self.comm = comm
         buffers = Buffers()
-        self._into = buffers.alloc("slots")  # kept: later gathers write it warm
-        self._inbox = buffers.alloc("inbox")  # the same for the all-to-alls
+        self._into = buffers.alloc("slots", comm.device)  # kept: later gathers write it warm
+        self._inbox = buffers.alloc("inbox", comm.device)  # the same for the all-to-alls
 
     @property
     def rank(self) -> int:
@@ -115,11 +118,10 @@ class CommGather:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self.comm.device  # the epoch's: the CPU for gloo, the member's GPU for NCCL
 
     def allgather(self, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
-        if not isinstance(mine, torch.Tensor) or mine.device.type != "cpu":
-            raise ConfigError("CommGather.allgather needs a CPU tensor")
+        _check(mine, self.device)
         raw = mine.detach().contiguous().reshape(-1).view(torch.uint8)
         slots = self.comm.allgather(raw, timeout, into=self._into)
         out = []
@@ -138,11 +140,13 @@ class CommGather:
 
 
 class GroupGather:
-    """``Gather`` over a torch.distributed process group object (``ProcessGroupGloo``)."""
+    """``Gather`` over a torch.distributed process group object (``ProcessGroupGloo``:
+    CPU tensors, or CUDA tensors it stages through the host, on ``device``)."""
 
-    def __init__(self, group: Any, epoch: int = 0) -> None:
+    def __init__(self, group: Any, epoch: int = 0, device: torch.device | str = "cpu") -> None:
         self.group = group
         self.epoch = epoch
+        self._device = torch.device(device)
         self._rank = int(group.rank())
         self._size = int(group.size())
 
@@ -156,7 +160,7 @@ class GroupGather:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self._device
 
     def allgather(self, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
         _check(mine, self.device)
@@ -177,19 +181,19 @@ class GroupGather:
         """The lengths first (an all-gather of every rank's list), then the bytes."""
         _check_sends(sends, self._size, self.device)
         deadline = time.monotonic() + timeout.total_seconds()
-        mine = torch.tensor([s.numel() for s in sends], dtype=torch.int64)
+        mine = torch.tensor([s.numel() for s in sends], dtype=torch.int64, device=self.device)
         table = self.allgather(mine, timeout)
         lengths = [int(row[self._rank]) for row in table]
         _check_lengths(lengths, max_bytes)
         if self._size == 1:
             return [sends[0].clone()]
-        out = torch.empty(sum(lengths), dtype=torch.uint8)
+        out = torch.empty(sum(lengths), dtype=torch.uint8, device=self.device)
         opts = AllToAllOptions()
         opts.timeout = timedelta(seconds=max(deadline - time.monotonic(), 0.001))
         data = (
             torch.cat(list(sends))
             if any(s.numel() for s in sends)
-            else torch.empty(0, dtype=torch.uint8)
+            else torch.empty(0, dtype=torch.uint8, device=self.device)
         )
         sizes = [s.numel() for s in sends]
         try:
@@ -203,13 +207,15 @@ class LocalGathers:
     """The in-memory fake: ``world`` ranks of one process, each calling from its own thread.
 
     ``LocalGathers(3).rank(r)`` is rank r's ``Gather``. A rank that does not arrive within
-    the timeout breaks the round for all (``PeerLost``), as a lost peer would.
+    the timeout breaks the round for all (``PeerLost``), as a lost peer would. The ranks'
+    tensors live on ``device`` (several ranks may share one GPU: gpu_check runs them so).
     """
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, device: torch.device | str = "cpu") -> None:
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise ConfigError(f"world={world!r} must be an int >= 1")
         self.world = world
+        self.device = torch.device(device)
         self._slots: list[torch.Tensor | None] = [None] * world
         self._mail: list[list[torch.Tensor]] = [[] for _ in range(world)]
         self._barrier = threading.Barrier(world)
@@ -269,7 +275,7 @@ class _LocalGather:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("cpu")
+        return self._hub.device
 
     def allgather(self, mine: torch.Tensor, timeout: timedelta) -> list[torch.Tensor]:
         _check(mine, self.device)
@@ -317,5 +323,15 @@ def _check_lengths(lengths: Sequence[int], max_bytes: int) -> None:
 
 
 def _check(mine: torch.Tensor, device: torch.device) -> None:
-    if not isinstance(mine, torch.Tensor) or mine.device != device or not mine.is_contiguous():
-        raise ConfigError(f"allgather needs a contiguous tensor on {device}")
+    if (
+        not isinstance(mine, torch.Tensor)
+        or not _same_device(mine.device, device)
+        or not mine.is_contiguous()
+    ):
+        got = mine.device if isinstance(mine, torch.Tensor) else type(mine).__name__
+        raise ConfigError(f"allgather needs a contiguous tensor on {device}, got {got}")
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` names the current GPU: it matches ``cuda:N`` (tensors always say N)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

@@ -112,7 +112,7 @@ class GradShard:
             if mine:
                 slot = send[r * self.width : r * self.width + self.counts[r]]
                 torch.cat([data[a:b] for a, b in mine], out=slot)
-        into = self._received.alloc("slices") if data.device.type == "cpu" else None
+        into = self._received.alloc("slices", data.device)
         out = comm.reduce_scatter(send, timeout, into)
         return out[: self.counts[self.rank]]
 

@@ -375,7 +375,8 @@ class ZeroOptimizer:
                 raise ConfigError(f"parameter {t} (shape {tuple(p.shape)}) must be contiguous")
             if not (p.is_floating_point() or p.is_complex()):
                 raise ConfigError(f"parameter {t} has dtype {p.dtype}; ZeRO-1 steps float tensors")
-            if threads > 1 and p.dtype in _REDUCED and p.numel() > _GRAIN:
+            cut = threads > 1 and p.device.type == "cpu"  # a GPU's kernels run per element
+            if cut and p.dtype in _REDUCED and p.numel() > _GRAIN:
                 raise ConfigError(
                     f"parameter {t} ({p.dtype}, {p.numel()} elements) with {threads} intra-op "
                     "threads: torch cuts it between threads where a shard cannot follow, and "
