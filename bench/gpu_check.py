@@ -50,6 +50,13 @@ Checks, each true or false in "checks":
       one process (keepstep.elastic.buffers): every member ends with the same running
       statistics at every world size, and the device's mean of the summed rows is the
       CPU's, bit for bit.
+  zero_threads_equal_unsharded, zero_state_on_device, zero_job_equals_unsharded
+  (gpu_check_zero.py)
+      ZeRO on the device: ZeroOptimizer over 1, 2 and 3 ranks on threads sharing the
+      device (AdamW, fused AdamW, Muon beside AdamW; float32, and bfloat16 on CUDA) ends
+      with the unsharded optimizer's parameters and state, bit for bit, its state on the
+      device; the one-member job with shard="zero1" and "zero2" ends with the unsharded
+      job's params_sha256.
 Figures (not checked): the fused reduction's ms per 1e9 parameters beside fp32 gradient
 accumulation into .grad (the issue's target: <= 2x; gpu_check_figures.py); snapshot_pinned_gb_s,
 snapshot_pageable_gb_s, pinned_vs_pageable, compute_slowdown_under_copy (a matmul loop

@@ -27,6 +27,9 @@ if str(REPO / "elastic") not in sys.path:
 
 STEPS, GLOBAL_BATCH, MICRO_BATCH, SEED = 6, 16, 4, 11
 CHILD_TIMEOUT_S = 240
+# (device, shard) -> a finished child's line: the ZeRO section compares with the unsharded
+# job this section ran, instead of training it a third time.
+FIRST_RUNS: dict[tuple[str, str], dict[str, Any]] = {}
 
 
 def job_end_to_end(section: Any, device: str) -> None:
@@ -35,6 +38,7 @@ def job_end_to_end(section: Any, device: str) -> None:
     Each child trains STEPS steps of GLOBAL_BATCH sequences in micro-batches of
     MICRO_BATCH and prints its params_sha256, the reducer's path and seconds per step."""
     runs = [child(device) for _ in range(2)]
+    FIRST_RUNS[device, "none"] = runs[0]
     section.details["runs"] = runs
     trained = all(r.get("done") == STEPS and math.isfinite(r.get("loss", math.nan)) for r in runs)
     section.checks["job_trains"] = trained
@@ -45,10 +49,11 @@ def job_end_to_end(section: Any, device: str) -> None:
         section.figures["job_step_s"] = min(r["step_s"] for r in runs)
 
 
-def child(device: str) -> dict[str, Any]:
-    """One child's JSON line, or its exit code and the end of its stderr."""
+def child(device: str, shard: str = "none") -> dict[str, Any]:
+    """One child's JSON line, or its exit code and the end of its stderr; ``shard``:
+    "none", or the job's ``shard=`` (gpu_check_zero.py)."""
     done = subprocess.run(
-        [sys.executable, __file__, "--child", "--device", device],
+        [sys.executable, __file__, "--child", "--device", device, "--shard", shard],
         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False,
     )  # fmt: skip
     lines = done.stdout.strip().splitlines()
@@ -58,8 +63,9 @@ def child(device: str) -> dict[str, Any]:
     return result
 
 
-def train(device_name: str) -> dict[str, Any]:
-    """The user's script: a one-member job on ``device_name``; its figures as a dict."""
+def train(device_name: str, shard: str = "none") -> dict[str, Any]:
+    """The user's script: a one-member job on ``device_name`` (its optimizer state sharded
+    when ``shard`` is "zero1" or "zero2"); its figures as a dict."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import TensorDataset
@@ -74,7 +80,7 @@ def train(device_name: str) -> dict[str, Any]:
     tokens = torch.randint(VOCAB, (256, SEQ + 1), generator=torch.Generator().manual_seed(2))
     job = keepstep.init(
         model, optimizer, TensorDataset(tokens), GLOBAL_BATCH, MICRO_BATCH, SEED,
-        clip_grad_norm=1.0,
+        clip_grad_norm=1.0, shard=None if shard == "none" else shard,
     )  # fmt: skip
     cuda = device.type == "cuda"
     loss = torch.zeros(())
@@ -96,6 +102,7 @@ def train(device_name: str) -> dict[str, Any]:
         "params_sha256": job.params_sha256(),
         "reducer_path": getattr(job.reducer, "path", None),
         "params_device": str(next(model.parameters()).device),
+        "shard": shard,
         "step_s": (time.perf_counter() - started) / STEPS,
     }
 
@@ -104,10 +111,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--child", action="store_true", help="train once, print one JSON line")
+    parser.add_argument("--shard", choices=["none", "zero1", "zero2"], default="none")
     args = parser.parse_args()
     if not args.child:
         parser.error("run by gpu_check.py (python3 bench/gpu_check.py); --child trains once")
-    print(json.dumps(train(args.device)))
+    print(json.dumps(train(args.device, args.shard)))
     return 0
 
 

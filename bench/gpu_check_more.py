@@ -1,8 +1,8 @@
 """The sections of bench/gpu_check.py that move bytes between memories and processes: the
 snapshot copy, NCCL on one rank, gloo across processes with a kill and a rebuild (in
 gpu_check_gloo.py, which also runs its child processes), a one-member job trained end
-to end in two fresh processes (gpu_check_job.py), and BatchNorm's buffers kept in step on
-the device (gpu_check_buffers.py).
+to end in two fresh processes (gpu_check_job.py), BatchNorm's buffers kept in step on
+the device (gpu_check_buffers.py), and ZeRO's sharded step on the device (gpu_check_zero.py).
 
 Where it sits: gpu_check.main calls `run(device, report)` after its own sections. Each
 section starts with its checks false and turns them true as they pass, so one that raises
@@ -40,6 +40,7 @@ from gpu_check_buffers import batchnorm_buffers  # noqa: E402  (beside this file
 from gpu_check_gloo import gloo_kill_rebuild  # noqa: E402  (beside this file)
 from gpu_check_job import job_end_to_end  # noqa: E402  (beside this file)
 from gpu_check_store import snapshot_store  # noqa: E402  (beside this file)
+from gpu_check_zero import zero_on_device  # noqa: E402  (beside this file)
 from keepstep.elastic.comm import Communicator  # noqa: E402
 from keepstep.elastic.comm.exit_guard import EXIT_GUARD  # noqa: E402
 from keepstep.elastic.comm.group import EpochSpec, GroupBuild  # noqa: E402
@@ -274,6 +275,11 @@ PLANS = (
     Plan(
         batchnorm_buffers,
         ("buffers_members_agree", "buffers_device_mean_is_cpu"),
+        cuda_only=False,
+    ),
+    Plan(
+        zero_on_device,
+        ("zero_threads_equal_unsharded", "zero_state_on_device", "zero_job_equals_unsharded"),
         cuda_only=False,
     ),
 )

@@ -1,8 +1,8 @@
 """bench/gpu_check.py on the CPU: every section a CPU can run runs (the gloo processes
 with a kill and a rebuild included, and a one-member job trained twice), every check is
-true (BatchNorm's buffers kept in step too), the JSON has the fingerprint and the figures,
-the GPU-only sections are listed as not covered; and the exit code turns any false check
-into a failure.
+true (BatchNorm's buffers kept in step, ZeRO's sharded step too), the JSON has the
+fingerprint and the figures, the GPU-only sections are listed as not covered; and the exit
+code turns any false check into a failure.
 
 (On a GPU machine: `python3 bench/gpu_check.py`; its JSON goes in the issue note.)
 """
@@ -35,6 +35,9 @@ CHECKS = {
     "job_fresh_process_equal",
     "buffers_members_agree",
     "buffers_device_mean_is_cpu",
+    "zero_threads_equal_unsharded",
+    "zero_state_on_device",
+    "zero_job_equals_unsharded",
 }
 GPU_ONLY = ("snapshot_copy", "snapshot_store", "nccl_one_rank")  # listed as not covered
 
@@ -70,6 +73,12 @@ def test_the_cpu_run_passes_every_check() -> None:
     runs = report["details"]["job_end_to_end"]["runs"]
     assert [r["done"] for r in runs] == [6, 6] and runs[0]["params_device"] == "cpu"
     assert len({r["params_sha256"] for r in runs}) == 1 and report["figures"]["job_step_s"] > 0
+    # The ZeRO section: sharded over 1-3 ranks, and a job with shard= on the device.
+    cases = report["details"]["zero_on_device"]["threads"]
+    assert {c["world"] for c in cases} == {1, 2, 3} and all(c["equal"] for c in cases)
+    jobs = report["details"]["zero_on_device"]["jobs"]
+    assert [jobs[s]["shard"] for s in ("zero1", "zero2")] == ["zero1", "zero2"]
+    assert jobs["none"]["params_sha256"] == runs[0]["params_sha256"]  # the job section's
     not_covered = report["not_covered_here"]
     assert [s.split(" ")[0] for s in not_covered] == list(GPU_ONLY)
     assert all(s.endswith(": needs a CUDA device") for s in not_covered)
