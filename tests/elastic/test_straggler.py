@@ -7,6 +7,7 @@ job ends with the same parameters as the same job without the slowdown and as on
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -64,3 +65,31 @@ def test_a_slow_member_gets_fewer_micro_batches_and_the_bits_stay(tmp_path: Path
     assert sum(after[0].values()) == 24
     assert 2 * after[0]["m1"] <= min(after[0]["m0"], after[0]["m2"]), after[0]
     print(f"replanned after step {at}: {per_step[at]} -> {after[0]}")
+
+
+def test_a_slow_member_gets_less_newton_schulz_work_under_zero(tmp_path: Path) -> None:
+    # ZeRO-1 with Muon: each matrix is stepped whole by one member, given by the plan's
+    # weights, so the member the replan gives fewer micro-batches gets fewer matrices too.
+    args = ("--balance", "speed", "--shard", "zero1", "--muon")
+    with ThreadPoolExecutor(2) as pool:
+        runs = (
+            pool.submit(
+                launch, tmp_path / "slowed", MEMBERS, *args, "--slow", "m1", "--pause", "0.01"
+            ),
+            pool.submit(launch, tmp_path / "alone", ["m0"], "--muon"),
+        )
+        slowed, alone = (r.result() for r in runs)
+    assert agreed_sha(slowed) == agreed_sha(alone)  # unsharded, one member: the same bits
+    replans = slowed.results["m0"]["new_weights_by_step"]
+    assert len(replans) == 1, replans
+
+    def cost(shape: list[int]) -> int:  # Newton-Schulz multiply-adds (zero/muon.py)
+        m, n = sorted(shape)
+        return 2 * m * m * n + m**3
+
+    work = {}
+    for m in MEMBERS:
+        (line,) = [x for x in slowed.logs[m].splitlines() if x.startswith("DESIGNATED ")]
+        work[m] = sum(cost(s) for s in json.loads(line.removeprefix("DESIGNATED ")))
+    assert sum(work.values()) == 2 * cost([32, 32]) + cost([8, 32]) + cost([1, 32])
+    assert work["m1"] < min(work["m0"], work["m2"]), work  # evenly, m1 would take a 32x32

@@ -92,6 +92,31 @@ def test_windows_are_clipped_as_the_whole_gradient_is(
         assert all(same)
 
 
+def test_speeds_move_which_rank_takes_a_norm_and_not_the_bits() -> None:
+    want_total, want = _reference(0.5, 1.0)
+
+    def member(rank: int, gather: Any) -> tuple[torch.Tensor, bool]:
+        params = _params()
+        zero = ZeroOptimizer(params, torch.optim.SGD(params, lr=0.1), _chunked(3, 97), gather)
+        zero.set_speeds([1.0, 0.01, 1.0])  # rank 1 takes the smallest norms only
+        full = _grads(params, 1.0)
+        grads = [
+            None if (f := full[w.tensor]) is None else f.reshape(-1)[w.start : w.stop].clone()
+            for w in zero.windows
+        ]
+        zero.attach_grads(grads, [int(f is not None) for f in full])
+        total = zero.clip_attached(0.5)
+        same = all(
+            g is None or torch.equal(g, want[w.tensor].reshape(-1)[w.start : w.stop])  # type: ignore[union-attr]
+            for w, g in zip(zero.windows, grads, strict=True)
+            if all(r.start == w.start and r.stop == w.stop for r in w.owned)
+        )
+        return total, same
+
+    for total, same in on_threads(3, member):
+        assert torch.equal(total, want_total) and same
+
+
 def test_the_norms_stack_in_torchs_grouping_order() -> None:
     """Stacked in index order the total differs in its last bits for some mixes of
     float32 and bfloat16 norms; stacked as torch groups them it never does."""

@@ -198,6 +198,45 @@ def test_each_matrix_is_given_to_one_rank_the_largest_first() -> None:
     assert designate(shapes, 1) == dict.fromkeys(shapes, 0)
 
 
+def test_a_slow_rank_is_given_less_newton_schulz_work() -> None:
+    shapes = {0: (64, 48), 2: (5, 300), 4: (33, 33), 7: (128, 128), 9: (10, 10)}
+    assert designate(shapes, 3, [1.0, 1.0, 1.0]) == designate(shapes, 3)  # equal: by load
+    got = designate(shapes, 3, [1.0, 0.1, 1.0])
+    load = [sum(ns_cost(shapes[t]) for t, r in got.items() if r == rank) for rank in range(3)]
+    even = designate(shapes, 3)
+    was = [sum(ns_cost(shapes[t]) for t, r in even.items() if r == rank) for rank in range(3)]
+    assert load[1] < was[1] and load[1] < min(load[0], load[2]), (load, was)
+    for bad in ([1.0, 0.0, 1.0], [1.0, float("nan"), 1.0], [1.0, 1.0], [1.0, True, 1.0]):
+        with pytest.raises(ConfigError, match=r"speeds"):
+            designate(shapes, 3, bad)
+
+
+def test_speeds_move_the_work_and_not_the_bits() -> None:
+    want = reference("muon+adamw")
+    speeds = [1.0, 0.05, 1.0]
+
+    def member(rank: int, gather: Any) -> tuple[str, str, dict[int, int]]:
+        params = muon_params()
+        group = BUILDS["muon+adamw"](params)
+        own = Ownership.balanced(_sizes(), 3)
+        zero = ZeroOptimizer(params, group, own, gather, timeout=TIMEOUT)
+        for step in range(STEPS):
+            zero.set_speeds(speeds if step else None)  # as a replan after the first step
+            muon_grads(params, step)
+            zero.step()
+        return params_sha(params), state_sha(zero.full_state_dict()), zero.designated
+
+    got = on_threads(3, member)
+    assert {(p, s) for p, s, _ in got} == {want}
+    (designated,) = {tuple(sorted(d.items())) for _, _, d in got}  # the same on every rank
+    shapes = {t: SHAPES[t] for t in MATRICES}
+    assert dict(designated) == designate(shapes, 3, speeds)
+    load = [sum(ns_cost(shapes[t]) for t, r in designated if r == rank) for rank in range(3)]
+    even = designate(shapes, 3)
+    assert load[1] < sum(ns_cost(shapes[t]) for t, r in even.items() if r == 1)
+    assert load[1] < min(load[0], load[2]), load  # the slow rank: the least work
+
+
 def test_every_matrix_is_orthogonalised_once_in_the_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """Not once per member: the rank designated for a matrix steps it whole, and the
     parameter gather sends it from there."""

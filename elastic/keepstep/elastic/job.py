@@ -257,6 +257,8 @@ class Job:
             self._snapshot()  # the loop body has ended: what it advanced for this step is in
             started, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             record, weights = result.record, self.planner.committed(index, result.compute_s)
+            if weights and self.sharded is not None:  # a replan: the shard's work follows
+                self.sharded.set_weights(weights)
             step_s, snapshot_s = record.step_s + started, record.snapshot_s + started
             record = replace(record, step_s=step_s, snapshot_s=snapshot_s, cpu_s=record.cpu_s + cpu)
             self.controller.on_commit(replace(record, new_weights=weights))

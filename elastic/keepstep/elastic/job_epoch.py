@@ -66,6 +66,8 @@ def enter(job: Job, membership: Membership) -> None:
     received = _agree_and_restore(job, job.comm)
     t2 = time.perf_counter()
     job.planner.enter(membership, job.done)
+    if job.sharded is not None:  # its whole-tensor work follows the plan's weights too
+        job.sharded.set_weights(job.planner.weights)
     # The caller's slots: which buffers changed, every member's compute seconds (and
     # micro-batch weights, for a weighted mean), the hyperparameters' hashes and the
     # planned-change flag (step.py).

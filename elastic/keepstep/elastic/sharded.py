@@ -221,6 +221,16 @@ class ShardedOptimizer:
             *(got.received_bytes, self.enter_s - (fetched - started)),
         )
 
+    def set_weights(self, weights: Mapping[str, float] | None) -> None:
+        """The plan's weights (member -> relative speed; None: equal, balance.py) for the
+        work the shard does whole on one member (Muon's Newton-Schulz, ZeRO-2's norms):
+        given when an epoch is entered and at each replan, the same on every member, so a
+        member the plan gives fewer micro-batches gets less of it too."""
+        if self.zero is None or self._comm is None:
+            return
+        speeds = None if not weights else [weights[m] for m in self._comm.members]
+        self.zero.set_speeds(speeds)
+
     def state_bytes(self) -> int:
         """Optimizer-state bytes this member holds now: its shard's and, for ZeRO-1, the
         replicas it steps (0 outside an epoch)."""

@@ -53,13 +53,14 @@ def clip_windows(
     given: frozenset[int],
     max_norm: float,
     timeout: timedelta,
+    speeds: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """Clip the windows' ``grads`` (one per window, None where the tensor has none) as
     ``clip_grad_norm_`` clips the whole gradient of the tensors ``given`` (those with a
-    gradient, the same on every rank); returns the total norm. A collective: every rank
-    calls it."""
+    gradient, the same on every rank); returns the total norm. Each tensor's norm is taken
+    by one rank, balanced over the ranks' ``speeds``. A collective: every rank calls it."""
     order = sorted(given)
-    dest = assign_whole({t: params[t].numel() for t in order}, pieces.ownership.world)
+    dest = assign_whole({t: params[t].numel() for t in order}, pieces.ownership.world, speeds)
     rank = pieces.gather.rank
     mine = [t for t in order if dest[t] == rank]
     # Each norm is taken where torch's clip takes it: on the tensor's own device.

@@ -40,11 +40,18 @@ class WholeMatrices:
         self.params = params
         self.matrices = matrices
         self.pieces = pieces
-        shapes = {t: tuple(params[t].shape) for t in matrices}
-        self.designated = designate(shapes, pieces.ownership.world)
-        rank = pieces.gather.rank
-        self.mine = frozenset(t for t, r in self.designated.items() if r == rank)
         self._windows = list(zip(windows, views, strict=True))
+        self.designated: dict[int, int] = {}
+        self.mine: frozenset[int] = frozenset()
+        self.designate(None)
+
+    def designate(self, speeds: Sequence[float] | None) -> None:
+        """Give each matrix to a rank by the ranks' ``speeds`` (None: equal): between
+        steps, with the same speeds on every rank (the plan's weights)."""
+        shapes = {t: tuple(self.params[t].shape) for t in self.matrices}
+        self.designated = designate(shapes, self.pieces.ownership.world, speeds)
+        rank = self.pieces.gather.rank
+        self.mine = frozenset(t for t, r in self.designated.items() if r == rank)
 
     def step(
         self,

@@ -86,10 +86,13 @@ def ns_cost(shape: Sequence[int]) -> int:
     return 2 * m * m * n + m * m * m
 
 
-def designate(shapes: Mapping[int, Sequence[int]], world: int) -> dict[int, int]:
+def designate(
+    shapes: Mapping[int, Sequence[int]], world: int, speeds: Sequence[float] | None = None
+) -> dict[int, int]:
     """The rank that steps each matrix whole, by tensor index: the Newton-Schulz work
-    balanced (``assign_whole`` of ``ns_cost``), the same on every rank."""
-    return assign_whole({t: ns_cost(s) for t, s in shapes.items()}, world)
+    balanced over the ranks' ``speeds`` (``assign_whole`` of ``ns_cost``), the same on
+    every rank."""
+    return assign_whole({t: ns_cost(s) for t, s in shapes.items()}, world, speeds)
 
 
 def step_matrix(param: torch.Tensor, update: torch.Tensor, group: Mapping[str, Any]) -> None:

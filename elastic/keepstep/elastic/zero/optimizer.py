@@ -42,7 +42,7 @@ from keepstep.elastic.zero.matrices import WholeMatrices
 from keepstep.elastic.zero.muon import MUON
 from keepstep.elastic.zero.optimizers import check_supported, hyper, rebuild, sync_groups
 from keepstep.elastic.zero.ownership import ALIGN, Ownership, windows
-from keepstep.elastic.zero.pieces import PieceGather
+from keepstep.elastic.zero.pieces import PieceGather, check_speeds
 from keepstep.elastic.zero.state import join_pieces, pack_owned, slice_state, unpack_full
 
 __all__ = ["ZeroOptimizer", "state_bytes"]
@@ -125,6 +125,7 @@ class ZeroOptimizer:
         muon = frozenset(t for t, g in self._group_of.items() if _is_muon(optimizer, g))
         self._matrices = WholeMatrices(self.params, muon, self.windows, self._views, self._pieces)
         self._given: frozenset[int] = frozenset()  # the tensors with a gradient this step
+        self._speeds: list[float] | None = None  # the ranks' speeds for whole-tensor work
         if optimizer.state:  # a resumed script, or Adagrad's state made at construction
             self.load_full_state_dict(optimizer.state_dict())
         optimizer.state.clear()
@@ -205,6 +206,19 @@ class ZeroOptimizer:
         """The tensors the optimizer steps (indices into ``params``)."""
         return self._stepped
 
+    def set_speeds(self, speeds: Sequence[float] | None) -> None:
+        """The ranks' relative speeds (one per rank, > 0; None: equal), for the work done
+        whole on one rank (Muon's Newton-Schulz, a tensor's norm when clipping): a slow
+        rank gets less of it. Between steps, the same on every rank; the bits do not
+        depend on it."""
+        self._speeds = check_speeds(speeds, self.ownership.world) if speeds else None
+        self._matrices.designate(self._speeds)
+
+    @property
+    def designated(self) -> dict[int, int]:
+        """The rank that steps each of Muon's matrices whole (by tensor index)."""
+        return dict(self._matrices.designated)
+
     def clip_attached(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients ``attach_grads`` gave (ZeRO-2's windows) as
         ``clip_grad_norm_(params, max_norm, foreach=False)`` clips the whole gradient, with
@@ -213,7 +227,14 @@ class ZeroOptimizer:
             raise ConfigError("clip_attached clips the gradients attach_grads gave")
         grads = [view.grad for view in self._views]
         return clip_windows(
-            self._pieces, self.params, self.windows, grads, self._given, max_norm, self.timeout
+            self._pieces,
+            self.params,
+            self.windows,
+            grads,
+            self._given,
+            max_norm,
+            self.timeout,
+            self._speeds,
         )
 
     def gather_grads(self, grads: Sequence[torch.Tensor | None], given: Sequence[int]) -> None:

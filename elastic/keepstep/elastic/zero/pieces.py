@@ -16,17 +16,18 @@ rank receives about 1/W of them where an all-gather would bring it all.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
 
-from keepstep.elastic.errors import BadMessage
+from keepstep.elastic.errors import BadMessage, ConfigError
 from keepstep.elastic.shard.layout import Piece
 from keepstep.elastic.zero.gather import Gather
 from keepstep.elastic.zero.ownership import Ownership, Window
 
-__all__ = ["PieceGather", "assign_whole"]
+__all__ = ["PieceGather", "assign_whole", "check_speeds"]
 
 _Plan = tuple[list[list[Piece]], list[int]]
 _NONE: Mapping[int, int] = {}
@@ -164,14 +165,33 @@ class PieceGather:
                 at += n
 
 
-def assign_whole(costs: Mapping[int, int], world: int) -> dict[int, int]:
+def assign_whole(
+    costs: Mapping[int, int], world: int, speeds: Sequence[float] | None = None
+) -> dict[int, int]:
     """The rank that takes each tensor whole (by tensor index): the costliest first, each
-    to the least loaded rank (the lowest on a tie). A pure function of the costs and the
-    world size: every rank computes the same."""
+    to the rank that would finish it first, its load with the tensor over its ``speed``
+    (the lowest rank on a tie; equal speeds, or none: the least loaded). A pure function
+    of the costs, the world size and the speeds: every rank computes the same from the
+    plan's agreed weights (balance.py), so a slow member gets less whole-tensor work."""
+    rates = check_speeds(speeds, world)
     load = [0] * world
     out: dict[int, int] = {}
     for t in sorted(costs, key=lambda t: (-costs[t], t)):
-        r = min(range(world), key=lambda r: (load[r], r))
+        r = min(range(world), key=lambda r: ((load[r] + costs[t]) / rates[r], r))
         out[t] = r
         load[r] += costs[t]
     return out
+
+
+def check_speeds(speeds: Sequence[float] | None, world: int) -> list[float]:
+    """``speeds`` (one per rank, finite and > 0; None: all 1.0) as a list, or ConfigError
+    naming the bad value."""
+    if speeds is None:
+        return [1.0] * world
+    rates = list(speeds)
+    if len(rates) != world:
+        raise ConfigError(f"speeds={rates!r}: one per rank of {world} expected")
+    for r, v in enumerate(rates):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < math.inf:
+            raise ConfigError(f"speeds[{r}]={v!r} must be a finite number > 0")
+    return [float(v) for v in rates]
