@@ -18,6 +18,10 @@ members one per node) cuts them. Per member count it prints:
                  other members step), the largest over members
     recv_mb      MB of updates it receives (the pieces of its matrices others own); an
                  all-gather would bring every member all but its own pieces instead
+    slow_s       with the last member ``--slow`` times slower (its seconds scaled by it),
+                 the step's Newton-Schulz critical path (the largest member's seconds):
+                 matrices designated by cost alone / by the plan's weights (speeds 1 and
+                 1/slow, as balance="speed" would weigh them)
 
 Figures are counts and bytes, except ns_s, which is CPU time on this machine (the one
 machine's figure: compare them with each other, not with a GPU's).
@@ -52,12 +56,29 @@ def _ns_seconds(shape: tuple[int, int], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _slowed(
+    shapes: list[tuple[int, int]], seconds: dict[tuple[int, int], float], world: int, slow: float
+) -> dict[str, float]:
+    """The Newton-Schulz critical path with the last member ``slow`` times slower: the
+    matrices designated by cost alone, and by speed."""
+    factor = [1.0] * (world - 1) + [slow]
+    out = {}
+    for name, speeds in (("cost", None), ("speed", [1 / f for f in factor])):
+        given = designate(dict(enumerate(shapes)), world, speeds)
+        per = [0.0] * world
+        for t, r in given.items():
+            per[r] += seconds[shapes[t]] * factor[r]
+        out[f"slow_by_{name}_s"] = max(per)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--members", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--slow", type=float, default=4.0, help="the slow member's factor")
     args = parser.parse_args()
     torch.set_num_threads(1)  # a member's step runs on one intra-op thread
     shapes = _shapes(args.d_model, args.layers)
@@ -69,7 +90,7 @@ def main() -> None:
         f"thread here: {sum(seconds[s] for s in shapes):.2f} s per step for all of them"
     )
     print(f"{'W':>3} {'touched':>14} {'designated':>14} {'ns_s':>7} {'momentum_mb':>12} "
-          f"{'sent_mb':>8} {'recv_mb':>8} {'allgather_mb':>13}")  # fmt: skip
+          f"{'sent_mb':>8} {'recv_mb':>8} {'allgather_mb':>13} {'slow_s':>13}")  # fmt: skip
     rows = []
     for world in args.members:
         members = [f"n{i}/0" for i in range(world)]
@@ -101,6 +122,7 @@ def main() -> None:
             "recv_mb_max": max(recv),
             # what each member would receive from an all-gather of the updates instead
             "allgather_recv_mb_max": max(total - o for o in owned) * 4 / 1e6,
+            **_slowed(shapes, seconds, world, args.slow),
         }
         rows.append(row)
         spread = f"{statistics.mean(touched):.1f} (max {max(touched)})"
@@ -108,7 +130,8 @@ def main() -> None:
             f"{world:>3} {spread:>14} "
             f"{row['designated_max']:>14} {row['ns_s_max']:>7.2f} "
             f"{row['momentum_mb_max']:>12.1f} {row['sent_mb_max']:>8.1f} "
-            f"{row['recv_mb_max']:>8.1f} {row['allgather_recv_mb_max']:>13.1f}"
+            f"{row['recv_mb_max']:>8.1f} {row['allgather_recv_mb_max']:>13.1f} "
+            f"{row['slow_by_cost_s']:>6.2f}/{row['slow_by_speed_s']:<6.2f}"
         )
     print("RESULT " + json.dumps({"d_model": args.d_model, "layers": args.layers, "rows": rows}))
 

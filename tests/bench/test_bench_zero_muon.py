@@ -34,3 +34,5 @@ def test_the_bench_reports_each_members_share() -> None:
     assert rows[4]["momentum_mb_max"] < rows[2]["momentum_mb_max"] < full
     for world in (2, 4):
         assert 0 < rows[world]["recv_mb_max"] < rows[world]["allgather_recv_mb_max"]
+        # a member 4x slower (the default): designated by speed, the path is no longer
+        assert rows[world]["slow_by_speed_s"] <= rows[world]["slow_by_cost_s"]
