@@ -103,7 +103,7 @@ class PayloadRounds:
         back lies where they do: on the device, views of one buffer (from ``into(n)`` if
         given, on the device: one kept from the last call is written warm); CPU payloads
         over a GPU's communicator travel through the device and come back as one copy.
-        Payloads laid out in one CPU buffer (``rounds.laid_out``) go as they are over gloo.
+        Payloads laid out in one buffer on the device (``rounds.laid_out``) go as they are.
 
         Two rounds under one deadline: the lengths, then the bytes. Each rank checks the
         lengths it is to receive first and refuses an oversized one (``BadMessage`` naming
@@ -138,7 +138,9 @@ class PayloadRounds:
         what came, as views of one buffer on this communicator's device."""
         # One byte of padding after each payload: gloo is not asked to move empty slices.
         in_splits, out_splits = [p.numel() + 1 for p in payloads], [n + 1 for n in lengths]
-        flat = rounds.laid_out(payloads) if self.device.type == "cpu" else None
+        # Laid out in one buffer where the communicator sends from: sent with no copy.
+        here = rounds.same_device(payloads[0].device, self.device)
+        flat = rounds.laid_out(payloads) if here else None
         if flat is None:
             pad = PAD.to(payloads[0].device)
             flat = torch.cat([t for p in payloads for t in (p, pad)])
