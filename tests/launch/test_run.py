@@ -176,8 +176,10 @@ def test_drain_leaves_at_a_boundary_without_rollback(reference: str, tmp_path: P
 
 
 def test_join_is_admitted_and_gets_state_by_network(reference: str, tmp_path: Path) -> None:
-    # Slow steps (0.2 s per micro-batch) leave the new node time to start and be admitted.
-    proc, summary = keepstep_run(tmp_path, "--fault", "join-node@step=3", nodes=3, sleep=0.2)
+    # Slow steps (0.3 s per micro-batch: ~25 s from step 3 to the end) leave the new node
+    # time to start and be admitted; at 0.2 s a machine loaded beyond CI's own two sessions
+    # once ended the job before the joiner's worker had imported torch.
+    proc, summary = keepstep_run(tmp_path, "--fault", "join-node@step=3", nodes=3, sleep=0.3)
     s = check(proc, summary, reference, tmp_path)
     assert s["world_size_by_step"][0] == 3 and s["world_size_by_step"][-1] == 4
 
