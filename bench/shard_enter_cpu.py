@@ -81,6 +81,8 @@ class Hub:
 class Member:
     """One member's end of the hub; records its answers when ``log`` is a list."""
 
+    device = torch.device("cpu")  # where the shard's gathers would receive
+
     def __init__(self, hub: Hub, rank: int, log: list[list[bytes]] | None) -> None:
         self.hub, self.rank, self.size, self.log = hub, rank, hub.world, log
 
@@ -105,6 +107,7 @@ class Replay:
     """Member 0's collectives answered from what it received when all members entered."""
 
     rank = 0
+    device = torch.device("cpu")
 
     def __init__(self, size: int, answers: list[list[bytes]]) -> None:
         self.size, self._answers = size, iter(answers)
