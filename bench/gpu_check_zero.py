@@ -21,8 +21,7 @@ What one GPU cannot show (ZeRO over NCCL between GPUs) is in docs/gpu.md.
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -117,31 +116,7 @@ def _sharded(
         }
         return _params_sha(params), _state_sha(zero.full_state_dict()), devices
 
-    return _on_threads(world, device, member)
-
-
-def _on_threads(world: int, device: torch.device, member: Callable[[int, Any], Any]) -> list[Any]:
-    hub = LocalGathers(world, device)
-    out: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = member(rank, hub.rank(rank))
-        except BaseException as err:
-            errors.append(err)
-            hub.abort()
-
-    threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=TIMEOUT.total_seconds() * 2)
-    if errors:
-        raise errors[0]
-    if any(t.is_alive() for t in threads):
-        raise TimeoutError(f"a rank of {world} did not finish")
-    return out
+    return LocalGathers(world, device).run(member, TIMEOUT * 2)
 
 
 def _bytes(t: torch.Tensor) -> bytes:

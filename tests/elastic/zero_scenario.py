@@ -6,7 +6,6 @@ threads of this process (the ``LocalGathers`` fake)."""
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -125,25 +124,7 @@ def on_threads(
     """``member(rank, gather)`` for every rank, each on its own thread, gathering on
     ``device``; re-raises the first error (the others are released from the gather at
     once)."""
-    hub = LocalGathers(world, device)
-    out: list[Any] = [None] * world
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            out[rank] = member(rank, hub.rank(rank))
-        except BaseException as err:
-            errors.append(err)
-            hub.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    if errors:
-        raise errors[0]
-    return out
+    return LocalGathers(world, device).run(member, timedelta(seconds=60))
 
 
 def train_sharded(

@@ -20,17 +20,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 # The typed names live here; torch.distributed re-exports them only at runtime.
 from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions
 
-from keepstep.elastic.comm.rounds import Alloc, Buffers
+from keepstep.elastic.comm.rounds import Alloc, Buffers, same_device
 from keepstep.elastic.errors import BadMessage, ConfigError, PeerLost
+
+T = TypeVar("T")
 
 __all__ = [
     "CommGather",
@@ -225,6 +227,33 @@ class LocalGathers:
             raise ConfigError(f"rank={rank!r} must be in [0, {self.world})")
         return _LocalGather(self, rank)
 
+    def run(self, member: Callable[[int, Gather], T], timeout: timedelta) -> list[T]:
+        """``member(rank, gather)`` for every rank, each on its own thread; what each
+        returned, in rank order. The first error is raised again (the other ranks are
+        released from their gather at once); a rank still running after ``timeout``
+        raises ``TimeoutError``."""
+        out: list[Any] = [None] * self.world
+        errors: list[BaseException] = []
+
+        def run(rank: int) -> None:
+            try:
+                out[rank] = member(rank, self.rank(rank))
+            except BaseException as err:
+                errors.append(err)
+                self.abort()
+
+        threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(self.world)]
+        deadline = time.monotonic() + timeout.total_seconds()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(deadline - time.monotonic(), 0.0))
+        if errors:
+            raise errors[0]
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"a rank of {self.world} was still running after {timeout}")
+        return out
+
     def abort(self) -> None:
         """Break the current and every later round (``PeerLost`` on every rank): a rank
         that failed before the gather calls it, so the others stop waiting."""
@@ -325,13 +354,8 @@ def _check_lengths(lengths: Sequence[int], max_bytes: int) -> None:
 def _check(mine: torch.Tensor, device: torch.device) -> None:
     if (
         not isinstance(mine, torch.Tensor)
-        or not _same_device(mine.device, device)
+        or not same_device(mine.device, device)
         or not mine.is_contiguous()
     ):
         got = mine.device if isinstance(mine, torch.Tensor) else type(mine).__name__
         raise ConfigError(f"allgather needs a contiguous tensor on {device}, got {got}")
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """``cuda`` names the current GPU: it matches ``cuda:N`` (tensors always say N)."""
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

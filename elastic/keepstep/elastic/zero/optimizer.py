@@ -40,7 +40,13 @@ from keepstep.elastic.zero.clip import clip_windows
 from keepstep.elastic.zero.gather import Gather, allgather_ragged
 from keepstep.elastic.zero.matrices import WholeMatrices
 from keepstep.elastic.zero.muon import MUON
-from keepstep.elastic.zero.optimizers import check_supported, hyper, rebuild, sync_groups
+from keepstep.elastic.zero.optimizers import (
+    check_supported,
+    hyper,
+    load_states,
+    rebuild,
+    sync_groups,
+)
 from keepstep.elastic.zero.ownership import ALIGN, Ownership, windows
 from keepstep.elastic.zero.pieces import PieceGather, check_speeds
 from keepstep.elastic.zero.state import join_pieces, pack_owned, slice_state, unpack_full
@@ -412,19 +418,11 @@ class ZeroOptimizer:
         return groups
 
     def _load_windows(self, windows: dict[int, dict[str, Any]], groups: list[Any]) -> None:
-        # torch's load_state_dict copies the values and puts them on each parameter's
-        # device and dtype by its own rules (a step count stays a float32 on the CPU).
-        inner_groups = []
-        start = 0
-        for g in self.inner.param_groups:
-            n = len(g["params"])
-            inner_groups.append({**hyper(g), "params": list(range(start, start + n))})
-            start += n
         # Own, compact copies: a per-tensor value (a step count) shared by several windows
         # would be stepped once per window, and torch's deepcopy of a view copies the whole
         # tensor it views.
         own = {i: {k: _own(v) for k, v in s.items()} for i, s in windows.items()}
-        self.inner.load_state_dict({"state": own, "param_groups": inner_groups})
+        load_states(self.inner, own)
         for group, saved in zip(self.optimizer.param_groups, groups, strict=True):
             group.update(hyper(saved))
         sync_groups(self.optimizer, self.inner)

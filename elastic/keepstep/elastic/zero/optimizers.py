@@ -33,7 +33,7 @@ from keepstep.elastic.optimizer_group import OptimizerGroup
 from keepstep.elastic.step_guard import GuardHook
 from keepstep.elastic.zero.muon import MUON, Finish, MuonWindows, check_muon
 
-__all__ = ["ELEMENTWISE", "check_supported", "hyper", "rebuild", "sync_groups"]
+__all__ = ["ELEMENTWISE", "check_supported", "hyper", "load_states", "rebuild", "sync_groups"]
 
 _O = torch.optim
 # Per class: the state keys with one value per element (sliced by the shard). Every other
@@ -112,6 +112,19 @@ def check_supported(optimizer: torch.optim.Optimizer) -> frozenset[str]:
 def hyper(group: Mapping[str, Any]) -> dict[str, Any]:
     """A param group's hyper-parameters: everything but its params."""
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def load_states(inner: torch.optim.Optimizer, states: Mapping[int, Mapping[str, Any]]) -> None:
+    """Load ``states`` (by index in ``inner``'s parameter order) into a shard optimizer
+    with its own groups' hyper-parameters, through torch's ``load_state_dict``: it copies
+    the values and puts each on its window's device and dtype by torch's rules (a step
+    count stays a float32 on the CPU unless the optimizer is fused or capturable)."""
+    groups, start = [], 0
+    for g in inner.param_groups:
+        n = len(g["params"])
+        groups.append({**hyper(g), "params": list(range(start, start + n))})
+        start += n
+    inner.load_state_dict({"state": dict(states), "param_groups": groups})
 
 
 def rebuild(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from keepstep.elastic.snapshot_shard import PieceKey
-from keepstep.elastic.zero.optimizers import hyper, rebuild, sync_groups
+from keepstep.elastic.zero.optimizers import load_states, rebuild, sync_groups
 from keepstep.elastic.zero.ownership import ALIGN
 
 __all__ = ["ReplicaSteps"]
@@ -80,17 +80,12 @@ class ReplicaSteps:
             self._windows.append((span, window))
             states.append(_widened(span, pieces, keys))
         self.inner = rebuild(optimizer, per_group)
-        # torch's load_state_dict puts each value on its window's device by torch's own
-        # rules (the pieces arrive on the CPU; a step count stays there unless fused).
+        # The pieces arrive on the CPU: loaded onto the windows' device by torch's rules.
         order = [w for g in self.inner.param_groups for w in g["params"]]
         index = {id(w): i for i, w in enumerate(order)}
-        inner_groups, start = [], 0
-        for g in self.inner.param_groups:
-            n = len(g["params"])
-            inner_groups.append({**hyper(g), "params": list(range(start, start + n))})
-            start += n
-        loaded = {index[id(w)]: s for (_, w), s in zip(self._windows, states, strict=True)}
-        self.inner.load_state_dict({"state": loaded, "param_groups": inner_groups})
+        load_states(
+            self.inner, {index[id(w)]: s for (_, w), s in zip(self._windows, states, strict=True)}
+        )
 
     def step(self) -> None:
         """Step every replica window on the parameters and gradients as they are now:
