@@ -41,6 +41,9 @@ TORCH_FREE = [
     "keepstep.checkpoint",
     "keepstep.checkpoint.cli",
     "keepstep.checkpoint.catalog",
+    # The node agent imports torch only once it has started its workers (its store).
+    "keepstep.agent.node.main",
+    "keepstep.agent.node.cli",
 ]
 
 HEAVY = ("torch", "numpy", "numba")

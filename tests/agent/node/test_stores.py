@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +33,7 @@ TOKEN = "5e" * 16
 
 def test_the_store_listens_on_the_node_address_only() -> None:
     host = StoreHost("127.0.0.1")
+    host.serve()
     # All of 127/8 is loopback: a store on every interface would answer on 127.0.0.2 too.
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.2", host.port), timeout=T).close()
@@ -40,8 +42,29 @@ def test_the_store_listens_on_the_node_address_only() -> None:
     assert client.get("k") == b"v"
 
 
+def test_a_client_that_comes_before_the_server_waits_for_it() -> None:
+    """The agent binds the store's socket, starts its workers, then serves (torch's
+    import comes in between): a peer that connects meanwhile is answered once it serves."""
+    host = StoreHost("127.0.0.1")
+    got: list[bytes] = []
+
+    def early() -> None:
+        client = stores.connect(host.address, T)
+        client.set("early", "yes")
+        got.append(client.get("early"))
+
+    thread = threading.Thread(target=early)
+    thread.start()
+    time.sleep(0.3)
+    assert not got
+    host.serve()
+    thread.join(T)
+    assert got == [b"yes"]
+
+
 def test_an_epoch_hears_only_aborts_under_its_token() -> None:
     host = StoreHost("127.0.0.1")
+    host.serve()
     raw = stores.connect(host.address, T)
     members = stores.for_epoch(stores.connect(host.address, T), TOKEN)
     comm = Communicator.create(members, 0, ["solo"], "solo")

@@ -22,6 +22,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,7 @@ class NodeAgent:
         self.closing = False  # workers stopped by close() are not restarted
         self.failed: str | None = None
         self.resume: Path | None = None  # the checkpoint its workers start from (--resume)
+        self._cancel_watch: Callable[[], None] = lambda: None  # until `start` watches
         self.store_host = StoreHost(cfg.host, cfg.store_port, timeout=3 * cfg.op_timeout)
         # Aborts must not wait long on a dead or stopped store node.
         self.stores = StoreClients(timeout=min(cfg.op_timeout, 2.0))
@@ -170,18 +172,22 @@ class NodeAgent:
         )
         for kv in self.kv.get_prefix(protocol.job_prefix(job), self.cfg.op_timeout):
             self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
-        self.registration.register()
-        self.progress.start()
-        if self.heartbeat is not None:
-            self.heartbeat.start()
         if self.cfg.resume_blob is not None:
             blob = self.cfg.resume_blob.read_bytes()
             self.resume, step = resume_file(self.cfg.run_dir, self.cfg.node, blob)
             for member in self.members():  # each starts from the checkpoint alone
                 self.snapshot_path(member).unlink(missing_ok=True)
                 self.events.write(EventKind.RESUMED, member=member, step=step)
+        # The workers first: each takes seconds to import torch and build its model, and
+        # the rest of this start runs meanwhile (hosting the store imports torch here).
+        # A worker asks to be admitted only once the node has registered (`Healer.admit`).
         for member in self.members():
             self._spawn(member)
+        self.store_host.serve()
+        self.registration.register()  # its record names the store and the workers' pids
+        self.progress.start()
+        if self.heartbeat is not None:
+            self.heartbeat.start()
         if self.spares is not None:
             self.spares.start()
         self.events.write(

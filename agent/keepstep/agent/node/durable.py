@@ -3,6 +3,9 @@ and hand workers one to resume a whole job from.
 
 The training process never waits for object storage: the agent reads the verified slot
 the worker already committed to shared memory and hands it to a `CheckpointWriter`.
+
+The snapshot modules import torch, so they are imported where they are first used: the
+agent starts its workers before it imports torch itself (`agent.NodeAgent.start`).
 """
 
 from __future__ import annotations
@@ -13,15 +16,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from keepstep.agent.durable.parts import unbundle
 from keepstep.agent.durable.writer import CheckpointError, CheckpointWriter, Part
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.events import EventKind, EventLog
 from keepstep.elastic.errors import ConfigError, SnapshotCorrupt, SnapshotMissing
-from keepstep.elastic.sharded_checkpoint import holds_pieces, join_parts
-from keepstep.elastic.snapshot_seed import Seed
-from keepstep.elastic.snapshot_store import Alloc, FileBuffer, SnapshotStore
+
+if TYPE_CHECKING:
+    from keepstep.elastic.snapshot_store import Alloc, SnapshotStore
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +38,9 @@ def resume_file(run_dir: Path, node: str, blob: bytes) -> tuple[Path, int]:
     worker's snapshot slots hold, so it does not go into them; the worker keeps its new
     shard's pieces at its first commit. ``SnapshotCorrupt`` unless it is a whole
     snapshot."""
+    from keepstep.elastic.sharded_checkpoint import join_parts
+    from keepstep.elastic.snapshot_seed import Seed
+
     parts = unbundle(blob)
     if parts is not None:
         blob = join_parts(parts)
@@ -66,6 +73,8 @@ def export_step(
     agent got to it). With `alloc`, into the memory it gives (`SnapshotStore.export_into`).
     Either way the step is released to the worker, which holds a step due for a
     checkpoint until it is (`SnapshotStore.hold`)."""
+    from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
+
     deadline = time.monotonic() + wait
     while True:
         buffer = FileBuffer.open(path)
@@ -96,6 +105,8 @@ def _export(
 def release_step(path: Path, step: int) -> None:
     """Release `step` to the worker writing `path` without reading it (a step its worker
     held that this node does not checkpoint); nothing if the file is gone."""
+    from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
+
     try:
         buffer = FileBuffer.open(path)
     except FileNotFoundError:
@@ -109,6 +120,8 @@ def release_step(path: Path, step: int) -> None:
 
 def export_newest(path: Path) -> tuple[int, bytes] | None:
     """The newest verified step in a snapshot file and its bytes, if any."""
+    from keepstep.elastic.snapshot_store import FileBuffer, SnapshotStore
+
     buffer = FileBuffer.open(path)
     try:
         store = SnapshotStore(buffer, background=False)
@@ -246,6 +259,8 @@ class DurableCheckpoints:
         """Export step `done` (or the step standing in for it) into `lease`'s memory and
         submit it: the writer, step and part it went to, or None if nothing was submitted.
         Once submitted, the writer releases the lease after its write."""
+        from keepstep.elastic.sharded_checkpoint import holds_pieces
+
         blob: bytes | bytearray | None = export_step(snapshot, done, alloc=lease.alloc)
         if blob is None and first and self._sharded is not True:
             # One member's snapshot is the whole checkpoint: the newest step stands in for

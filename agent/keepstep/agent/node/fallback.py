@@ -28,7 +28,6 @@ from keepstep.agent.node.config import AgentConfig
 from keepstep.agent.node.durable import write_private
 from keepstep.agent.protocol import EpochRecord
 from keepstep.agent.protocol.messages import JobCannotContinue
-from keepstep.elastic.sharded_checkpoint import join_parts
 from keepstep.errors import KeepstepError
 
 __all__ = ["READ_TIMEOUT_S", "Fallback"]
@@ -91,7 +90,12 @@ class Fallback:
             try:
                 _, blob = checkpoint_at(url, step, READ_TIMEOUT_S, self.cfg.storage_options)
                 parts = unbundle(blob)
-                snapshot = join_parts(parts) if parts is not None else blob
+                if parts is not None:
+                    from keepstep.elastic.sharded_checkpoint import join_parts  # torch
+
+                    snapshot = join_parts(parts)
+                else:
+                    snapshot = blob
             except (KeepstepError, OSError) as error:  # SnapshotMissing, SnapshotCorrupt too
                 raise JobCannotContinue(
                     f"epoch {record.epoch} resumes from the checkpoint of step {step} at "

@@ -143,7 +143,13 @@ class Healer:
         most `admission_timeout`. If the job ends meanwhile, the answer is an epoch without
         the worker: it leaves without training."""
         pending_key = key(self.cfg.job, "pending", member)
-        # Under the node's lease, renewed first if it expired while the node was stopped.
+        # Under the node's lease (the node registers while its workers start), renewed
+        # first if it expired while the node was stopped.
+        if not self._registration.wait_registered(self.cfg.admission_timeout):
+            raise AdmissionTimeout(
+                f"{member} was not admitted within {self.cfg.admission_timeout:g} s "
+                "(admission_timeout): its node did not register"
+            )
         pending = protocol.encode(protocol.PendingRecord(member, time.time()))
         self._patiently(f"announce {member}", lambda: self._registration.put(pending_key, pending))
         try:

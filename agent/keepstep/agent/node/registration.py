@@ -37,6 +37,7 @@ class Registration:
         self._stop: Callable[[], None] | None = None
         self._lock = threading.Lock()  # one (re-)registration at a time
         self._closed = False
+        self._registered = threading.Event()  # the first registration is done
 
     def register(self) -> None:
         with self._lock:
@@ -47,12 +48,21 @@ class Registration:
         self.lease = self.kv.grant_lease(self.ttl, self.timeout)
         self._stop = self.kv.keepalive(self.lease, self.ttl / 4)
         self._write_record()
+        self._registered.set()
+
+    def wait_registered(self, timeout: float) -> bool:
+        """Whether the node has registered, waiting at most `timeout` s for it: the agent
+        starts its workers before it registers (`NodeAgent.start`)."""
+        return self._registered.wait(timeout)
 
     def _write_record(self) -> None:
         self.kv.put(self.key, protocol.encode(self.record()), self.timeout, lease=self.lease)
 
     def publish(self) -> None:
-        """Write the node record again (its worker pids changed)."""
+        """Write the node record again (its worker pids changed); before the node has
+        registered, nothing: its registration writes the record, pids and all."""
+        if not self._registered.is_set():
+            return
         self.put(self.key, protocol.encode(self.record()))
 
     def put(self, key: str, value: bytes) -> None:

@@ -23,13 +23,13 @@ import logging
 import socket
 import threading
 from datetime import timedelta
-
-from torch._C._distributed_c10d import TCPStore
+from typing import TYPE_CHECKING
 
 from keepstep.agent.protocol import EpochRecord
-from keepstep.agent.worker.stores import connect, for_epoch
-from keepstep.elastic.comm import abort_epoch
 from keepstep.errors import KeepstepError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import TCPStore
 
 log = logging.getLogger("keepstep.agent")
 
@@ -61,29 +61,45 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class StoreHost:
-    """The store server of this node: it lives as long as the agent does."""
+    """The store server of this node: it lives as long as the agent does.
+
+    Its socket is bound at once (the node's record names its port); the server on it
+    starts in `serve`, which imports torch. The agent starts its workers between the two,
+    so that their imports of torch and its own run side by side. A client that connects
+    before `serve` waits in the socket's backlog."""
 
     def __init__(self, host: str, port: int = 0, timeout: float = 30.0) -> None:
-        sock = listen(host, port)
-        bound = int(sock.getsockname()[1])
+        self._sock: socket.socket | None = listen(host, port)
+        self._server: TCPStore | None = None
+        self.host = host
+        self.port = int(self._sock.getsockname()[1])
+        self.timeout = timeout
+
+    def serve(self) -> None:
+        """Start the server on the bound socket (once)."""
+        if self._server is not None:
+            return
+        from torch._C._distributed_c10d import TCPStore
+
+        sock = self._sock
+        assert sock is not None, "a store that failed to start is not started again"
+        self._sock = None
         try:
             self._server = TCPStore(
-                host,
-                bound,
+                self.host,
+                self.port,
                 is_master=True,
                 wait_for_workers=False,
-                timeout=timedelta(seconds=timeout),
+                timeout=timedelta(seconds=self.timeout),
                 master_listen_fd=sock.fileno(),
                 use_libuv=True,  # the server that takes the socket as it is bound
             )
         except RuntimeError as error:  # torch's DistNetworkError is a RuntimeError
             sock.close()
             raise KeepstepError(
-                f"cannot host the process-group store on {host}:{port}: {error}"
+                f"cannot host the process-group store on {self.address}: {error}"
             ) from None
         sock.detach()  # the server owns the descriptor now, and closes it
-        self.host = host
-        self.port = int(self._server.port)
 
     @property
     def address(self) -> str:
@@ -120,6 +136,9 @@ class StoreClients:
             self.abort(epoch.store, epoch.epoch, len(epoch.members), reason, epoch.token)
 
     def _abort(self, address: str, epoch: int, ranks: int, reason: str, token: str) -> None:
+        from keepstep.agent.worker.stores import connect, for_epoch  # torch
+        from keepstep.elastic.comm import abort_epoch
+
         try:
             store = for_epoch(connect(address, self.timeout), token)
             abort_epoch(store, epoch, reason, ranks)
