@@ -41,9 +41,6 @@ TORCH_FREE = [
     "keepstep.checkpoint",
     "keepstep.checkpoint.cli",
     "keepstep.checkpoint.catalog",
-    # The node agent imports torch only once it has started its workers (its store).
-    "keepstep.agent.node.main",
-    "keepstep.agent.node.cli",
 ]
 
 HEAVY = ("torch", "numpy", "numba")
@@ -88,6 +85,17 @@ def test_the_library_names_resolve_on_use() -> None:
     assert "torch" not in loaded
     loaded = _loaded_after("import keepstep\nkeepstep.init")
     assert {"torch", "keepstep.elastic.api", "keepstep.elastic.job"} <= loaded
+
+
+def test_the_node_agent_starts_without_torch_or_opentelemetry() -> None:
+    """What a node agent imports before it starts its workers: neither torch (~2 s; it
+    comes once they run, for the store) nor OpenTelemetry's SDK (only with telemetry on)."""
+    loaded = _loaded_after(
+        "import keepstep.agent.node.main, keepstep.agent.node.cli, keepstep.agent.kv.etcd"
+    )
+    assert "keepstep.agent.node.agent" in loaded
+    heavy = {m for m in loaded if m in HEAVY or m.startswith("opentelemetry.sdk")}
+    assert not heavy, sorted(heavy)
 
 
 def test_the_operator_imports_only_the_agents_protocol_and_kv() -> None:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from keepstep.agent import protocol
 from keepstep.agent.durable.writer import CheckpointWriter
@@ -59,9 +59,11 @@ from keepstep.agent.protocol import EpochRecord, NodeRecord, key
 from keepstep.agent.protocol.events import EventKind, EventLog
 from keepstep.agent.protocol.link import LinkClosed, socket_address
 from keepstep.agent.protocol.messages import PendingPush
-from keepstep.agent.telemetry.otel import Telemetry
 from keepstep.errors import KeepstepError
 from keepstep.fatal import read_fatal
+
+if TYPE_CHECKING:  # OpenTelemetry's SDK is imported only when telemetry is on
+    from keepstep.agent.telemetry.otel import Telemetry
 
 log = logging.getLogger("keepstep.agent")
 

@@ -160,14 +160,13 @@ def _cmd_agent(args: argparse.Namespace) -> int:
     credentials = EtcdCredentials.from_dir(cfg.etcd_tls) if cfg.etcd_tls else None
     from keepstep.agent.node.main import run_agent
     from keepstep.agent.telemetry.config import TelemetryConfig
-    from keepstep.agent.telemetry.otel import create_telemetry
 
     telemetry_cfg = TelemetryConfig.from_env(os.environ)
-    telemetry = (
-        create_telemetry(telemetry_cfg, node=cfg.node, trainjob=cfg.job)
-        if telemetry_cfg.enabled
-        else None
-    )
+    telemetry = None
+    if telemetry_cfg.enabled:  # OpenTelemetry's SDK takes ~0.3 s to import: only then
+        from keepstep.agent.telemetry.otel import create_telemetry
+
+        telemetry = create_telemetry(telemetry_cfg, node=cfg.node, trainjob=cfg.job)
     try:
         code = run_agent(cfg, EtcdKV(cfg.etcd, credentials=credentials), telemetry)
     finally:

@@ -14,11 +14,14 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from keepstep.agent.kv import KVStore
 from keepstep.agent.node.agent import NodeAgent
 from keepstep.agent.node.config import AgentConfig
-from keepstep.agent.telemetry.otel import Telemetry
+
+if TYPE_CHECKING:  # OpenTelemetry's SDK is imported only when telemetry is on
+    from keepstep.agent.telemetry.otel import Telemetry
 
 log = logging.getLogger(__name__)
 
