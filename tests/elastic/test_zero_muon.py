@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.optim import _muon as torch_muon
 from zero_scenario import TIMEOUT, on_threads, params_sha, state_sha
 
 from keepstep.elastic.errors import BadMessage, ConfigError
@@ -24,7 +25,7 @@ from keepstep.elastic.shard import Range
 from keepstep.elastic.snapshot_shard import PieceKey
 from keepstep.elastic.zero import LocalGathers, Ownership, ZeroOptimizer
 from keepstep.elastic.zero import matrices as zero_matrices
-from keepstep.elastic.zero.muon import designate, ns_cost
+from keepstep.elastic.zero.muon import designate, ns_cost, scales_its_input
 from keepstep.elastic.zero.replicas import ReplicaSteps
 
 # Matrices wide, tall and square (Newton-Schulz transposes a tall one), and the vectors and
@@ -123,8 +124,38 @@ def test_sharded_muon_matches_the_unsharded_step(name: str) -> None:
 
 
 def test_sharded_muon_matches_in_bf16() -> None:
+    if scales_its_input(torch_muon._zeropower_via_newtonschulz):  # an older torch (2.11)
+        with pytest.raises(ConfigError, match=r"group 1 \(bfloat16 matrices, nesterov=False\)"):
+            _sharded("muon+adamw", chunked(3, 61), torch.bfloat16)
+        return
     want = reference("muon+adamw", torch.bfloat16)
     assert _sharded("muon+adamw", chunked(3, 61), torch.bfloat16) == {want}
+
+
+def _scaling_newton_schulz(grad: torch.Tensor, *args: Any) -> torch.Tensor:
+    """Newton-Schulz as torch 2.11 wrote it: a bfloat16 input is scaled in place."""
+    ortho = grad.bfloat16()
+    ortho.div_(ortho.norm().clamp(min=1e-7))
+    return ortho
+
+
+def test_plain_momentum_on_bf16_is_refused_where_torch_rescales_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where torch's Newton-Schulz scales a bfloat16 input in place, its Muon step (not
+    nesterov) rescales the momentum buffer itself: the sharded step, which hands it a
+    gathered copy, would not. Refused by name; nesterov and float32 are unaffected."""
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _scaling_newton_schulz)
+    assert scales_its_input(_scaling_newton_schulz)
+    params = muon_params(torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"Muon param group 1 \(bfloat16 matrices, nesterov="):
+        ZeroOptimizer(
+            params, _muon(params), Ownership.balanced(_sizes(), 1), LocalGathers(1).rank(0)
+        )
+    nesterov = torch.optim.Muon([params[i] for i in MATRICES], lr=0.02)
+    ZeroOptimizer(params, nesterov, Ownership.balanced(_sizes(), 1), LocalGathers(1).rank(0))
+    wide = muon_params(torch.float32)
+    ZeroOptimizer(wide, _muon(wide), Ownership.balanced(_sizes(), 1), LocalGathers(1).rank(0))
 
 
 def test_each_rank_keeps_only_its_share_of_the_momentum() -> None:

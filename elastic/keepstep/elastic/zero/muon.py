@@ -28,6 +28,7 @@ stops after the momentum.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -36,7 +37,16 @@ import torch
 from keepstep.elastic.errors import ConfigError
 from keepstep.elastic.zero.pieces import assign_whole
 
-__all__ = ["MUON", "Finish", "MuonWindows", "check_muon", "designate", "ns_cost", "step_matrix"]
+__all__ = [
+    "MUON",
+    "Finish",
+    "MuonWindows",
+    "check_muon",
+    "designate",
+    "ns_cost",
+    "scales_its_input",
+    "step_matrix",
+]
 
 # The script's class, where this torch has one (torch >= 2.9).
 MUON: type[torch.optim.Optimizer] | None = getattr(torch.optim, "Muon", None)
@@ -113,8 +123,9 @@ def step_matrix(param: torch.Tensor, update: torch.Tensor, group: Mapping[str, A
 
 def check_muon(optimizer: torch.optim.Optimizer) -> None:
     """Refuse what the sharded step would not reproduce: a parameter that is not a matrix
-    (torch refuses it at construction, a script may have added one since) and a torch
-    without the functions ``step_matrix`` calls."""
+    (torch refuses it at construction, a script may have added one since), a torch
+    without the functions ``step_matrix`` calls, and plain momentum on bfloat16 matrices
+    where torch's own step rescales the momentum (``scales_its_input``)."""
     try:
         from torch.optim import _muon
 
@@ -131,3 +142,22 @@ def check_muon(optimizer: torch.optim.Optimizer) -> None:
                     f"Muon param group {gi} holds a tensor of shape {tuple(p.shape)}: Muon "
                     "steps 2-D matrices only"
                 )
+        low = any(p.dtype == torch.bfloat16 for p in group["params"])
+        if low and not group["nesterov"] and scales_its_input(_muon._zeropower_via_newtonschulz):
+            raise ConfigError(
+                f"ZeRO cannot shard Muon param group {gi} (bfloat16 matrices, nesterov=False) "
+                f"on torch {torch.__version__}: its Newton-Schulz function scales a bfloat16 "
+                "input in place, so its own step rescales the momentum buffer every step, "
+                "which the sharded step would not repeat (later torch copies the input). "
+                "Use nesterov=True, float32 matrices or a newer torch, or leave out shard="
+            )
+
+
+@functools.cache
+def scales_its_input(newton_schulz: Callable[..., torch.Tensor]) -> bool:
+    """Whether ``newton_schulz`` (torch's) writes into a bfloat16 input it is given, as
+    torch's did before it copied the input: its Muon step passes the momentum buffer
+    itself when not nesterov, so that step also rescales the momentum."""
+    probe = torch.full((2, 2), 2.0, dtype=torch.bfloat16)
+    newton_schulz(probe, (3.4445, -4.7750, 2.0315), 1, 1e-7)
+    return not bool((probe == 2.0).all())
