@@ -65,7 +65,11 @@ class SparePool:
 
     def _await_ready(self, proc: subprocess.Popen[bytes], ready: threading.Event) -> None:
         assert proc.stdout is not None
-        if proc.stdout.readline() == READY:
+        try:
+            said = proc.stdout.readline()
+        except (ValueError, OSError):  # closed: the pool closed meanwhile
+            return
+        if said == READY:
             ready.set()
             self._on_ready(proc.pid)
 
@@ -90,7 +94,10 @@ class SparePool:
             log.warning("warm spare %d could not take the worker: %s", proc.pid, error)
             proc.kill()
             proc.wait(timeout=5)
+            _close_pipes(proc)
             return None
+        assert proc.stdout is not None
+        proc.stdout.close()  # it said ready; as the worker it writes to its log
         self.start()
         return proc
 
@@ -98,9 +105,17 @@ class SparePool:
         with self._lock:
             self._closed = True
             proc, self._spare = self._spare, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=timeout)
+        if proc is not None:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=timeout)
+            _close_pipes(proc)
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            pipe.close()
 
 
 def _become(order: dict[str, object]) -> None:
@@ -123,7 +138,8 @@ def _become(order: dict[str, object]) -> None:
 
 def main() -> None:
     # The slow part a cold worker pays before it can do anything.
-    import torch  # noqa: F401
+    # torch._dynamo (which imports torch) too: a torch optimizer's first call imports it.
+    import torch._dynamo  # noqa: F401
 
     import keepstep.elastic.api  # noqa: F401  (the library the script will import)
     from keepstep.elastic.reduce_kernels import preload
