@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,6 +31,7 @@ from keepstep.agent.protocol.events import EventKind
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+from harness.cli_run import keepstep_run  # noqa: E402
 from harness.stats import percentile  # noqa: E402
 
 GLOBAL_BATCH, MICRO_BATCH, JOIN_STEP = 48, 4, 20
@@ -39,17 +39,12 @@ PHASES = ("agent_s", "ready_s", "admit_s", "join_s")
 
 
 def run_once(run_dir: Path, nodes: int, steps: int, sleep: float, join: bool) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "keepstep", "run", "--nodes", str(nodes)]
-    argv += ["--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH)]
-    argv += ["--steps", str(steps), "--min-nodes", "1", "--run-dir", str(run_dir)]
+    flags = ["--nodes", str(nodes), "--global-batch", str(GLOBAL_BATCH)]
+    flags += ["--micro-batch", str(MICRO_BATCH), "--steps", str(steps), "--min-nodes", "1"]
     if join:
-        argv += ["--fault", f"join-node@step={JOIN_STEP}"]
-    argv += [str(REPO / "examples" / "mlp.py"), "--sleep", str(sleep)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"keepstep run failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
-    return summary
+        flags += ["--fault", f"join-node@step={JOIN_STEP}"]
+    script = [str(REPO / "examples" / "mlp.py"), "--sleep", str(sleep)]
+    return keepstep_run(flags, script, run_dir, timeout=900)
 
 
 def phases(run_dir: Path) -> dict[str, float]:

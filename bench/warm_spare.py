@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +30,7 @@ from keepstep.agent.protocol.events import EventKind
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
+from harness.cli_run import keepstep_run  # noqa: E402
 from harness.stats import percentile  # noqa: E402
 
 NODES, GLOBAL_BATCH, MICRO_BATCH = 4, 96, 4
@@ -39,19 +39,14 @@ NODES, GLOBAL_BATCH, MICRO_BATCH = 4, 96, 4
 def run_once(
     run_dir: Path, steps: int, faults: list[str], warm: bool, sleep: float
 ) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "keepstep", "run", "--nodes", str(NODES)]
-    argv += ["--global-batch", str(GLOBAL_BATCH), "--micro-batch", str(MICRO_BATCH)]
-    argv += ["--steps", str(steps), "--min-nodes", "2", "--run-dir", str(run_dir)]
+    flags = ["--nodes", str(NODES), "--global-batch", str(GLOBAL_BATCH)]
+    flags += ["--micro-batch", str(MICRO_BATCH), "--steps", str(steps), "--min-nodes", "2"]
     for fault in faults:
-        argv += ["--fault", fault]
+        flags += ["--fault", fault]
     if warm:
-        argv.append("--warm-spare")
-    argv += [str(REPO / "examples" / "mlp.py"), "--sleep", str(sleep)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode != 0:
-        raise SystemExit(f"keepstep run failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
-    return summary
+        flags.append("--warm-spare")
+    script = [str(REPO / "examples" / "mlp.py"), "--sleep", str(sleep)]
+    return keepstep_run(flags, script, run_dir, timeout=1800)
 
 
 def measure(run_dir: Path, summary: dict[str, Any]) -> list[dict[str, float]]:
