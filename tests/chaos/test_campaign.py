@@ -141,6 +141,30 @@ def test_the_tally_counts_kinds_inside_recoveries_and_times_each_fault_once() ->
     assert sum(r["recovered"] for n, r in rows.items() if n != DURING_RECOVERY) == 2
 
 
+def test_a_fault_absorbed_by_another_recovery_is_timed_by_it_without_a_detection() -> None:
+    s = load_scenario(CAMPAIGN)
+    plan = expand(s)[0]
+    names = [label(f, s.job) for f in plan.faults]
+    other = next(i for i, name in enumerate(names) if name != names[0])
+    faults = [{"run": plan.index, "index": i, "t": 10.0 + i} for i in range(len(plan.faults))]
+    recoveries = [
+        {
+            "run": plan.index,
+            "epoch": 2,
+            "fault": 0,
+            "mttr_from_fault_s": 1.0,
+            "detect_from_fault_s": 0.25,
+            "absorbed": [{"fault": other, "mttr_from_fault_s": 0.75}],
+        }
+    ]
+    rows = by_kind({plan.index: plan.faults}, s.job, faults, recoveries)
+    assert sum(r["recovered"] for n, r in rows.items() if n != DURING_RECOVERY) == 2
+    absorbed = rows[names[other]]
+    assert absorbed["recovered"] == 1 and absorbed["mttr_p50_s"] == 0.75
+    assert absorbed["detect_p50_s"] is None  # it was not detected on its own
+    assert rows[names[0]]["detect_p50_s"] == 0.25
+
+
 def test_unexplained_recoveries_are_failures_no_fault_and_no_plan_explains() -> None:
     recoveries = [
         {"run": 0, "epoch": 1, "fault": 0, "cause": "kill-node", "reason": "lost n1"},

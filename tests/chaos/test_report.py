@@ -80,6 +80,27 @@ def test_recoveries_are_timed_from_the_fault_that_explains_them(tmp_path: Path) 
     assert recovery["mttr_s"] == 0.2  # the summary's own figures are kept
 
 
+def test_a_fault_whose_effect_came_inside_another_recovery_is_absorbed(tmp_path: Path) -> None:
+    """Two nodes lost in one epoch: the earlier fault explains it, the other is timed by
+    it too, and is not left over to explain (and mistime) a later recovery."""
+    summary, events = make_run({s: 1 for s in range(3, 6)})
+    for e in events:
+        if e["kind"] == "epoch-agreed":
+            e["removed"] = ["n1/0", "n2/0"]
+    members = ["n0/0", "n1/0", "n2/0"]
+    events.insert(0, {"t": T0 - 1, "kind": "epoch-agreed", "epoch": 0, "members": members})
+
+    def applied(index: int, kind: str, node: str, t: float) -> dict[str, Any]:
+        return {"index": index, "kind": kind, "node": node, "spec": f"{kind}:1@time=1s",
+                "via": "injector", "t": t, "step": 3, "skipped": None, "detail": {}}  # fmt: skip
+
+    faults = (applied(0, "kill-node", "n2", T0 + 0.2), applied(1, "kill-worker", "n1", T0 + 0.25))
+    seen = Observation(0, T0 + 2, faults)
+    (recovery,) = attribute(RunOutcome(tmp_path / "run-000", summary, events, seen, T0 - 5))
+    assert recovery["fault"] == 0 and recovery["mttr_from_fault_s"] == pytest.approx(0.2)
+    assert recovery["absorbed"] == [{"fault": 1, "mttr_from_fault_s": pytest.approx(0.15)}]
+
+
 def test_the_html_page_is_self_contained(tmp_path: Path) -> None:
     r = result(tmp_path)
     page = report.write(r, summarize(r), tmp_path / "out" / "demo.json")

@@ -246,11 +246,14 @@ def summarize(result: ScenarioResult) -> dict[str, Any]:
 def attribute(outcome: RunOutcome) -> list[dict[str, Any]]:
     """The summary's recoveries, each with the fault it followed (`fault`: its index in the
     run's list) and, timed from that fault's injection, `detect_from_fault_s` and
-    `mttr_from_fault_s`. The summary can only time the faults the launcher injected; these
-    are the same fold (`protocol.recovery`) given every fault the run applied that changes
-    the membership, so they time the injector's faults too."""
+    `mttr_from_fault_s`; and `absorbed`, the faults whose effect came inside the same
+    recovery (each `fault` with its `mttr_from_fault_s`). The summary can only time the
+    faults the launcher injected; these are the same fold (`protocol.recovery`) given
+    every fault the run applied that changes the membership, so they time the injector's
+    faults too."""
     applied = explaining(outcome.seen.faults)
-    folded = {r.epoch: r for r in recoveries(outcome.events, injected_faults(applied))}
+    injected = injected_faults(applied)
+    folded = {r.epoch: r for r in recoveries(outcome.events, injected)}
     out = []
     for rec in (outcome.summary or {}).get("recoveries", []):
         rec = dict(rec)
@@ -259,6 +262,14 @@ def attribute(outcome: RunOutcome) -> list[dict[str, Any]]:
             rec["fault"] = applied[r.fault]["index"]
             rec["detect_from_fault_s"] = r.detect_s
             rec["mttr_from_fault_s"] = r.mttr_s
+        if r is not None and r.absorbed:
+            rec["absorbed"] = [
+                {
+                    "fault": applied[i]["index"],
+                    "mttr_from_fault_s": None if r.end_t is None else r.end_t - injected[i].t,
+                }
+                for i in r.absorbed
+            ]
         out.append(rec)
     return out
 

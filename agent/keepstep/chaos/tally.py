@@ -5,7 +5,8 @@ Where it sits: `runner.summarize` adds `by_kind` to the report's JSON, and `repo
 shows it as a table. A kind's label tells apart what the campaign counts as different
 faults: a hang by SIGSTOP or by a frozen cgroup, and an etcd kill that takes one member of
 three rather than the only etcd. Each fault is timed by the first recovery attributed to
-it (`runner.attribute`), from its injection to the first step committed after it.
+it (`runner.attribute`), or that absorbed it (its effect came inside another fault's
+recovery), from its injection to the first step committed after it.
 `unexplained` lists the recoveries no fault explains that were not planned changes either:
 a failure found where none was injected (a false detection) or a worker that left by
 itself.
@@ -42,11 +43,14 @@ def by_kind(
     followed). Returns one row per label, sorted, plus one for faults inside a recovery."""
     first: dict[tuple[int, int], Mapping[str, Any]] = {}
     for rec in recoveries:
-        if rec.get("fault") is None or rec.get("mttr_from_fault_s") is None:
-            continue
-        key = (int(rec["run"]), int(rec["fault"]))
-        if key not in first or int(rec["epoch"]) < int(first[key]["epoch"]):
-            first[key] = rec
+        # A fault absorbed by another's recovery is timed by it, with no detection of its own.
+        entries = [rec, *({"epoch": rec["epoch"], **a} for a in rec.get("absorbed", ()))]
+        for entry in entries:
+            if entry.get("fault") is None or entry.get("mttr_from_fault_s") is None:
+                continue
+            key = (int(rec["run"]), int(entry["fault"]))
+            if key not in first or int(entry["epoch"]) < int(first[key]["epoch"]):
+                first[key] = entry
     rows: dict[str, dict[str, Any]] = {}
     samples: dict[str, tuple[list[float], list[float]]] = {}
     for f in faults:

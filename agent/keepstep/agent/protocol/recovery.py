@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from keepstep.agent.protocol import node_of
@@ -85,8 +85,10 @@ class RecoveryRecord:
     `cause` is the injected fault's kind, else the detection's cause, else a `Cause`;
     `node` the node it hit (the admitted or drained nodes of a planned change). `step` is
     the step training resumed from (the lowest resume step a member reported, else the
-    epoch's start step). `fault` indexes the `faults` given; `start_t` and `end_t` are
-    wall-clock seconds (`end_t` None while no commit ended the recovery).
+    epoch's start step). `fault` indexes the `faults` given, `absorbed` the others whose
+    effect came inside this recovery (two nodes lost in one epoch, a join admitted with a
+    failure); `start_t` and `end_t` are wall-clock seconds (`end_t` None while no commit
+    ended the recovery).
     """
 
     cause: str
@@ -106,6 +108,7 @@ class RecoveryRecord:
     start_t: float = 0.0
     end_t: float | None = None
     fault: int | None = None
+    absorbed: tuple[int, ...] = ()  # other faults it recovered from too (into `faults`)
     timeout_scale: float = 1.0  # the new epoch's timeouts x their defaults (> 1: raised)
     reshard_s: float = 0.0  # of restore_s: the sharded optimizer state moved into shards
     reshard_bytes: int = 0  # that state's bytes the members received from peers, summed
@@ -151,19 +154,18 @@ def recoveries(
     for epoch in sorted(agreed):
         a = agreed[epoch]
         if epoch > 0:
-            fault = _matching_fault(a, faults, order, used, in_job)
+            fault, absorbed = _matching_fault(a, faults, order, used, in_job)
             ends = [t for e, t in first_commit.items() if e >= epoch]
-            out.append(
-                _record(
-                    a,
-                    fault,
-                    faults[fault] if fault is not None else None,
-                    detected.get(epoch, []),
-                    reconfigured.get(epoch, []),
-                    min(ends, default=None),
-                    known,
-                )
+            record = _record(
+                a,
+                fault,
+                faults[fault] if fault is not None else None,
+                detected.get(epoch, []),
+                reconfigured.get(epoch, []),
+                min(ends, default=None),
+                known,
             )
+            out.append(replace(record, absorbed=absorbed))
         known |= {str(m) for m in (*a.get("members", ()), *a.get("removed", ()))}
     return out
 
@@ -274,53 +276,59 @@ def _matching_fault(
     order: Sequence[int],
     used: set[int],
     in_job: Mapping[float, frozenset[str]],
-) -> int | None:
+) -> tuple[int | None, tuple[int, ...]]:
     """The unused fault, injected before this epoch was agreed, of an effect that explains
-    it. For a planned epoch: the earliest join admitted with it (its own node, not a
-    restarted worker coming back) or drain. For an epoch agreed after a failure, the
-    earliest failure in the first of these that has one: faults on a node the epoch
-    removed that was in the job when hit; faults on a node in the job then (or on no
-    node); any. A fault on a node out of the job at the time (a hang while it rejoins)
-    loses nobody, so it does not take the next recovery that node has. `in_job` maps
-    each agreed epoch's time to its members' nodes."""
+    it, and the other unused faults whose effect the epoch shows too (`absorbed`: it
+    recovered from them as well, so no later epoch may take them).
+
+    An epoch shows a join whose node it admits, a drain whose node it lets go, and a
+    failure on a node it removed that was in the job when hit. A planned epoch is
+    explained by the earliest join or drain it shows. An epoch agreed after a failure is
+    explained by a failure it shows: of each node removed its latest fault (an older one
+    on that node had no effect of its own), the earliest of those. Else, by the latest
+    failure on a node in the job then (or on no node), else the latest of any: a fault
+    whose node was out of the job (a hang while it rejoins) loses nobody. Else by a drain
+    it shows (a draining node's members leave with the failure). `in_job` maps each
+    agreed epoch's time to its members' nodes.
+
+    Each fault explains or is absorbed by one epoch at most: a fault left unused because
+    its effect came inside another's recovery would otherwise explain the next epoch it
+    could fit, however much later, and time that recovery from its own injection."""
     planned = bool(a.get("planned"))
-    if not planned:
-        removed = {node_of(m) for m in _changed(a, "removed", "lost")}
-        failures = [
-            i
-            for i in order
-            if i not in used and faults[i].effect is Effect.FAILURE and faults[i].t <= float(a["t"])
-        ]
-
-        def present(i: int) -> bool:
-            node = faults[i].node
-            return node is None or node in _nodes_at(in_job, faults[i].t)
-
-        tiers: tuple[Callable[[int], bool], ...] = (
-            lambda i: faults[i].node in removed and present(i),
-            present,
-            lambda i: True,
-        )
-        for tier in tiers:
-            index = next((i for i in failures if tier(i)), None)
-            if index is not None:
-                used.add(index)
-                return index
-        return None
     admitted = {node_of(m) for m in _changed(a, "admitted", "admit")}
-    drains = "drain" in str(a.get("reason", ""))
-    for index in order:
-        fault = faults[index]
-        if index in used or fault.t > float(a["t"]):
-            continue
+    removed = {node_of(m) for m in _changed(a, "removed", "drain" if planned else "lost")}
+    before = [i for i in order if i not in used and faults[i].t <= float(a["t"])]
+
+    def present(i: int) -> bool:
+        node = faults[i].node
+        return node is None or node in _nodes_at(in_job, faults[i].t)
+
+    def shown(i: int) -> bool:
+        fault = faults[i]
         if fault.effect is Effect.JOIN:
-            fits = fault.node in admitted if fault.node else bool(admitted)
-        else:
-            fits = fault.effect is Effect.DRAIN and drains
-        if fits:
-            used.add(index)
-            return index
-    return None
+            return fault.node in admitted if fault.node else bool(admitted)
+        if fault.effect is Effect.DRAIN:
+            return fault.node in removed if fault.node else bool(removed) and planned
+        return fault.node in removed and present(i)
+
+    changes = [i for i in before if faults[i].effect is not Effect.FAILURE and shown(i)]
+    failures = [] if planned else [i for i in before if faults[i].effect is Effect.FAILURE]
+    latest = {faults[i].node: i for i in failures if shown(i)}  # per node: later ones win
+    superseded = {i for i in failures if shown(i) and i not in latest.values()}
+    tiers = (
+        changes if planned else [i for i in failures if i in latest.values()],
+        [i for i in reversed(failures) if present(i)],
+        list(reversed(failures)),
+        [i for i in changes if faults[i].effect is Effect.DRAIN],
+    )
+    chosen = next((tier[0] for tier in tiers if tier), None)
+    absorbed = tuple(
+        i
+        for i in before
+        if i != chosen and (i in latest.values() or (i in changes and faults[i].node))
+    )
+    used.update(absorbed, superseded, () if chosen is None else (chosen,))
+    return chosen, absorbed
 
 
 def _nodes_at(in_job: Mapping[float, frozenset[str]], t: float) -> frozenset[str]:
