@@ -12,7 +12,7 @@ import pytest
 from keepstep.chaos import report
 from keepstep.chaos.invariants import Observation, check, reference_from
 from keepstep.chaos.model import Fault, FaultKind, Scenario, Trigger
-from keepstep.chaos.runner import RunResult, ScenarioResult, attribute, summarize
+from keepstep.chaos.runner import RunResult, ScenarioResult, attribute, refold, summarize
 from keepstep.chaos.schedule import RunPlan
 from keepstep.chaos.target import RunOutcome
 
@@ -99,6 +99,22 @@ def test_a_fault_whose_effect_came_inside_another_recovery_is_absorbed(tmp_path:
     (recovery,) = attribute(RunOutcome(tmp_path / "run-000", summary, events, seen, T0 - 5))
     assert recovery["fault"] == 0 and recovery["mttr_from_fault_s"] == pytest.approx(0.2)
     assert recovery["absorbed"] == [{"fault": 1, "mttr_from_fault_s": pytest.approx(0.15)}]
+
+
+def test_a_report_is_folded_again_from_its_run_directories(tmp_path: Path) -> None:
+    """`keepstep chaos check` folds the recoveries again from the runs' event logs (after
+    the fold changed): the same logs give the same recoveries and tally."""
+    r = result(tmp_path)
+    (only,) = r.runs
+    only.outcome.run_dir.mkdir(parents=True)
+    (only.outcome.run_dir / "summary.json").write_text(json.dumps(only.outcome.summary))
+    lines = "".join(json.dumps(e) + "\n" for e in only.outcome.events)
+    (only.outcome.run_dir / "events-n0.jsonl").write_text(lines)
+    data = json.loads(json.dumps(summarize(r), default=str))
+    stale = data | {"recoveries": [], "by_kind": {}, "unexplained_recoveries": [{"run": 0}]}
+    again = refold(stale, r.scenario)
+    assert again["recoveries"] == data["recoveries"] and data["recoveries"][0]["fault"] == 0
+    assert again["by_kind"] == data["by_kind"] and again["unexplained_recoveries"] == []
 
 
 def test_the_html_page_is_self_contained(tmp_path: Path) -> None:

@@ -52,8 +52,17 @@ def register(sub: Any) -> None:
         "here; needs keepstep[ray]) [local]",
     )
     run.set_defaults(func=_cmd_run)
-    again = verbs.add_parser("check", help="judge the runs of a report again (nothing is run)")
+    again = verbs.add_parser(
+        "check",
+        help="judge the runs of a report again, and fold their recoveries again (nothing is run)",
+    )
     again.add_argument("report", help="a report written by `keepstep chaos run`")
+    again.add_argument(
+        "--write",
+        action="store_true",
+        help="write the verdicts and recoveries found now into the JSON report (its HTML page "
+        "stays as it was written)",
+    )
     again.set_defaults(func=_cmd_check)
 
 
@@ -140,11 +149,7 @@ def run_and_report(
     )
     for line in data["violations"][:20]:
         print(f"  {line}")
-    if len(data["by_kind"]) > 1:
-        for name, k in data["by_kind"].items():
-            p50, p95 = k["mttr_p50_s"], k["mttr_p95_s"]
-            timed = f"MTTR p50 {p50:.2f} s p95 {p95:.2f} s" if p50 is not None else "untimed"
-            print(f"  {name:<20} {k['applied']:>4} applied {k['skipped']:>3} skipped  {timed}")
+    _print_kinds(data)
     if scenario.known_failure and not result.passed:
         print(f"  known finding: {scenario.known_failure}")
     print(f"report: {path} and {page}")
@@ -154,7 +159,7 @@ def run_and_report(
 def _cmd_check(args: argparse.Namespace) -> int:
     import json
 
-    from keepstep.chaos.runner import recheck
+    from keepstep.chaos.runner import recheck, refold
     from keepstep.chaos.scenario import load_scenario
 
     try:
@@ -166,11 +171,37 @@ def _cmd_check(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"report {args.report!r}: not a report written by `keepstep chaos run`"
         ) from None
-    verdicts = recheck(data, load_scenario(source))
+    scenario = load_scenario(source)
+    verdicts = recheck(data, scenario)
     for run, verdict in zip(data["runs"], verdicts, strict=True):
         state = "holds" if not verdict.violations else f"VIOLATED: {verdict.violations}"
         print(f"run {run['index']}: {state}")
+    data = refold(data, scenario)
+    print(f"{len(data['unexplained_recoveries'])} recoveries no fault explains")
+    _print_kinds(data)
+    if args.write:
+        for run, verdict in zip(data["runs"], verdicts, strict=True):
+            run["invariants"], run["violations"] = verdict.invariants, verdict.violations
+        data["violations"] = [
+            f"run {r['index']}: {v}" for r in data["runs"] for v in r["violations"]
+        ]
+        data["invariants"] = {
+            name: all(r["invariants"].get(name, True) for r in data["runs"])
+            for name in data["invariants"]
+        }
+        data["passed"] = not data["violations"]
+        Path(args.report).write_text(json.dumps(data, indent=2, default=str))
+        print(f"report: {args.report} rewritten")
     return 0 if all(not v.violations for v in verdicts) else 1
+
+
+def _print_kinds(data: dict[str, Any]) -> None:
+    """The report's MTTR by fault kind, one line each (a scenario of one kind: none)."""
+    if len(data["by_kind"]) > 1:
+        for name, k in data["by_kind"].items():
+            p50, p95 = k["mttr_p50_s"], k["mttr_p95_s"]
+            timed = f"MTTR p50 {p50:.2f} s p95 {p95:.2f} s" if p50 is not None else "untimed"
+            print(f"  {name:<20} {k['applied']:>4} applied {k['skipped']:>3} skipped  {timed}")
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -280,23 +280,47 @@ def recheck(data: dict[str, Any], scenario: Scenario) -> list[Verdict]:
     ref = load_reference(Path(data["reference_path"]))
     verdicts = []
     for run in data["runs"]:
-        run_dir = Path(run["run_dir"])
-        summary_path = run_dir / "summary.json"
-        summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-        faults = tuple(
-            {k: v for k, v in f.items() if k not in ("run", "t_s")}
-            for f in data["faults"]
-            if f["run"] == run["index"]
+        outcome = _outcome(data, run)
+        verdict = check(
+            outcome.summary, outcome.events, ref, outcome.seen, scenario.job, scenario.checks
         )
-        seen = Observation(
-            run["exit_code"],
-            run["ended_t"],
-            faults,
-            tuple(run["leftovers"]),
-            tuple((int(step), str(sha)) for step, sha in run.get("checkpoints", [])),
-        )
-        verdict = check(summary, read_events(run_dir), ref, seen, scenario.job, scenario.checks)
         if run.get("injector_error"):
             verdict.violations.append(f"harness: the injector failed: {run['injector_error']}")
         verdicts.append(verdict)
     return verdicts
+
+
+def refold(data: dict[str, Any], scenario: Scenario) -> dict[str, Any]:
+    """The report with its recoveries folded again from the runs' event logs, attributed
+    to the faults, and tallied by kind (after the fold changed): nothing is run."""
+    recovered = [
+        {"run": run["index"], **rec}
+        for run in data["runs"]
+        for rec in attribute(_outcome(data, run))
+    ]
+    plans = {p.index: p.faults for p in expand(scenario)}
+    return data | {
+        "recoveries": recovered,
+        "unexplained_recoveries": unexplained(recovered),
+        "by_kind": by_kind(plans, scenario.job, data["faults"], recovered),
+    }
+
+
+def _outcome(data: dict[str, Any], run: dict[str, Any]) -> RunOutcome:
+    """One run of a report as it was seen, read back from its run directory."""
+    run_dir = Path(run["run_dir"])
+    summary_path = run_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
+    faults = tuple(
+        {k: v for k, v in f.items() if k not in ("run", "t_s")}
+        for f in data["faults"]
+        if f["run"] == run["index"]
+    )
+    seen = Observation(
+        run["exit_code"],
+        run["ended_t"],
+        faults,
+        tuple(run["leftovers"]),
+        tuple((int(step), str(sha)) for step, sha in run.get("checkpoints", [])),
+    )
+    return RunOutcome(run_dir, summary, read_events(run_dir), seen, run["started_t"])
