@@ -13,6 +13,7 @@ wait within its bound, on the in-memory KV with real agents and real links.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -27,7 +28,7 @@ from keepstep.agent import protocol
 from keepstep.agent.node import healer, probe
 from keepstep.agent.node.agent import NodeAgent
 from keepstep.agent.node.link_server import LinkServer
-from keepstep.agent.node.view import Change
+from keepstep.agent.node.view import Change, Observed
 from keepstep.agent.protocol.events import read_events
 from keepstep.agent.protocol.link import AnswerBounds, Connection, socket_address
 from keepstep.agent.protocol.messages import (
@@ -300,6 +301,34 @@ def test_an_epoch_missing_sharded_state_whose_holders_are_all_gone_stops_at_once
         assert time.monotonic() - t0 < 2.0
     finally:
         client.close()
+
+
+def test_a_node_whose_own_lease_expired_counts_itself_and_decides_alone(
+    agents: Callable[..., NodeAgent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Seen in the 1,000-fault campaign: of a two-node epoch, n0 drained while n1 was cut
+    # off, long enough for n1's lease to expire. Back, n1 saw no live node of the epoch,
+    # itself included, so it was never a majority: it waited for a decision nobody was
+    # left to make, and its worker restarted until the agent gave up.
+    job = job_name("own-lease")
+    agents(job, "n0", expected_nodes=2)
+    n1 = agents(job, "n1", expected_nodes=2)
+    clients = {"n0/0": link(job, "n0"), "n1/0": link(job, "n1")}
+    try:
+        admitted(clients)
+        real = n1.view.observe
+
+        def neither() -> Observed:  # n0 has left; n1's own lease has expired
+            seen = real()
+            return dataclasses.replace(seen, nodes={})
+
+        monkeypatch.setattr(n1.view, "observe", neither)
+        answer = clients["n1/0"].request(Failure("n1/0", 0, 5, "peer lost"), T)
+    finally:
+        for client in clients.values():
+            client.close()
+    assert isinstance(answer, MembershipReply), answer
+    assert (answer.epoch, answer.members, answer.store) == (1, ("n1/0",), n1.store_host.address)
 
 
 def test_an_excluded_worker_asks_to_be_admitted_again() -> None:

@@ -198,9 +198,10 @@ def minority(current: EpochRecord, probes: Mapping[str, ProbeResult]) -> str | N
         2 * len(answered) == len(counted) and counted and counted[0] in answered
     ):
         return None
+    quiet = f" ({', '.join(silent)} silent)" if silent else ""
     return (
-        f"{len(answered)} of the epoch's {len(counted)} live nodes answered ({', '.join(silent)} "
-        "silent): cut off from most of them, this node leaves the decision to the others"
+        f"{len(answered)} of the epoch's {len(counted)} live nodes answered{quiet}: cut off "
+        "from most of them, this node leaves the decision to the others"
     )
 
 

@@ -282,7 +282,8 @@ class Healer:
                 return  # another agent agreed the next epoch while this one waited
             seen, fallback = awaited
         wanted = {*cur.nodes(), *(node_of(m) for m in seen.pending)}
-        targets = {n: (rec.host, rec.probe_port) for n, rec in seen.nodes.items() if n in wanted}
+        nodes = self._with_itself(seen.nodes)
+        targets = {n: (rec.host, rec.probe_port) for n, rec in nodes.items() if n in wanted}
         probes = probe_all(targets, self.cfg.probe_timeout * cur.timeout_scale)
         again = agreement.suspects(probes, self._silent())
         if again:
@@ -294,7 +295,7 @@ class Healer:
             if latest.current != cur:
                 return  # another agent agreed the next epoch while this one probed
             seen = latest
-            probes = {n: p for n, p in probes.items() if n in seen.nodes}
+            probes = self._live(probes, seen)
         waited = self._unless_cut_off(cur, seen, probes)
         if waited is None:
             return  # another agent agreed the next epoch while this one waited for it
@@ -304,9 +305,21 @@ class Healer:
         )
         if record is None:
             raise JobCannotContinue(f"the job cannot continue: {why}")
-        record = stamp(record, seen.nodes)
+        record = stamp(record, self._with_itself(seen.nodes))
         if self._propose(record, seen.revision):
             self._agreed(record, why, cur, planned=False, step=done, agree_s=time.monotonic() - t0)
+
+    def _with_itself(self, nodes: Mapping[str, NodeRecord]) -> dict[str, NodeRecord]:
+        """The node records seen in etcd, and this node's own if its lease expired (it was
+        cut off) and it has not registered again yet: alive, it counts itself."""
+        return {self.cfg.node: self._registration.record(), **nodes}
+
+    def _live(self, probes: Mapping[str, ProbeResult], seen: Observed) -> dict[str, ProbeResult]:
+        """The probes of nodes whose leases still live, and of this node: a node whose lease
+        expired is counted out as dead, but this one is running this code. (Counted out,
+        once its lease went while it was cut off, it found itself in no majority ever again,
+        and waited for a decision nobody was left to make.)"""
+        return {n: p for n, p in probes.items() if n in seen.nodes or n == self.cfg.node}
 
     def _await_newcomer(
         self, cur: EpochRecord, reason: str
@@ -393,7 +406,7 @@ class Healer:
             seen = self.view.observe()
             if seen.current != cur:
                 return None
-            probes = {n: p for n, p in probes.items() if n in seen.nodes}
+            probes = self._live(probes, seen)
             why = agreement.minority(cur, probes)
         if why is not None:
             # Still cut off: the silent nodes kept their leases, so they reach etcd and
