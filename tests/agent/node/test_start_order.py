@@ -15,10 +15,12 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from keepstep.agent import protocol
+from keepstep.agent.kv import KVTimeout, KVUnavailable, Lease
 from keepstep.agent.kv.memory import MemoryKV
 from keepstep.agent.node.agent import NodeAgent
 from keepstep.agent.node.config import AgentConfig
@@ -111,3 +113,58 @@ def test_a_node_that_never_registers_answers_admission_timeout(tmp_path: Path) -
             agent.healer.admit("n0/0")
     finally:
         agent.close()
+
+
+class UnansweredAtFirst:
+    """The agent's KV, whose first `failures` reads of the job and lease grants get no
+    answer (etcd electing a leader answers nothing, or UNAVAILABLE, for seconds)."""
+
+    def __init__(self, inner: MemoryKV, failures: int = 1) -> None:
+        self.inner, self.failures = inner, failures
+        self.calls: list[str] = []
+
+    def get_prefix(self, prefix: str, timeout: float) -> Any:
+        self.calls.append("get_prefix")
+        if self.calls.count("get_prefix") <= self.failures:
+            raise KVUnavailable(f"get {prefix!r}: etcd answered UNAVAILABLE: no leader")
+        return self.inner.get_prefix(prefix, timeout)
+
+    def grant_lease(self, ttl: float, timeout: float) -> Lease:
+        self.calls.append("grant_lease")
+        if self.calls.count("grant_lease") <= self.failures:
+            raise KVTimeout(f"grant lease of {ttl:g} s: etcd did not answer within {timeout} s")
+        return self.inner.grant_lease(ttl, timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_a_node_started_while_etcd_does_not_answer_asks_again(tmp_path: Path) -> None:
+    """A node joining while etcd did not answer its lease grant for 5 s exited with the
+    KVTimeout (the fourth 1,000-fault campaign, run 33): the job went on without it, but
+    `keepstep run` then exited 1."""
+    cfg = config(tmp_path, nproc=1)
+    kv = UnansweredAtFirst(MemoryKV())
+    agent = NodeAgent(cfg, kv)  # type: ignore[arg-type]  # a KVStore by delegation
+    try:
+        agent.start()
+        assert agent.registration.wait_registered(0)
+        record = kv.inner.get(protocol.key(cfg.job, "nodes", "n0"), T)
+        assert record is not None and record.lease is not None
+    finally:
+        agent.close()
+    assert kv.calls == ["get_prefix", "get_prefix", "grant_lease", "grant_lease"]
+
+
+def test_a_node_whose_etcd_never_answers_gives_up_after_its_bound(tmp_path: Path) -> None:
+    kv = UnansweredAtFirst(MemoryKV(), failures=10**6)
+    agent = NodeAgent(config(tmp_path, nproc=1, op_timeout=0.2), kv)  # type: ignore[arg-type]
+    began = time.monotonic()
+    try:
+        with pytest.raises(KVUnavailable, match="no leader"):
+            agent.start()
+    finally:
+        agent.close()
+    # Asked again for two op timeouts (0.4 s), a pause of 0.2 s between tries.
+    assert 0.4 <= time.monotonic() - began < 5.0
+    assert 2 <= kv.calls.count("get_prefix") <= 4

@@ -10,16 +10,22 @@ delivered in revision order.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 from keepstep.errors import ConfigError, KeepstepError
 
 if TYPE_CHECKING:
     from keepstep.agent.kv.memory import MemoryKV as MemoryKV
     from keepstep.agent.kv.memory import MemoryLease as MemoryLease
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class KVError(KeepstepError):
@@ -174,6 +180,22 @@ def check_keepalive(lease: Lease, interval: float) -> float:
 def check_start_revision(start_revision: int | None) -> None:
     if start_revision is not None and (not isinstance(start_revision, int) or start_revision < 1):
         raise ConfigError(f"start_revision={start_revision!r} must be None or an integer >= 1")
+
+
+def patiently(what: str, call: Callable[[], T], within_s: float, pause_s: float = 0.2) -> T:
+    """`call`, asked again while the store does not answer (KVTimeout, KVUnavailable), for
+    at most `within_s` seconds in all; then its last error. etcd electing a leader (its
+    leader lost) answers nothing, or UNAVAILABLE, for seconds. Only for calls that may be
+    asked twice: a call that timed out may have been applied."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return call()
+        except (KVTimeout, KVUnavailable) as error:
+            if time.monotonic() >= deadline:
+                raise
+            log.warning("%s: %s; asking again", what, error)
+            time.sleep(pause_s)
 
 
 def __getattr__(name: str) -> object:

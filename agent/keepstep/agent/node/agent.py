@@ -29,9 +29,10 @@ from typing import TYPE_CHECKING, Any
 
 from keepstep.agent import protocol
 from keepstep.agent.durable.writer import CheckpointWriter
-from keepstep.agent.kv import KVError, KVStore, WatchEvent
+from keepstep.agent.kv import KVError, KVStore, WatchEvent, patiently
 from keepstep.agent.node import agreement
 from keepstep.agent.node.config import (
+    BOUNDARY_RETRY_OPS,
     AgentConfig,
     answer_bounds,
     checkpoint_cadence,
@@ -172,7 +173,15 @@ class NodeAgent:
         self._cancel_watch = self.kv.watch_prefix(
             protocol.job_prefix(job), self._apply, below=protocol.watched_below(job)
         )
-        for kv in self.kv.get_prefix(protocol.job_prefix(job), self.cfg.op_timeout):
+        # etcd electing a leader answers nothing for seconds: a node started meanwhile (a
+        # join, a replacement) asks again rather than exit, like the agents already in.
+        within = BOUNDARY_RETRY_OPS * self.cfg.op_timeout
+        seen = patiently(
+            f"read job {job}",
+            lambda: self.kv.get_prefix(protocol.job_prefix(job), self.cfg.op_timeout),
+            within,
+        )
+        for kv in seen:
             self._apply(WatchEvent("put", kv.key, kv.value, kv.mod_revision))
         if self.cfg.resume_blob is not None:
             blob = self.cfg.resume_blob.read_bytes()
@@ -186,7 +195,9 @@ class NodeAgent:
         for member in self.members():
             self._spawn(member)
         self.store_host.serve()
-        self.registration.register()  # its record names the store and the workers' pids
+        # Its record names the store and the workers' pids. A lease granted whose answer
+        # was lost expires on its own.
+        patiently(f"register {self.cfg.node}", self.registration.register, within)
         self.progress.start()
         if self.heartbeat is not None:
             self.heartbeat.start()

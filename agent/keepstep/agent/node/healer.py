@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import Any, TypeVar
 
 from keepstep.agent import protocol
-from keepstep.agent.kv import KVStore, KVTimeout, KVUnavailable
+from keepstep.agent.kv import KVStore, patiently
 from keepstep.agent.node import agreement
 from keepstep.agent.node.config import BOUNDARY_RETRY_OPS, MINORITY_WAIT_LEASES, AgentConfig
 from keepstep.agent.node.fallback import Fallback
@@ -123,19 +123,11 @@ class Healer:
 
     def _patiently(self, what: str, call: Callable[[], T]) -> T:
         """`call`, asked again while etcd does not answer, for at most BOUNDARY_RETRY_OPS op
-        timeouts in all: etcd electing a leader (its leader lost) answers nothing, or
-        UNAVAILABLE, for seconds, and a worker told to give up then would restart from its
-        snapshot. Only for calls that may be asked twice (puts, deletes, the boundary's
-        decision)."""
-        deadline = time.monotonic() + BOUNDARY_RETRY_OPS * self.cfg.op_timeout
-        while True:
-            try:
-                return call()
-            except (KVTimeout, KVUnavailable) as error:
-                if time.monotonic() >= deadline:
-                    raise
-                log.warning("%s: %s; asking again", what, error)
-                time.sleep(BOUNDARY_RETRY_PAUSE_S)
+        timeouts in all: a worker told to give up while etcd elects a leader would restart
+        from its snapshot. Only for calls that may be asked twice (puts, deletes, the
+        boundary's decision)."""
+        within = BOUNDARY_RETRY_OPS * self.cfg.op_timeout
+        return patiently(what, call, within, BOUNDARY_RETRY_PAUSE_S)
 
     # -- admission ----------------------------------------------------------------------
     def admit(self, member: str) -> MembershipReply:
