@@ -36,6 +36,12 @@ def planned(
     return agreed(t, epoch, members, planned=True, reason=reason, **fields)
 
 
+def lost(t: float, epoch: int, members: list[str], removed: list[str], **fields: Any) -> Event:
+    """An epoch agreed after a failure, as the healer writes it now: with `removed`."""
+    reason = "lost " + ",".join(removed)
+    return agreed(t, epoch, members, planned=False, reason=reason, removed=removed, **fields)
+
+
 def detected(t: float, epoch: int, cause: str, node: str, **fields: Any) -> Event:
     return {"t": t, "kind": "fault-detected", "epoch": epoch, "cause": cause, "node": node,
             "reason": "", **fields}  # fmt: skip
@@ -175,10 +181,10 @@ CASES: dict[str, tuple[list[Event], list[InjectedFault], list[tuple[Any, ...]]]]
             commit(10.6, 1, 5),
             # n2 hung while out of the job: nobody lost, no recovery; then n1 is killed
             detected(40.2, 1, "worker-exit", "n1"),
-            agreed(40.4, 2, ["n0/0"], planned=False, reason="lost n1/0", removed=["n1/0"]),
+            lost(40.4, 2, ["n0/0"], ["n1/0"]),
             commit(40.7, 2, 20),
             detected(60.3, 2, "worker-exit", "n0"),
-            agreed(60.5, 3, ["n0/0"], planned=False, reason="lost n0/0", removed=["n0/0"]),
+            lost(60.5, 3, ["n0/0"], ["n0/0"]),
             commit(60.8, 3, 30),
         ],
         [
@@ -231,20 +237,12 @@ CASES: dict[str, tuple[list[Event], list[InjectedFault], list[tuple[Any, ...]]]]
     "two nodes lost in one epoch: the second fault takes no later recovery": (
         [
             detected(5.1, 0, "collective", "n0"),
-            agreed(
-                5.2,
-                1,
-                ["n0/0"],
-                step=4,
-                planned=False,
-                reason="lost n1/0,n2/0",
-                removed=["n1/0", "n2/0"],
-            ),
+            lost(5.2, 1, ["n0/0"], ["n1/0", "n2/0"], step=4),
             commit(5.5, 1, 4),
             planned(10.0, 2, ["n0/0", "n1/0"], admit="n1/0"),
             commit(10.2, 2, 8),
             detected(30.1, 2, "worker-exit", "n1"),
-            agreed(30.2, 3, ["n0/0"], planned=False, reason="lost n1/0", removed=["n1/0"]),
+            lost(30.2, 3, ["n0/0"], ["n1/0"]),
             commit(30.4, 3, 20),
         ],
         [
@@ -261,15 +259,7 @@ CASES: dict[str, tuple[list[Event], list[InjectedFault], list[tuple[Any, ...]]]]
     "a drain inside a failure's recovery is absorbed; a later drain is its own node's": (
         [
             detected(5.1, 0, "worker-exit", "n0"),
-            agreed(
-                5.2,
-                1,
-                ["n0/0"],
-                step=4,
-                planned=False,
-                reason="lost n1/0,n2/0",
-                removed=["n1/0", "n2/0"],
-            ),
+            lost(5.2, 1, ["n0/0"], ["n1/0", "n2/0"], step=4),
             commit(5.5, 1, 4),
             planned(8.0, 2, ["n0/0", "n1/0"], admit="n1/0"),
             commit(8.2, 2, 6),
@@ -291,27 +281,10 @@ CASES: dict[str, tuple[list[Event], list[InjectedFault], list[tuple[Any, ...]]]]
     "a join admitted with a failure is absorbed; its node back later is a rejoin": (
         [
             detected(7.1, 0, "worker-exit", "n0"),
-            agreed(
-                7.2,
-                1,
-                ["n0/0", "n2/0", "n3/0"],
-                step=5,
-                planned=False,
-                reason="lost n1/0",
-                removed=["n1/0"],
-                admitted=["n3/0"],
-            ),
+            lost(7.2, 1, ["n0/0", "n2/0", "n3/0"], ["n1/0"], step=5, admitted=["n3/0"]),
             commit(7.5, 1, 5),
             detected(12.1, 1, "collective", "n0"),
-            agreed(
-                12.2,
-                2,
-                ["n0/0", "n2/0"],
-                step=9,
-                planned=False,
-                reason="lost n3/0",
-                removed=["n3/0"],
-            ),
+            lost(12.2, 2, ["n0/0", "n2/0"], ["n3/0"], step=9),
             commit(12.4, 2, 9),
             planned(20.0, 3, ["n0/0", "n2/0", "n3/0"], admit="n3/0", step=15),
             commit(20.3, 3, 15),
