@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,14 @@ import pytest
 from keepstep.chaos import report
 from keepstep.chaos.invariants import Observation, check, reference_from
 from keepstep.chaos.model import Fault, FaultKind, Scenario, Trigger
-from keepstep.chaos.runner import RunResult, ScenarioResult, attribute, refold, summarize
+from keepstep.chaos.runner import (
+    RunResult,
+    ScenarioResult,
+    attribute,
+    refold,
+    rejudged,
+    summarize,
+)
 from keepstep.chaos.schedule import RunPlan
 from keepstep.chaos.target import RunOutcome
 
@@ -115,6 +123,26 @@ def test_a_report_is_folded_again_from_its_run_directories(tmp_path: Path) -> No
     again = refold(stale, r.scenario)
     assert again["recoveries"] == data["recoveries"] and data["recoveries"][0]["fault"] == 0
     assert again["by_kind"] == data["by_kind"] and again["unexplained_recoveries"] == []
+
+
+def test_check_write_puts_the_verdicts_found_now_into_the_report(tmp_path: Path) -> None:
+    r = result(tmp_path)
+    data = json.loads(json.dumps(summarize(r), default=str))
+    assert data["passed"] and not data["violations"]
+    held = r.runs[0].verdict
+    broken = replace(
+        held,
+        invariants=held.invariants | {"clean_exit": False},
+        violations=["clean_exit: agent n1 exited with 1"],
+    )
+    again = rejudged(data, [broken])
+    assert not again["passed"]
+    assert again["violations"] == ["run 0: clean_exit: agent n1 exited with 1"]
+    assert again["invariants"]["clean_exit"] is False
+    assert again["invariants"]["every_sample_once"] is True
+    assert again["runs"][0]["violations"] == broken.violations
+    assert data["passed"], "the report given is left as it was"
+    assert rejudged(again, [held])["passed"]
 
 
 def test_the_html_page_is_self_contained(tmp_path: Path) -> None:

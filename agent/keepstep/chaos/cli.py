@@ -159,7 +159,7 @@ def run_and_report(
 def _cmd_check(args: argparse.Namespace) -> int:
     import json
 
-    from keepstep.chaos.runner import recheck, refold
+    from keepstep.chaos.runner import recheck, refold, rejudged
     from keepstep.chaos.scenario import load_scenario
 
     try:
@@ -180,16 +180,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(f"{len(data['unexplained_recoveries'])} recoveries no fault explains")
     _print_kinds(data)
     if args.write:
-        for run, verdict in zip(data["runs"], verdicts, strict=True):
-            run["invariants"], run["violations"] = verdict.invariants, verdict.violations
-        data["violations"] = [
-            f"run {r['index']}: {v}" for r in data["runs"] for v in r["violations"]
-        ]
-        data["invariants"] = {
-            name: all(r["invariants"].get(name, True) for r in data["runs"])
-            for name in data["invariants"]
-        }
-        data["passed"] = not data["violations"]
+        data = rejudged(data, verdicts)
         Path(args.report).write_text(json.dumps(data, indent=2, default=str))
         print(f"report: {args.report} rewritten")
     return 0 if all(not v.violations for v in verdicts) else 1

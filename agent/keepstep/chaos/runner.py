@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -167,10 +167,6 @@ def run_scenario(
 def summarize(result: ScenarioResult) -> dict[str, Any]:
     """The report's JSON: invariants over all runs, violations, faults, recoveries, goodput."""
     s = result.scenario
-    invariants: dict[str, bool] = {}
-    for r in result.runs:
-        for name, ok in r.verdict.invariants.items():
-            invariants[name] = invariants.get(name, True) and ok
     faults, recoveries, runs = [], [], []
     samples = seconds = 0.0
     for r in result.runs:
@@ -213,10 +209,7 @@ def summarize(result: ScenarioResult) -> dict[str, Any]:
         "passed": result.passed,
         "skipped": result.skipped,
         "known_failure": s.known_failure,
-        "invariants": invariants,
-        "violations": [
-            f"run {r.plan.index}: {v}" for r in result.runs for v in r.verdict.violations
-        ],
+        **_judged((r.plan.index, r.verdict) for r in result.runs),
         "faults": faults,
         "faults_applied": sum(1 for f in faults if f.get("t") is not None),
         "faults_skipped": sum(1 for f in faults if f.get("skipped")),
@@ -288,6 +281,30 @@ def recheck(data: dict[str, Any], scenario: Scenario) -> list[Verdict]:
             verdict.violations.append(f"harness: the injector failed: {run['injector_error']}")
         verdicts.append(verdict)
     return verdicts
+
+
+def _judged(verdicts: Iterable[tuple[int, Verdict]]) -> dict[str, Any]:
+    """The report's verdict over its runs (index, verdict): each invariant held in every
+    run, and every violation named by its run."""
+    invariants: dict[str, bool] = {}
+    violations: list[str] = []
+    for index, verdict in verdicts:
+        for name, ok in verdict.invariants.items():
+            invariants[name] = invariants.get(name, True) and ok
+        violations += [f"run {index}: {v}" for v in verdict.violations]
+    return {"invariants": invariants, "violations": violations}
+
+
+def rejudged(data: dict[str, Any], verdicts: Sequence[Verdict]) -> dict[str, Any]:
+    """The report with the verdicts `recheck` found now, one per run, in place of its own
+    (its `passed` too: a run skipped stays failed)."""
+    runs = [
+        run | {"invariants": v.invariants, "violations": v.violations}
+        for run, v in zip(data["runs"], verdicts, strict=True)
+    ]
+    judged = _judged((run["index"], v) for run, v in zip(runs, verdicts, strict=True))
+    passed = data.get("skipped") is None and not judged["violations"]
+    return data | judged | {"runs": runs, "passed": passed}
 
 
 def refold(data: dict[str, Any], scenario: Scenario) -> dict[str, Any]:
